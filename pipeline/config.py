@@ -1,0 +1,357 @@
+"""The params schema: one dataclass per ``params.yaml`` section, loaded strictly with OmegaConf.
+
+Every stage calls :func:`load_params` before doing any work. An unknown key, a value of the
+wrong type or a value out of range raises :class:`ParamsError` with ONE message that names the
+dotted key (the same name DVC uses, e.g. ``moco.K``) and what is allowed.
+
+Defaults here equal the shipped ``params.yaml`` (the Fashion-MNIST CPU recipe); presets for other
+scales live in ``configs/`` as whole params files.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+SOURCES = ("fashion_mnist", "cifar10", "cifar100", "stl10", "imagefolder")
+BACKBONES = ("resnet18", "resnet34", "resnet50")
+AUG_PRESETS = ("v1", "v2", "v2_small", "v2_grey")
+HEADS = ("linear", "mlp")
+BN_MODES = ("split", "shuffle", "sync", "none")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+LR_SCHEDULES = ("cosine", "step")
+M_SCHEDULES = ("constant", "cosine")
+LINEAR_MODES = ("features", "augment")
+FORBIDDEN_KEYS = ("size", "nfiles")  # DVC's run cache ignores params with these names
+
+
+class ParamsError(ValueError):
+    """A params file that does not satisfy the schema (message names the key)."""
+
+
+@dataclass
+class MlflowParams:
+    """MLflow tracking switches (the URI comes from ``MLFLOW_TRACKING_URI`` or the repo root)."""
+
+    enabled: bool = True
+    experiment: str = "moco-pipeline"
+
+
+@dataclass
+class DataParams:
+    """Where the images come from and how they are sharded.
+
+    ``max_*_images = 0`` means "all". ``test_fraction`` only applies to an ImageFolder without
+    ``train/`` and ``test/`` sub-folders.
+    """
+
+    source: str = "fashion_mnist"
+    root: str = ""  # "" = the source's default location (see pipeline.data.sources)
+    download: bool = False  # allow torchvision to download when the raw files are missing
+    image_size: int = 0  # 0 = native size; else images are resized (shorter side) then center-cropped
+    max_pretrain_images: int = 0
+    max_train_images: int = 0
+    max_test_images: int = 0
+    samples_per_shard: int = 10000
+    test_fraction: float = 0.2
+    shards_dir: str = "data/shards"
+
+
+@dataclass
+class AugmentParams:
+    """Two-crop augmentation preset (see pipeline.data.augment for the published tables)."""
+
+    preset: str = "v2_grey"
+    crop_min_scale: float = 0.2  # RandomResizedCrop scale lower bound, MoCo v1/v2
+
+
+@dataclass
+class ModelParams:
+    """Backbone and projection head."""
+
+    backbone: str = "resnet18"
+    width: int = 32  # channels of the first stage (torchvision: 64)
+    small_stem: str = "auto"  # auto|true|false; auto = 3x3 stride-1 stem, no max-pool below 64 px
+    head: str = "mlp"  # linear (MoCo v1) or mlp (MoCo v2)
+    head_hidden: int = 512  # MLP hidden width (MoCo v2 uses the backbone's feature width)
+    dim: int = 128  # key/query dimension D, MoCo v1/v2
+
+
+@dataclass
+class MocoParams:
+    """The dictionary and the contrastive loss."""
+
+    K: int = 4096  # queue length (MoCo CIFAR demo: 4096)
+    m: float = 0.99  # momentum of the key encoder (weight on the OLD value)
+    m_schedule: str = "constant"
+    T: float = 0.1  # softmax temperature (MoCo CIFAR demo 0.1; v1 0.07; v2 0.2)
+    symmetric: bool = False
+    bn: str = "split"  # split (one device) | shuffle (DDP) | sync (SyncBN) | none
+    bn_splits: int = 8  # groups for SplitBatchNorm (MoCo CIFAR demo: 8)
+
+
+@dataclass
+class PretrainParams:
+    """Optimisation of the query encoder. ``lr`` is per 256 images (scaled to the global batch)."""
+
+    epochs: int = 2
+    steps_per_epoch: int = 0  # 0 = pretrain images // batch_size
+    batch_size: int = 256  # global batch (split across DDP ranks)
+    lr: float = 0.06  # per 256 images
+    lr_schedule: str = "cosine"
+    lr_milestones: list[int] = field(default_factory=lambda: [120, 160])  # epochs, step schedule
+    warmup_epochs: float = 0.0
+    weight_decay: float = 5e-4
+    sgd_momentum: float = 0.9
+    precision: str = "auto"
+    channels_last: bool = True  # CUDA only
+    compile: bool = False  # CUDA only
+    num_workers: int = 1
+    deterministic: bool = True
+    checkpoint_every_epochs: int = 1
+    checkpoint_every_steps: int = 50  # also checkpoint every N steps (0 = only per epoch)
+    knn_every_epochs: int = 1  # 0 = no kNN monitor
+    knn_monitor_train_images: int = 10000
+    knn_monitor_test_images: int = 2000
+    log_every_steps: int = 10
+
+
+@dataclass
+class EmbedParams:
+    """Frozen feature extraction."""
+
+    batch_size: int = 512
+    use_head: bool = False  # True = features after the projection head
+
+
+@dataclass
+class KnnParams:
+    """Weighted kNN (InstDisc protocol, MoCo CIFAR demo: k=200, T=0.1)."""
+
+    k: int = 200
+    T: float = 0.1
+    chunk_size: int = 1024  # test images per similarity chunk
+
+
+@dataclass
+class LinearParams:
+    """Linear probe (MoCo protocol: lr 30 per 256, wd 0, 100 epochs, steps at 60/80)."""
+
+    mode: str = "features"  # features (precomputed, fast) | augment (RRC + flip through backbone)
+    epochs: int = 100
+    batch_size: int = 256
+    lr: float = 30.0  # per 256 images
+    lr_schedule: str = "step"
+    lr_milestones: list[int] = field(default_factory=lambda: [60, 80])
+    weight_decay: float = 0.0
+    val_fraction: float = 0.0  # held out of the TRAIN set (never the test set)
+
+
+@dataclass
+class ReportParams:
+    """Report figures."""
+
+    tsne_points: int = 2000
+    retrieval_queries: int = 8
+    retrieval_neighbours: int = 8
+
+
+@dataclass
+class Params:
+    """The whole ``params.yaml``."""
+
+    seed: int = 0
+    mlflow: MlflowParams = field(default_factory=MlflowParams)
+    data: DataParams = field(default_factory=DataParams)
+    augment: AugmentParams = field(default_factory=AugmentParams)
+    model: ModelParams = field(default_factory=ModelParams)
+    moco: MocoParams = field(default_factory=MocoParams)
+    pretrain: PretrainParams = field(default_factory=PretrainParams)
+    embed: EmbedParams = field(default_factory=EmbedParams)
+    knn: KnnParams = field(default_factory=KnnParams)
+    linear: LinearParams = field(default_factory=LinearParams)
+    report: ReportParams = field(default_factory=ReportParams)
+
+
+def _check(ok: bool, key: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ParamsError(f"params: '{key}' = {value!r} is invalid; allowed: {allowed}")
+
+
+def validate(p: Params) -> Params:
+    """Check every range and name constraint of a loaded :class:`Params`.
+
+    Args:
+        p: a structurally valid params object.
+
+    Returns:
+        ``p`` unchanged.
+
+    Raises:
+        ParamsError: the first violated constraint, naming the dotted key.
+    """
+
+    def pos(key: str, v: float, strict: bool = True) -> None:
+        ok = math.isfinite(v) and (v > 0 if strict else v >= 0)
+        _check(ok, key, "> 0" if strict else ">= 0", v)
+
+    def one_of(key: str, v: str, names: tuple[str, ...]) -> None:
+        _check(v in names, key, "one of " + ", ".join(names), v)
+
+    pos("seed", p.seed, strict=False)
+    one_of("data.source", p.data.source, SOURCES)
+    pos("data.image_size", p.data.image_size, strict=False)
+    for k in ("max_pretrain_images", "max_train_images", "max_test_images"):
+        pos(f"data.{k}", getattr(p.data, k), strict=False)
+    pos("data.samples_per_shard", p.data.samples_per_shard)
+    _check(0 < p.data.test_fraction < 1, "data.test_fraction", "0 < x < 1", p.data.test_fraction)
+    _check(bool(p.data.shards_dir), "data.shards_dir", "a non-empty path", p.data.shards_dir)
+
+    one_of("augment.preset", p.augment.preset, AUG_PRESETS)
+    _check(0 < p.augment.crop_min_scale <= 1, "augment.crop_min_scale", "0 < x <= 1",
+           p.augment.crop_min_scale)
+
+    one_of("model.backbone", p.model.backbone, BACKBONES)
+    pos("model.width", p.model.width)
+    one_of("model.small_stem", p.model.small_stem, ("auto", "true", "false"))
+    one_of("model.head", p.model.head, HEADS)
+    pos("model.head_hidden", p.model.head_hidden)
+    pos("model.dim", p.model.dim)
+
+    _check(p.moco.K >= 1, "moco.K", ">= 1", p.moco.K)
+    _check(0.0 <= p.moco.m <= 1.0, "moco.m", "0 <= m <= 1", p.moco.m)
+    one_of("moco.m_schedule", p.moco.m_schedule, M_SCHEDULES)
+    pos("moco.T", p.moco.T)
+    one_of("moco.bn", p.moco.bn, BN_MODES)
+    pos("moco.bn_splits", p.moco.bn_splits)
+
+    t = p.pretrain
+    pos("pretrain.epochs", t.epochs)
+    pos("pretrain.steps_per_epoch", t.steps_per_epoch, strict=False)
+    pos("pretrain.batch_size", t.batch_size)
+    pos("pretrain.lr", t.lr)
+    one_of("pretrain.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    _check(all(m > 0 for m in t.lr_milestones) and list(t.lr_milestones) == sorted(t.lr_milestones),
+           "pretrain.lr_milestones", "increasing positive epochs", t.lr_milestones)
+    pos("pretrain.warmup_epochs", t.warmup_epochs, strict=False)
+    _check(t.warmup_epochs < t.epochs, "pretrain.warmup_epochs", "< pretrain.epochs",
+           t.warmup_epochs)
+    pos("pretrain.weight_decay", t.weight_decay, strict=False)
+    _check(0 <= t.sgd_momentum < 1, "pretrain.sgd_momentum", "0 <= x < 1", t.sgd_momentum)
+    one_of("pretrain.precision", t.precision, PRECISIONS)
+    pos("pretrain.num_workers", t.num_workers, strict=False)
+    pos("pretrain.checkpoint_every_epochs", t.checkpoint_every_epochs)
+    pos("pretrain.checkpoint_every_steps", t.checkpoint_every_steps, strict=False)
+    pos("pretrain.knn_every_epochs", t.knn_every_epochs, strict=False)
+    pos("pretrain.knn_monitor_train_images", t.knn_monitor_train_images)
+    pos("pretrain.knn_monitor_test_images", t.knn_monitor_test_images)
+    pos("pretrain.log_every_steps", t.log_every_steps)
+    if p.moco.bn == "split":
+        _check(t.batch_size % p.moco.bn_splits == 0, "moco.bn_splits",
+               f"a divisor of pretrain.batch_size ({t.batch_size})", p.moco.bn_splits)
+
+    pos("embed.batch_size", p.embed.batch_size)
+    pos("knn.k", p.knn.k)
+    pos("knn.T", p.knn.T)
+    pos("knn.chunk_size", p.knn.chunk_size)
+
+    lp = p.linear
+    one_of("linear.mode", lp.mode, LINEAR_MODES)
+    pos("linear.epochs", lp.epochs)
+    pos("linear.batch_size", lp.batch_size)
+    pos("linear.lr", lp.lr)
+    one_of("linear.lr_schedule", lp.lr_schedule, LR_SCHEDULES)
+    _check(all(m > 0 for m in lp.lr_milestones) and list(lp.lr_milestones) == sorted(lp.lr_milestones),
+           "linear.lr_milestones", "increasing positive epochs", lp.lr_milestones)
+    pos("linear.weight_decay", lp.weight_decay, strict=False)
+    _check(0 <= lp.val_fraction < 1, "linear.val_fraction", "0 <= x < 1", lp.val_fraction)
+
+    pos("report.tsne_points", p.report.tsne_points, strict=False)
+    pos("report.retrieval_queries", p.report.retrieval_queries, strict=False)
+    pos("report.retrieval_neighbours", p.report.retrieval_neighbours)
+    return p
+
+
+def _forbidden_keys(tree: Any, prefix: str = "") -> None:
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            key = f"{prefix}{k}"
+            if k in FORBIDDEN_KEYS:
+                raise ParamsError(f"params: key '{key}' is not allowed (DVC's run cache ignores "
+                                  f"params named {', '.join(FORBIDDEN_KEYS)})")
+            _forbidden_keys(v, key + ".")
+
+
+def from_dict(tree: dict[str, Any] | None) -> Params:
+    """Build and validate :class:`Params` from a plain nested dict (e.g. parsed YAML).
+
+    Raises:
+        ParamsError: unknown key, wrong type, interpolation or out-of-range value.
+    """
+    tree = tree or {}
+    if not isinstance(tree, dict):
+        raise ParamsError("params: the file must hold a mapping of sections")
+    _forbidden_keys(tree)
+    raw = OmegaConf.create(tree)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Params), raw)
+        resolved = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        msg = str(e).splitlines()[0]
+        raise ParamsError(f"params: '{key}': {msg}") from None
+    if "${" in OmegaConf.to_yaml(raw):
+        raise ParamsError("params: '${...}' interpolation is not allowed (DVC compares raw values)")
+    obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Params), resolved))
+    assert isinstance(obj, Params)
+    return validate(obj)
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Load and validate a whole params file.
+
+    Args:
+        path: the YAML file (default ``params.yaml`` in the current directory).
+
+    Returns:
+        The validated :class:`Params`.
+
+    Raises:
+        ParamsError: the file is missing, is not YAML, or violates the schema.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"params: file '{path}' does not exist")
+    try:
+        tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception as e:  # yaml errors come in several classes
+        raise ParamsError(f"params: '{path}' is not valid YAML: {e}") from None
+    try:
+        return from_dict(tree)  # type: ignore[arg-type]
+    except ParamsError as e:
+        raise ParamsError(f"{path}: {e}") from None
+
+
+def to_dict(p: Params) -> dict[str, Any]:
+    """The params as a plain nested dict (for YAML dumps and MLflow artifacts)."""
+    return asdict(p)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Flatten a nested dict to dotted keys, the names DVC uses (``moco.K``).
+
+    Lists become their string form (``[60, 80]``).
+    """
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
