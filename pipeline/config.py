@@ -218,6 +218,7 @@ def validate(p: Params) -> Params:
 
     one_of("model.backbone", p.model.backbone, BACKBONES)
     pos("model.width", p.model.width)
+    p.model.small_stem = str(p.model.small_stem).lower()  # YAML true/false arrive as "True"
     one_of("model.small_stem", p.model.small_stem, ("auto", "true", "false"))
     one_of("model.head", p.model.head, HEADS)
     pos("model.head_hidden", p.model.head_hidden)

@@ -1,0 +1,98 @@
+"""Atomic checkpoints with a fingerprint of everything that determines training.
+
+A checkpoint is resumed only when its fingerprint equals the current one: the hash of the
+params that affect training, the pretraining shards' sha256 (from the manifest) and the source
+of the modules that define the training math. Anything else is ignored with a log line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Library modules whose source is part of the fingerprint (changing them restarts training).
+TRAINING_CODE = ("train.py", "checkpoint.py", "moco/queue.py", "moco/momentum.py", "moco/loss.py",
+                 "moco/batchnorm.py", "moco/backbones.py", "moco/model.py",
+                 "moco/distributed.py", "data/augment.py", "data/loader.py")
+
+
+def fingerprint(training_params: dict[str, Any], shard_hashes: list[str]) -> str:
+    """sha256 over the training params (canonical JSON), shard hashes and training code.
+
+    Args:
+        training_params: nested dict of the params that change the trained weights.
+        shard_hashes: sha256 of every pretraining shard, in manifest order.
+
+    Returns:
+        A 64-character hex digest.
+    """
+    h = hashlib.sha256()
+    h.update(json.dumps(training_params, sort_keys=True, default=str).encode())
+    for s in shard_hashes:
+        h.update(s.encode())
+    pkg = Path(__file__).resolve().parent
+    for rel in TRAINING_CODE:
+        f = pkg / rel
+        h.update(rel.encode())
+        h.update(f.read_bytes() if f.is_file() else b"<missing>")
+    return h.hexdigest()
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temp file in the same directory, fsync, then ``os.replace``.
+
+    A crash or a full disk leaves the previous file at ``path`` untouched.
+
+    Raises:
+        OSError: the write failed (the temp file is removed).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def load_checkpoint(path: Path, expected_fingerprint: str) -> dict[str, Any] | None:
+    """Load a checkpoint if it exists, is readable and matches ``expected_fingerprint``.
+
+    Loading uses ``torch.load(weights_only=True)``: nothing in a checkpoint can execute code.
+
+    Returns:
+        The checkpoint dict, or None (with a log line saying why) to start fresh.
+    """
+    path = Path(path)
+    if not path.is_file():
+        log.info("no checkpoint at %s: starting fresh", path)
+        return None
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file means: start fresh
+        log.warning("ignoring unreadable checkpoint %s (%s): starting fresh", path, e)
+        return None
+    found = ckpt.get("fingerprint") if isinstance(ckpt, dict) else None
+    if found != expected_fingerprint:
+        log.warning("ignoring checkpoint %s: it was made with different params, shards or "
+                    "training code (fingerprint %s, now %s): starting fresh",
+                    path, str(found)[:12], expected_fingerprint[:12])
+        return None
+    log.info("resuming from %s at step %d", path, ckpt["step"])
+    return ckpt

@@ -1,0 +1,44 @@
+"""Shared entry-point plumbing for the DVC stage scripts and ``python -m pipeline``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+from pipeline.config import Params, ParamsError, load_params
+
+EXIT_BAD_INPUT = 2
+
+
+def setup_logging() -> None:
+    """Log lines with timestamps to stderr (idempotent)."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def stage_main(name: str, run: Callable[[Params], None], argv: list[str] | None = None) -> int:
+    """Parse ``--params``, validate the whole file, then call ``run(params)``.
+
+    Invalid params print ONE message naming the key and exit with code 2 before any work.
+
+    Args:
+        name: stage name (for ``--help``).
+        run: the stage body.
+        argv: arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The process exit code.
+    """
+    parser = argparse.ArgumentParser(prog=f"stages/{name}.py", description=f"DVC stage {name}")
+    parser.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
+    args = parser.parse_args(argv)
+    setup_logging()
+    try:
+        params = load_params(args.params)
+    except ParamsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    run(params)
+    return 0

@@ -1,0 +1,102 @@
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.__main__ import main as cli_main
+from pipeline.config import Params, ParamsError, flatten, from_dict, load_params, to_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_params_yaml__equals_schema_defaults():
+    # one set of defaults: the shipped params.yaml and the dataclass defaults agree
+    assert asdict(load_params(ROOT / "params.yaml")) == asdict(Params())
+
+
+@pytest.mark.parametrize("preset", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_presets__validate_and_are_whole_files(preset):
+    p = load_params(preset)
+    raw = yaml.safe_load(preset.read_text())
+    # whole params files: every section of the schema is present
+    assert set(raw) == set(to_dict(p))
+
+
+def test_presets__required_ones_exist():
+    names = {p.name for p in (ROOT / "configs").glob("*.yaml")}
+    assert {"ci.yaml", "cifar10-r18.yaml", "imagenet-r50-v2.yaml"} <= names
+
+
+def test_cifar_preset__matches_moco_demo_recipe():
+    p = load_params(ROOT / "configs/cifar10-r18.yaml")
+    assert (p.moco.K, p.moco.m, p.moco.T, p.moco.bn_splits) == (4096, 0.99, 0.1, 8)
+    # demo: lr 0.06 for batch 512 == 0.03 per 256
+    assert p.pretrain.lr * p.pretrain.batch_size / 256 == pytest.approx(0.06)
+    assert (p.pretrain.epochs, p.pretrain.weight_decay) == (200, 5e-4)
+
+
+def test_imagenet_preset__matches_moco_v2():
+    p = load_params(ROOT / "configs/imagenet-r50-v2.yaml")
+    assert (p.moco.K, p.moco.m, p.moco.T, p.model.head, p.model.dim) == (65536, 0.999, 0.2, "mlp", 128)
+    assert (p.pretrain.lr, p.pretrain.batch_size, p.pretrain.weight_decay) == (0.03, 256, 1e-4)
+    assert (p.linear.lr, p.linear.lr_milestones, p.linear.epochs) == (30.0, [60, 80], 100)
+
+
+@pytest.mark.parametrize("tree, key", [
+    ({"moco": {"KK": 5}}, "moco.KK"),                      # typo key
+    ({"mocco": {"K": 5}}, "mocco"),                        # typo section
+    ({"moco": {"K": "many"}}, "moco.K"),                   # wrong type
+    ({"pretrain": {"lr": -0.1}}, "pretrain.lr"),           # negative lr
+    ({"moco": {"K": 0}}, "moco.K"),                        # K < 1
+    ({"moco": {"m": 1.01}}, "moco.m"),                     # m outside [0, 1]
+    ({"moco": {"m": -0.5}}, "moco.m"),
+    ({"moco": {"T": 0}}, "moco.T"),
+    ({"data": {"source": "mnist"}}, "data.source"),        # unknown dataset
+    ({"model": {"backbone": "vit"}}, "model.backbone"),    # unknown backbone
+    ({"augment": {"preset": "v3"}}, "augment.preset"),
+    ({"pretrain": {"batch_size": 0}}, "pretrain.batch_size"),
+    ({"pretrain": {"epochs": 0}}, "pretrain.epochs"),
+    ({"pretrain": {"batch_size": 100}, "moco": {"bn_splits": 8}}, "moco.bn_splits"),
+    ({"knn": {"k": 0}}, "knn.k"),
+    ({"linear": {"val_fraction": 1.0}}, "linear.val_fraction"),
+    ({"data": {"size": 3}}, "data.size"),                  # DVC run-cache-ignored name
+    ({"pretrain": {"lr": float("nan")}}, "pretrain.lr"),
+])
+def test_from_dict__error_names_the_key(tree, key):
+    with pytest.raises(ParamsError) as e:
+        from_dict(tree)
+    assert f"'{key}'" in str(e.value)
+    assert len(str(e.value).splitlines()) == 1  # ONE clear message
+
+
+def test_from_dict__interpolation_rejected():
+    with pytest.raises(ParamsError, match="interpolation"):
+        from_dict({"seed": 1, "pretrain": {"lr": "${seed}"}})
+
+
+def test_from_dict__valid_override_keeps_other_defaults():
+    p = from_dict({"moco": {"K": 1024}})
+    assert p.moco.K == 1024 and p.moco.m == Params().moco.m
+
+
+def test_flatten__dotted_dvc_names():
+    flat = flatten(to_dict(Params()))
+    assert flat["moco.K"] == 4096
+    assert flat["linear.lr_milestones"] == [60, 80]
+    assert "moco" not in flat
+
+
+def test_check_params_cli__prints_config_or_error(tmp_path, capsys):
+    assert cli_main(["check-params", "--params", str(ROOT / "params.yaml")]) == 0
+    assert "K: 4096" in capsys.readouterr().out
+    bad = tmp_path / "p.yaml"
+    bad.write_text("moco:\n  m: 2\n")
+    assert cli_main(["check-params", "--params", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "'moco.m'" in err and "0 <= m <= 1" in err
+
+
+def test_load_params__missing_file_named(tmp_path):
+    with pytest.raises(ParamsError, match="nope.yaml"):
+        load_params(tmp_path / "nope.yaml")
