@@ -1,0 +1,34 @@
+"""DVC stage ``pretrain``: MoCo pretraining on the pretrain shards, export the query backbone.
+
+Runs as a plain process or under ``torchrun --nproc_per_node N stages/pretrain.py``.
+"""
+
+import sys
+from pathlib import Path
+
+from pipeline.cli import stage_main
+from pipeline.config import Params
+from pipeline.tracking import stage_run
+
+
+def run(p: Params) -> None:
+    import os
+
+    from pipeline.train import pretrain
+
+    rank = int(os.environ.get("RANK", "0"))
+    with stage_run("pretrain", p, upstream=("build_shards",), rank=rank) as mlrun:
+        mlrun.log_artifact(Path(p.data.shards_dir) / "pretrain" / "manifest.json", "dataset")
+        pretrain(model=p.model, moco=p.moco, opt=p.pretrain, augment=p.augment, seed=p.seed,
+                 shards_dir=Path(p.data.shards_dir), encoder_path=Path("models/encoder.pt"),
+                 checkpoint_dir=Path("models/checkpoints"),
+                 metrics_path=Path("metrics/pretrain.json"),
+                 plots_path=Path("plots/pretrain.tsv"),
+                 knn_plots_path=Path("plots/knn_monitor.tsv"), run=mlrun)
+        for f in ("metrics/pretrain.json", "plots/pretrain.tsv", "plots/knn_monitor.tsv",
+                  "models/encoder.json", "models/encoder.pt"):
+            mlrun.log_artifact(f)
+
+
+if __name__ == "__main__":
+    sys.exit(stage_main("pretrain", run))

@@ -1,0 +1,272 @@
+"""Shard writing (reproducible, atomic), manifests and verification."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from pipeline.config import DataParams
+from pipeline.data.shards import (
+    ShardError,
+    build_all,
+    read_manifest,
+    verify_main,
+    verify_shards,
+    write_shards,
+)
+from pipeline.data.sources import Sample
+
+FASHION_REAL = Path("/usr/share/datasets/fashion-mnist")
+
+
+def samples(n: int, mode: str = "L", seed: int = 0) -> list[Sample]:
+    rng = np.random.default_rng(seed)
+    shape = (6, 5) if mode == "L" else (6, 5, 3)
+    return [Sample(f"s_{i:04d}", Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)),
+                   i % 3) for i in range(n)]
+
+
+def write(out: Path, items, **kw) -> dict:
+    args = dict(split="train", source="toy", class_names=["a", "b", "c"], mode="L",
+                samples_per_shard=4, progress=False)
+    args.update(kw)
+    return write_shards(items, out, **args)
+
+
+def test_write_shards__byte_identical_rebuild(tmp_path: Path):
+    write(tmp_path / "one", samples(10))
+    write(tmp_path / "two", samples(10))
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == ["manifest.json", "shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+    for name in names:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+    before = (tmp_path / "one" / "shard-000001.tar").read_bytes()
+    write(tmp_path / "one", samples(10))  # rebuilding in place gives the same bytes
+    assert (tmp_path / "one" / "shard-000001.tar").read_bytes() == before
+
+
+def test_write_shards__manifest_counts_and_members(tmp_path: Path):
+    items = samples(10)
+    m = write(tmp_path / "s", items)
+    assert m == read_manifest(tmp_path / "s")
+    assert m["num_samples"] == 10
+    assert [s["num_samples"] for s in m["shards"]] == [4, 4, 2]
+    assert m["label_counts"] == {"0": 4, "1": 3, "2": 3}
+    assert (m["mode"], m["image_shape"], m["class_names"]) == ("L", [1, 6, 5], ["a", "b", "c"])
+    for s in m["shards"]:
+        data = (tmp_path / "s" / s["name"]).read_bytes()
+        assert (s["bytes"], s["sha256"]) == (len(data), hashlib.sha256(data).hexdigest())
+    # read the tar with the standard library, independently of webdataset
+    with tarfile.open(tmp_path / "s" / "shard-000002.tar") as tar:
+        members = tar.getmembers()
+        assert [t.name for t in members] == ["s_0008.cls", "s_0008.png", "s_0009.cls", "s_0009.png"]
+        assert {(t.mtime, t.uid, t.gid, t.uname) for t in members} == {(0, 0, 0, "moco")}
+        assert tar.extractfile("s_0009.cls").read() == b"0"
+        png = Image.open(io.BytesIO(tar.extractfile("s_0009.png").read()))
+        assert png.format == "PNG" and png.mode == "L"
+        np.testing.assert_array_equal(np.asarray(png), np.asarray(items[9].image))
+
+
+def test_write_shards__exact_multiple_has_no_empty_shard(tmp_path: Path):
+    m = write(tmp_path / "s", samples(8))
+    assert [s["num_samples"] for s in m["shards"]] == [4, 4]
+    assert sorted(p.name for p in (tmp_path / "s").glob("*.tar")) == ["shard-000000.tar",
+                                                                     "shard-000001.tar"]
+
+
+def test_write_shards__pixel_stats_by_hand(tmp_path: Path):
+    black = Sample("k0", Image.new("RGB", (2, 2), (0, 0, 0)), 0)
+    white = Sample("k1", Image.new("RGB", (2, 2), (255, 255, 51)), 1)
+    m = write(tmp_path / "s", [black, white], mode="RGB")
+    # channel values {0, 255} -> mean 0.5, std 0.5; {0, 51} -> mean 0.1, std 0.1
+    assert m["pixel_mean"] == [0.5, 0.5, 0.1] and m["pixel_std"] == [0.5, 0.5, 0.1]
+    assert m["mean"] == m["pixel_mean"]  # none given: the split's own statistics
+    m2 = write(tmp_path / "t", [black, white], mode="RGB", mean=[0.4, 0.4, 0.4], std=[0.2] * 3)
+    assert (m2["mean"], m2["std"]) == ([0.4] * 3, [0.2] * 3)
+
+
+def test_write_shards__nothing_to_write(tmp_path: Path):
+    write(tmp_path / "s", samples(3))
+    before = (tmp_path / "s" / "manifest.json").read_bytes()
+    with pytest.raises(ShardError, match="no samples"):
+        write(tmp_path / "s", [])
+    assert (tmp_path / "s" / "manifest.json").read_bytes() == before
+
+
+def test_write_shards__failure_leaves_previous_outputs(tmp_path: Path):
+    write(tmp_path / "s", samples(6))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "s").iterdir()}
+
+    def broken():
+        yield from samples(5, seed=1)
+        raise RuntimeError("source died")
+
+    with pytest.raises(RuntimeError, match="source died"):
+        write(tmp_path / "s", broken())
+    assert {p.name: p.read_bytes() for p in (tmp_path / "s").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]  # no temp dirs left
+
+
+@pytest.mark.parametrize("bad, match", [
+    (Sample("has.dot", Image.new("L", (2, 2)), 0), "key must match"),
+    (Sample("s_0000", Image.new("L", (2, 2)), 0), "duplicate key"),
+    (Sample("rgb", Image.new("RGB", (2, 2)), 0), "mode RGB, expected L"),
+    (Sample("lbl", Image.new("L", (2, 2)), 3), "label 3 outside"),
+])
+def test_write_shards__bad_sample(tmp_path: Path, bad, match):
+    with pytest.raises(ShardError, match=match):
+        write(tmp_path / "s", [*samples(2), bad])
+
+
+def test_write_shards__expected_count(tmp_path: Path):
+    with pytest.raises(ShardError, match="wrote 3 samples.*expected 4"):
+        write(tmp_path / "s", samples(3), expected_count=4)
+
+
+# --- verification ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def built(tmp_path: Path) -> Path:
+    write(tmp_path / "s", samples(10))
+    return tmp_path / "s"
+
+
+def test_verify_shards__ok(built: Path, capsys):
+    assert verify_shards(built) == {"dir": str(built), "split": "train", "source": "toy",
+                                    "num_shards": 3, "num_samples": 10,
+                                    "bytes": sum(p.stat().st_size for p in built.glob("*.tar"))}
+    assert verify_main(built) == 0
+    assert verify_main(built.parent) == 0  # a shards root: every split below it
+    assert "10 samples in 3 shard(s)" in capsys.readouterr().out
+
+
+def test_verify_shards__flipped_byte(built: Path, capsys):
+    path = built / "shard-000001.tar"
+    data = bytearray(path.read_bytes())
+    data[700] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match="shard-000001.tar: sha256"):
+        verify_shards(built)
+    assert verify_main(built) == 1
+    assert "shard-000001.tar" in capsys.readouterr().err
+
+
+def test_verify_shards__truncated(built: Path):
+    path = built / "shard-000002.tar"
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ShardError, match="shard-000002.tar: 1000 bytes"):
+        verify_shards(built)
+
+
+def test_verify_shards__missing_and_extra(built: Path):
+    (built / "shard-000001.tar").rename(built / "shard-000009.tar")
+    with pytest.raises(ShardError, match="shard-000001.tar: shard listed in the manifest is"):
+        verify_shards(built)
+    (built / "shard-000009.tar").rename(built / "shard-000001.tar")
+    (built / "shard-000003.tar").write_bytes(b"")
+    with pytest.raises(ShardError, match="shard-000003.tar: shard not listed"):
+        verify_shards(built)
+
+
+def rewrite_shard(directory: Path, name: str, records: list[dict]) -> None:
+    """Replace a shard and make the manifest agree with it (sha256, bytes, count)."""
+    with wds.TarWriter(str(directory / name), encoder=False, mtime=0) as w:
+        for r in records:
+            w.write(r)
+    m = json.loads((directory / "manifest.json").read_text())
+    data = (directory / name).read_bytes()
+    for s in m["shards"]:
+        if s["name"] == name:
+            s.update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    (directory / "manifest.json").write_text(json.dumps(m))
+
+
+def test_verify_shards__undecodable_image_with_matching_sha(built: Path):
+    good = [{"__key__": f"z{i}", "png": b"\x89PNG\r\n\x1a\n broken", "cls": b"1"} for i in range(2)]
+    rewrite_shard(built, "shard-000002.tar", good)
+    with pytest.raises(ShardError, match="shard-000002.tar: sample 'z0': undecodable image"):
+        verify_shards(built)
+
+
+def test_verify_shards__pickle_member_refused(built: Path):
+    png = io.BytesIO()
+    Image.new("L", (6, 5)).save(png, format="PNG")
+    records = [{"__key__": "p0", "png": png.getvalue(), "cls": b"1", "pyd": b"\x80\x04K\x01."},
+               {"__key__": "p1", "png": png.getvalue(), "cls": b"1"}]
+    rewrite_shard(built, "shard-000002.tar", records)
+    with pytest.raises(ShardError, match=r"shard-000002.tar: sample 'p0': member '\.pyd' refused"):
+        verify_shards(built)
+
+
+def test_verify_shards__count_mismatch(built: Path):
+    png = io.BytesIO()
+    Image.new("L", (6, 5)).save(png, format="PNG")
+    rewrite_shard(built, "shard-000002.tar",
+                  [{"__key__": "only", "png": png.getvalue(), "cls": b"0"}])
+    with pytest.raises(ShardError, match="shard-000002.tar: 1 samples, manifest says 2"):
+        verify_shards(built)
+
+
+def test_read_manifest__missing_and_corrupt(tmp_path: Path):
+    with pytest.raises(ShardError, match="manifest.json: manifest not found"):
+        read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(ShardError, match="manifest.json: not a readable JSON"):
+        read_manifest(tmp_path)
+    write(tmp_path / "s", samples(5))
+    m = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    m["num_samples"] = 6
+    (tmp_path / "s" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ShardError, match="manifest.json: invalid manifest: 'num_samples'"):
+        read_manifest(tmp_path / "s")
+
+
+def test_verify_main__nothing_there(tmp_path: Path, capsys):
+    assert verify_main(tmp_path) == 1
+    assert "no manifest.json" in capsys.readouterr().err
+
+
+# --- build_all -------------------------------------------------------------------------------
+
+
+def test_build_all__imagefolder_stats_and_resize(tmp_path: Path):
+    raw = tmp_path / "raw"
+    for c, value in (("a", 0), ("b", 255)):
+        for i in range(4):
+            img = Image.new("RGB", (12, 8), (value, value, value))
+            (raw / c).mkdir(parents=True, exist_ok=True)
+            img.save(raw / c / f"{i}.png")
+    params = DataParams(source="imagefolder", root=str(raw), image_size=6, samples_per_shard=3,
+                        test_fraction=0.25, max_pretrain_images=4, shards_dir=str(tmp_path / "sh"))
+    ms = build_all(params, seed=3, progress=False)
+    assert {k: m["num_samples"] for k, m in ms.items()} == {"pretrain": 4, "train": 6, "test": 2}
+    assert ms["pretrain"]["label_counts"] == {"0": 2, "1": 2}  # cap keeps class balance
+    assert ms["test"]["image_shape"] == [3, 6, 6]
+    # half black, half white pretrain images -> mean 0.5, std 0.5, used by every split
+    assert ms["pretrain"]["pixel_mean"] == [0.5, 0.5, 0.5]
+    assert ms["test"]["mean"] == [0.5, 0.5, 0.5] and ms["test"]["std"] == [0.5, 0.5, 0.5]
+    assert verify_main(tmp_path / "sh") == 0
+    first = {p.name: p.read_bytes() for p in (tmp_path / "sh" / "train").iterdir()}
+    build_all(params, seed=3, progress=False)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "sh" / "train").iterdir()} == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw", "sh"]
+
+
+@pytest.mark.skipif(not FASHION_REAL.is_dir(), reason="dataset-fashion-mnist not installed")
+def test_build_all__fashion_mnist_small(tmp_path: Path):
+    params = DataParams(max_pretrain_images=200, max_train_images=100, max_test_images=50,
+                        samples_per_shard=64, shards_dir=str(tmp_path / "sh"))
+    ms = build_all(params, seed=0, progress=False)
+    assert [s["num_samples"] for s in ms["pretrain"]["shards"]] == [64, 64, 64, 8]
+    assert ms["test"]["label_counts"] == {str(c): 5 for c in range(10)}
+    assert (ms["train"]["mean"], ms["train"]["std"], ms["train"]["image_shape"]) == (
+        [0.286], [0.353], [1, 28, 28])
