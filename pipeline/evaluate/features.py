@@ -1,0 +1,207 @@
+"""Frozen feature extraction and the on-disk feature file (``features/{train,test}.pt``).
+
+A :class:`FeatureSet` is what the embed stage writes and the kNN / linear stages read: fp32
+features, int64 labels and the sample keys (WebDataset ``__key__``) in the order read.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from tqdm import tqdm
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class FeatureSet:
+    """Features of one split, row ``i`` belonging to sample ``keys[i]``.
+
+    Attributes:
+        features: (N, D) float32 on CPU.
+        labels: (N,) int64 on CPU.
+        keys: N sample keys (str), in the order the samples were read.
+    """
+
+    features: Tensor
+    labels: Tensor
+    keys: list[str]
+
+    def __post_init__(self) -> None:
+        """Check the shapes and dtypes (see :func:`check_feature_set`)."""
+        check_feature_set(self)
+
+    def __len__(self) -> int:
+        """N, the number of samples."""
+        return self.features.shape[0]
+
+    def subset(self, index: Tensor | Sequence[int]) -> FeatureSet:
+        """The rows ``index`` (an int64 index tensor or a list of ints), in that order."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        keys = [self.keys[i] for i in idx.tolist()]
+        return FeatureSet(self.features[idx], self.labels[idx], keys)
+
+
+def check_feature_set(fs: FeatureSet, where: str = "FeatureSet") -> None:
+    """Validate shapes and dtypes of a :class:`FeatureSet`.
+
+    Args:
+        fs: the feature set.
+        where: a name for error messages (e.g. the file it came from).
+
+    Raises:
+        ValueError: features not (N, D) float32, labels not (N,) int64, or keys not N strings.
+    """
+    f, y, keys = fs.features, fs.labels, fs.keys
+    if not isinstance(f, Tensor) or f.ndim != 2 or f.dtype != torch.float32:
+        desc = f"{tuple(f.shape)} {f.dtype}" if isinstance(f, Tensor) else type(f).__name__
+        raise ValueError(f"{where}: 'features' must be an (N, D) float32 tensor, got {desc}")
+    n = f.shape[0]
+    if not isinstance(y, Tensor) or y.shape != (n,) or y.dtype != torch.int64:
+        desc = f"{tuple(y.shape)} {y.dtype}" if isinstance(y, Tensor) else type(y).__name__
+        raise ValueError(f"{where}: 'labels' must be an (N,) = ({n},) int64 tensor, got {desc}")
+    if not isinstance(keys, list) or len(keys) != n or not all(isinstance(k, str) for k in keys):
+        got = f"{len(keys)} items" if isinstance(keys, list) else type(keys).__name__
+        raise ValueError(f"{where}: 'keys' must be a list of N = {n} strings, got {got}")
+
+
+@torch.no_grad()
+def extract_features(
+    backbone: nn.Module,
+    batches: Iterable[tuple[Tensor, Tensor | Sequence[int], Sequence[str]]],
+    *,
+    device: torch.device | str,
+    head: nn.Module | None = None,
+    progress: bool = True,
+    desc: str = "features",
+) -> FeatureSet:
+    """Run a frozen backbone (optionally + projection head) over batches and collect features.
+
+    The modules are put in eval mode (BatchNorm uses its running statistics) and run under
+    ``torch.no_grad()`` (not ``inference_mode``: the returned tensors must stay usable as inputs
+    of a trained linear probe). Features are cast to fp32 and moved to CPU batch by batch. Every
+    submodule's previous train/eval flag is restored afterwards, even on error. The modules must
+    already be on ``device``.
+
+    Args:
+        backbone: maps (B, C, H, W) images to (B, D) features (e.g. a ResNet with ``fc``
+            replaced by ``nn.Identity``).
+        batches: yields ``(images (B, C, H, W), labels (B,), keys (B strings))``; read exactly
+            once, in order.
+        device: where images are sent before the forward pass.
+        head: applied to the backbone output when given (``embed.use_head``).
+        progress: show a tqdm progress bar.
+        desc: the progress bar's label.
+
+    Returns:
+        :class:`FeatureSet` with (N, D) float32 CPU features, (N,) int64 labels and N keys, in
+        batch order.
+
+    Raises:
+        ValueError: no batches, a batch whose labels/keys do not match its size, or a model
+            output that is not (B, D).
+    """
+    modules = [backbone] + ([head] if head is not None else [])
+    modes = [(mod, mod.training) for top in modules for mod in top.modules()]
+    feats: list[Tensor] = []
+    labels: list[Tensor] = []
+    keys: list[str] = []
+    try:
+        for top in modules:
+            top.eval()
+        for images, y, k in tqdm(batches, desc=desc, disable=not progress, unit="batch"):
+            b = images.shape[0]
+            y = torch.as_tensor(y, dtype=torch.long).cpu()
+            if y.shape != (b,) or len(k) != b:
+                raise ValueError(
+                    f"batch {len(feats)}: {b} images but labels {tuple(y.shape)} and {len(k)} keys"
+                )
+            f = backbone(images.to(device, non_blocking=True))
+            if head is not None:
+                f = head(f)
+            if f.ndim != 2 or f.shape[0] != b:
+                raise ValueError(
+                    f"batch {len(feats)}: the model returned {tuple(f.shape)}, expected (B, D) "
+                    f"with B = {b} (flatten pooled features in the model)"
+                )
+            feats.append(f.float().cpu())
+            labels.append(y)
+            keys.extend(str(x) for x in k)
+    finally:
+        for mod, was_training in modes:
+            mod.training = was_training
+    if not feats:
+        raise ValueError("extract_features: no batches")
+    return FeatureSet(torch.cat(feats), torch.cat(labels), keys)
+
+
+def save_features(fs: FeatureSet, path: str | Path) -> None:
+    """Write a :class:`FeatureSet` atomically (temporary file in the same folder + ``os.replace``).
+
+    A reader never sees a half-written file; an interrupted write leaves the old file (if any).
+
+    Args:
+        fs: the features to write.
+        path: the ``.pt`` file; its folder must exist.
+
+    Raises:
+        ValueError: ``fs`` is malformed (see :func:`check_feature_set`).
+        OSError: the file cannot be written.
+    """
+    check_feature_set(fs)
+    path = Path(path)
+    payload = {
+        "format_version": FORMAT_VERSION,
+        "features": fs.features.detach().cpu().contiguous(),
+        "labels": fs.labels.detach().cpu().contiguous(),
+        "keys": list(fs.keys),
+    }
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(payload, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_features(path: str | Path) -> FeatureSet:
+    """Read a file written by :func:`save_features` (``torch.load(weights_only=True)``, to CPU).
+
+    Args:
+        path: the ``.pt`` file.
+
+    Returns:
+        The validated :class:`FeatureSet`.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: the file is not a feature file of this format, or its shapes/dtypes are
+            wrong (the message names the file).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"feature file '{path}' does not exist")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # zip/pickle errors come in several classes
+        raise ValueError(f"{path}: not a readable feature file: {e}") from None
+    if not isinstance(data, dict) or not {"features", "labels", "keys"} <= data.keys():
+        raise ValueError(f"{path}: expected a dict with 'features', 'labels' and 'keys'")
+    if data.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: format_version {data.get('format_version')!r}, expected {FORMAT_VERSION}"
+        )
+    fs = FeatureSet.__new__(FeatureSet)  # validate with the file name in the message
+    fs.features, fs.labels, fs.keys = data["features"], data["labels"], data["keys"]
+    check_feature_set(fs, where=str(path))
+    return fs

@@ -1,0 +1,339 @@
+"""Weighted k-nearest-neighbour classifier on frozen features (InstDisc protocol).
+
+The protocol of Wu et al. 2018 (InstDisc), as used by the MoCo CIFAR-10 demo's kNN monitor:
+features are L2-normalised, each test image takes its ``k`` most cosine-similar images of the
+train bank, neighbour ``i`` votes for its label with weight ``exp(s_i / T)``, and the class with
+the largest summed vote wins. Defaults k=200, T=0.1 as in InstDisc / the MoCo CIFAR demo.
+
+Memory is bounded independently of the bank size: the bank is processed in chunks of
+``bank_chunk_size`` rows and a running top-k is merged across chunks, the test set in chunks of
+``chunk_size`` rows. See :func:`knn_predict` for the bound.
+
+This module also holds :func:`classification_metrics`, the top-1/top-5/per-class/confusion
+summary shared with the linear probe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.metrics import confusion_matrix
+from torch import Tensor
+
+DEFAULT_K = 200  # InstDisc / MoCo CIFAR demo
+DEFAULT_T = 0.1  # InstDisc / MoCo CIFAR demo
+DEFAULT_BANK_CHUNK_SIZE = 65536  # bank rows per similarity block
+
+
+@dataclass
+class ClassificationMetrics:
+    """Top-1/top-5 accuracy and per-class breakdown of one classifier on one test set.
+
+    Attributes:
+        top1: top-1 accuracy in percent (0-100).
+        top5: top-``top5_k`` accuracy in percent, ``top5_k = min(5, C)``: with fewer than 5
+            classes it is the top-C accuracy, i.e. 100.
+        top5_k: the ``k`` actually used for ``top5``.
+        per_class_accuracy: label value -> top-1 accuracy in percent, for every class that occurs
+            in the test set (classes absent from the test set are omitted, not reported as 0).
+        confusion: (C, C) int64 counts, rows = true class, columns = predicted class, both in the
+            order of ``classes`` (sklearn.metrics.confusion_matrix).
+        classes: (C,) the label values, sorted ascending; index ``c`` of a score row is
+            ``classes[c]``.
+        predictions: (M,) int64 predicted label values (original values, not indices).
+    """
+
+    top1: float
+    top5: float
+    top5_k: int
+    per_class_accuracy: dict[int, float]
+    confusion: np.ndarray
+    classes: list[int]
+    predictions: Tensor
+
+    def metrics(self) -> dict[str, float]:
+        """Numeric leaves for a metrics JSON: ``top1``, ``top5`` and ``class_<label>_top1``."""
+        out = {"top1": self.top1, "top5": self.top5}
+        out.update({f"class_{c}_top1": a for c, a in self.per_class_accuracy.items()})
+        return out
+
+
+def contiguous_labels(*label_sets: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """Map arbitrary integer labels (e.g. {3, 7, 42}) to contiguous class indices {0, 1, 2}.
+
+    The class index order is the ascending order of the label values, so "lowest class index"
+    and "lowest label value" coincide.
+
+    Args:
+        *label_sets: (N_i,) integer label tensors (e.g. train and test labels); the class set is
+            their union.
+
+    Returns:
+        ``classes`` (C,) int64 sorted label values (on CPU) and, per input, its (N_i,) int64 class
+        indices (on the input's device).
+
+    Raises:
+        ValueError: a label tensor is not 1-D or not integer.
+    """
+    for y in label_sets:
+        if y.ndim != 1 or y.dtype.is_floating_point or y.dtype == torch.bool:
+            raise ValueError(f"labels must be a 1-D integer tensor, got {tuple(y.shape)} {y.dtype}")
+    classes = torch.unique(torch.cat([y.detach().cpu().long() for y in label_sets]))  # sorted
+    indices = [torch.searchsorted(classes.to(y.device), y.long()) for y in label_sets]
+    return classes, indices
+
+
+def classification_metrics(
+    scores: Tensor, targets: Tensor, classes: Tensor
+) -> ClassificationMetrics:
+    """Summarise class scores against true class indices.
+
+    Ranking is deterministic: classes are ordered by a stable descending sort of the scores, so on
+    equal scores the lowest class index (= lowest label value) ranks first; the top-1 prediction
+    is the first column of that ranking (the same as ``argmax``, which returns the first maximum).
+
+    Args:
+        scores: (M, C) class scores, larger = more likely.
+        targets: (M,) int64 true class indices in ``[0, C)``.
+        classes: (C,) label values of the score columns.
+
+    Returns:
+        The :class:`ClassificationMetrics`.
+
+    Raises:
+        ValueError: shapes do not match, or the test set is empty.
+    """
+    m_c = tuple(scores.shape)
+    if scores.ndim != 2 or targets.shape != m_c[:1] or classes.shape != m_c[1:]:
+        raise ValueError(
+            f"scores (M, C) = {tuple(scores.shape)}, targets (M,) = {tuple(targets.shape)} and "
+            f"classes (C,) = {tuple(classes.shape)} do not match"
+        )
+    m, c = scores.shape
+    if m == 0:
+        raise ValueError("cannot compute accuracy on an empty test set (M = 0)")
+    scores, targets = scores.detach().cpu(), targets.detach().cpu().long()
+    top5_k = min(5, c)
+    ranking = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :top5_k]  # M x 5
+    pred = ranking[:, 0]
+    top1 = 100.0 * (pred == targets).double().mean().item()
+    top5 = 100.0 * (ranking == targets[:, None]).any(dim=1).double().mean().item()
+    conf = confusion_matrix(targets.numpy(), pred.numpy(), labels=np.arange(c)).astype(np.int64)
+    support = conf.sum(axis=1)
+    per_class = {
+        int(classes[i]): 100.0 * float(conf[i, i]) / float(support[i])
+        for i in range(c)
+        if support[i] > 0
+    }
+    return ClassificationMetrics(
+        top1=top1,
+        top5=top5,
+        top5_k=top5_k,
+        per_class_accuracy=per_class,
+        confusion=conf,
+        classes=[int(v) for v in classes],
+        predictions=classes.cpu()[pred],
+    )
+
+
+def _check_inputs(train_features: Tensor, train_labels: Tensor, test_features: Tensor,
+                  k: int, T: float, chunk_size: int, bank_chunk_size: int) -> None:
+    if train_features.ndim != 2 or test_features.ndim != 2:
+        raise ValueError(
+            f"features must be 2-D (N, D) and (M, D), got {tuple(train_features.shape)} and "
+            f"{tuple(test_features.shape)}"
+        )
+    if train_features.shape[1] != test_features.shape[1]:
+        raise ValueError(
+            f"feature dimension differs: train D = {train_features.shape[1]}, "
+            f"test D = {test_features.shape[1]}"
+        )
+    if train_features.shape[0] == 0:
+        raise ValueError("the train bank is empty (N = 0)")
+    if train_labels.shape != (train_features.shape[0],):
+        raise ValueError(
+            f"train_labels must have shape (N,) = ({train_features.shape[0]},), "
+            f"got {tuple(train_labels.shape)}"
+        )
+    if train_labels.dtype.is_floating_point or train_labels.dtype == torch.bool:
+        raise ValueError(f"train_labels must be integer class indices, got {train_labels.dtype}")
+    for name, v in (("k", k), ("chunk_size", chunk_size), ("bank_chunk_size", bank_chunk_size)):
+        if int(v) != v or v < 1:
+            raise ValueError(f"knn: '{name}' = {v!r} is invalid; allowed: an integer >= 1")
+    if not (T > 0 and np.isfinite(T)):
+        raise ValueError(f"knn: 'T' = {T!r} is invalid; allowed: a finite number > 0")
+
+
+@torch.no_grad()
+def knn_predict(
+    train_features: Tensor,
+    train_labels: Tensor,
+    test_features: Tensor,
+    *,
+    k: int = DEFAULT_K,
+    T: float = DEFAULT_T,
+    num_classes: int | None = None,
+    chunk_size: int = 1024,
+    bank_chunk_size: int = DEFAULT_BANK_CHUNK_SIZE,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Weighted kNN class scores (InstDisc; k=200, T=0.1 as in InstDisc / the MoCo CIFAR demo).
+
+    Both feature sets are L2-normalised here (cosine similarity ``s``). Each test row takes its
+    ``min(k, N)`` most similar bank rows; neighbour ``i`` votes for its class with weight
+    ``exp(s_i / T)``. The returned score of a class is its share of the total vote,
+    ``sum_{i in class} exp(s_i/T) / sum_i exp(s_i/T)`` (computed as a softmax over the
+    neighbours, so it cannot overflow for small ``T``); it ranks classes exactly like the raw
+    InstDisc vote sum. Rows sum to 1.
+
+    Labels here are class INDICES in ``[0, num_classes)``; for arbitrary label values (e.g.
+    {3, 7, 42}) use :func:`knn_classify`, which maps them to contiguous indices and back.
+
+    Memory: the bank is processed in blocks of ``bank_chunk_size`` rows (each moved to ``device``
+    and normalised once) and the test set in blocks of ``chunk_size`` rows. Peak extra memory on
+    ``device`` is about ``4 * chunk_size * bank_chunk_size`` bytes (one fp32 similarity block; the
+    top-k of a block adds a small fraction) + ``4 * D * (bank_chunk_size + M)`` (normalised bank
+    block and test features) + ``12 * M * min(k, N)`` (running top-k values fp32 + indices int64)
+    + ``4 * M * C`` (the scores). With the defaults (1024 x 65536) a similarity block is 256 MiB,
+    whatever the bank size (1.28 M images included).
+
+    Which neighbours are kept when several bank rows have exactly the same similarity at the
+    k-th place is decided by ``torch.topk`` and may depend on the chunking; votes never depend
+    on bank order otherwise.
+
+    Args:
+        train_features: (N, D) bank features (any float dtype; computed in fp32).
+        train_labels: (N,) int64 class indices of the bank, in ``[0, num_classes)``.
+        test_features: (M, D) query features; M = 0 gives an empty (0, C) result.
+        k: neighbours per query; ``min(k, N)`` are used when the bank is smaller.
+        T: temperature of the vote weights ``exp(s / T)`` (> 0).
+        num_classes: C; default ``train_labels.max() + 1``.
+        chunk_size: test rows per similarity block (``knn.chunk_size``).
+        bank_chunk_size: bank rows per similarity block.
+        device: where to compute; default the device of ``test_features``. Inputs may live on
+            another device (e.g. a CPU bank with CUDA compute): blocks are moved as needed.
+
+    Returns:
+        (M, C) float32 class scores on ``device``.
+
+    Raises:
+        ValueError: wrong shapes or dtypes, an empty bank, k / T / chunk sizes out of range, or
+            labels outside ``[0, num_classes)``.
+    """
+    _check_inputs(train_features, train_labels, test_features, k, T, chunk_size, bank_chunk_size)
+    device = torch.device(device) if device is not None else test_features.device
+    n, m = train_features.shape[0], test_features.shape[0]
+    lo, hi = int(train_labels.min()), int(train_labels.max())
+    c = hi + 1 if num_classes is None else int(num_classes)
+    if lo < 0 or hi >= c:
+        raise ValueError(
+            f"train_labels must lie in [0, num_classes = {c}), got [{lo}, {hi}]; "
+            "use knn_classify for arbitrary label values"
+        )
+    k_eff = min(int(k), n)
+    if m == 0:
+        return torch.zeros(0, c, device=device)
+
+    queries = F.normalize(test_features.to(device, torch.float32), dim=1)  # M x D
+    if not torch.isfinite(queries).all():
+        raise ValueError("test_features contain NaN or Inf")
+    # running top-k over the bank blocks seen so far; -inf slots are filled by the first blocks
+    # (N >= k_eff rows in total, so none survives the last merge)
+    top_sim = torch.full((m, k_eff), float("-inf"), device=device)  # M x k
+    top_idx = torch.zeros(m, k_eff, dtype=torch.long, device=device)  # M x k, bank rows
+    for b0 in range(0, n, bank_chunk_size):
+        bank = train_features[b0 : b0 + bank_chunk_size].to(device, torch.float32)
+        bank = F.normalize(bank, dim=1)  # B x D
+        if not torch.isfinite(bank).all():
+            raise ValueError(f"train_features contain NaN or Inf (rows {b0}..{b0 + len(bank) - 1})")
+        kb = min(k_eff, bank.shape[0])
+        for q0 in range(0, m, chunk_size):
+            q1 = min(q0 + chunk_size, m)
+            sim = queries[q0:q1] @ bank.T  # chunk x B
+            s, i = sim.topk(kb, dim=1)  # chunk x kb
+            s = torch.cat([top_sim[q0:q1], s], dim=1)  # chunk x (k + kb)
+            i = torch.cat([top_idx[q0:q1], i + b0], dim=1)
+            s, j = s.topk(k_eff, dim=1)  # chunk x k
+            top_sim[q0:q1] = s
+            top_idx[q0:q1] = i.gather(1, j)
+
+    labels = train_labels.to(device, torch.long)
+    scores = torch.zeros(m, c, device=device)
+    for q0 in range(0, m, chunk_size):
+        weight = torch.softmax(top_sim[q0 : q0 + chunk_size] / T, dim=1)  # chunk x k, exp(s/T)/sum
+        votes = labels[top_idx[q0 : q0 + chunk_size]]  # chunk x k
+        scores[q0 : q0 + chunk_size].scatter_add_(1, votes, weight)  # chunk x C
+    return scores
+
+
+@dataclass
+class KnnResult(ClassificationMetrics):
+    """kNN accuracy on a test set (see :class:`ClassificationMetrics`) plus the settings used.
+
+    Attributes:
+        k: the requested number of neighbours.
+        k_used: ``min(k, N)``, the number actually used.
+        T: the vote temperature.
+    """
+
+    k: int = DEFAULT_K
+    k_used: int = DEFAULT_K
+    T: float = DEFAULT_T
+
+
+def knn_classify(
+    train_features: Tensor,
+    train_labels: Tensor,
+    test_features: Tensor,
+    test_labels: Tensor,
+    *,
+    k: int = DEFAULT_K,
+    T: float = DEFAULT_T,
+    chunk_size: int = 1024,
+    bank_chunk_size: int = DEFAULT_BANK_CHUNK_SIZE,
+    device: torch.device | str | None = None,
+) -> KnnResult:
+    """Weighted kNN accuracy of a test set against a train bank (InstDisc, MoCo CIFAR demo).
+
+    Labels may be any integers (e.g. {3, 7, 42}): the class set is the sorted union of train and
+    test label values, mapped to contiguous indices for :func:`knn_predict` and back for the
+    predictions. A class that occurs only in the test set can never be predicted (it still counts
+    in the accuracy and the confusion matrix). Ties between classes with equal votes go to the
+    lowest label value (stable ranking, see :func:`classification_metrics`).
+
+    Args:
+        train_features: (N, D) bank features.
+        train_labels: (N,) integer labels of the bank.
+        test_features: (M, D) query features, M >= 1.
+        test_labels: (M,) integer labels of the queries.
+        k: neighbours per query (k=200 as in InstDisc / the MoCo CIFAR demo); ``min(k, N)`` used.
+        T: vote temperature (T=0.1 as in InstDisc / the MoCo CIFAR demo).
+        chunk_size: test rows per similarity block (``knn.chunk_size``).
+        bank_chunk_size: bank rows per similarity block (memory bound: see :func:`knn_predict`).
+        device: compute device; default the device of ``test_features``.
+
+    Returns:
+        :class:`KnnResult`: top-1 / top-5 in percent (top-5 is top-min(5, C)), per-class accuracy,
+        confusion matrix, predictions as label values.
+
+    Raises:
+        ValueError: shapes or dtypes do not match, an empty bank or test set, or k / T / chunk
+            sizes out of range.
+    """
+    if test_labels.shape != (test_features.shape[0],):
+        raise ValueError(
+            f"test_labels must have shape (M,) = ({test_features.shape[0]},), "
+            f"got {tuple(test_labels.shape)}"
+        )
+    if test_features.shape[0] == 0:
+        raise ValueError("cannot compute kNN accuracy on an empty test set (M = 0)")
+    classes, (train_idx, test_idx) = contiguous_labels(train_labels, test_labels)
+    scores = knn_predict(
+        train_features, train_idx, test_features, k=k, T=T, num_classes=len(classes),
+        chunk_size=chunk_size, bank_chunk_size=bank_chunk_size, device=device,
+    )
+    base = classification_metrics(scores, test_idx, classes)
+    return KnnResult(**vars(base), k=int(k), k_used=min(int(k), train_features.shape[0]), T=T)

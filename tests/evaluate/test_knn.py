@@ -1,0 +1,176 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.evaluate.knn import classification_metrics, knn_classify, knn_predict
+
+
+def _reference_scores(train, labels, test, k, T, num_classes):
+    """Slow, obviously-correct kNN: a Python loop over test points, float64, full sort."""
+    train = F.normalize(train.double(), dim=1)
+    out = torch.zeros(len(test), num_classes, dtype=torch.float64)
+    for r, q in enumerate(F.normalize(test.double(), dim=1)):
+        sims = [(float(q @ x), int(y)) for x, y in zip(train, labels)]
+        sims.sort(key=lambda t: -t[0])
+        for s, y in sims[: min(k, len(sims))]:
+            out[r, y] += math.exp(s / T)
+        out[r] /= out[r].sum()
+    return out
+
+
+def _random_problem(seed, n=300, m=40, d=16, c=5):
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(c, d, generator=g)
+    y_tr = torch.randint(0, c, (n,), generator=g)
+    y_te = torch.randint(0, c, (m,), generator=g)
+    x_tr = centres[y_tr] + 1.5 * torch.randn(n, d, generator=g)
+    x_te = centres[y_te] + 1.5 * torch.randn(m, d, generator=g)
+    return x_tr, y_tr, x_te, y_te
+
+
+# Hand-worked example, query q = (1, 0):
+#   x0 = (0.8,  0.6) class 0  -> cosine 0.8
+#   x1 = (0.6,  0.8) class 1  -> cosine 0.6
+#   x2 = (0.6, -0.8) class 1  -> cosine 0.6
+#   x3 = (-1,   0)   class 2  -> cosine -1
+# k = 3 keeps x0, x1, x2.  Votes: class 0 = e^(0.8/T), class 1 = 2 e^(0.6/T).
+#   T = 0.1: shares 1 / (1 + 2 e^-2)   = 1 / 1.2706706 = 0.786986 (class 0 wins, the minority)
+#   T = 1:   shares 1 / (1 + 2 e^-0.2) = 1 / 2.6374615 = 0.379153 (class 1 wins, the majority)
+HAND_TRAIN = torch.tensor([[0.8, 0.6], [0.6, 0.8], [0.6, -0.8], [-1.0, 0.0]])
+HAND_LABELS = torch.tensor([0, 1, 1, 2])
+HAND_QUERY = torch.tensor([[1.0, 0.0]])
+
+
+def test_knn_predict__hand_computed_weighted_votes():
+    s = knn_predict(HAND_TRAIN, HAND_LABELS, HAND_QUERY, k=3, T=0.1)
+    assert s.shape == (1, 3)
+    torch.testing.assert_close(s[0], torch.tensor([0.786986, 0.213014, 0.0]), atol=1e-5, rtol=0)
+    s = knn_predict(HAND_TRAIN, HAND_LABELS, HAND_QUERY, k=3, T=1.0)
+    torch.testing.assert_close(s[0], torch.tensor([0.379153, 0.620847, 0.0]), atol=1e-5, rtol=0)
+    # scale does not matter (cosine): the same bank scaled by 7 gives the same scores
+    s7 = knn_predict(7 * HAND_TRAIN, HAND_LABELS, 3 * HAND_QUERY, k=3, T=1.0)
+    torch.testing.assert_close(s7, s, atol=1e-6, rtol=0)
+
+
+def test_knn_predict__k_larger_than_bank():
+    # k = 200 > N = 4 uses all 4 neighbours: x3 adds e^(-1/0.1) to class 2, a share of
+    # e^-10 / (e^8 + 2 e^6 + e^-10) = e^-18 / 1.2706706 = 1.199e-8.
+    s = knn_predict(HAND_TRAIN, HAND_LABELS, HAND_QUERY, k=200, T=0.1)
+    torch.testing.assert_close(s, knn_predict(HAND_TRAIN, HAND_LABELS, HAND_QUERY, k=4, T=0.1))
+    assert s[0, 2].item() == pytest.approx(1.199e-8, rel=1e-2)
+    r = knn_classify(HAND_TRAIN, HAND_LABELS, HAND_QUERY, torch.tensor([0]), k=200)
+    assert (r.k, r.k_used, r.top1) == (200, 4, 100.0)
+
+
+def test_knn_classify__tie_goes_to_lowest_label():
+    # q = (1, 0); (0.6, 0.8) label 9 and (0.6, -0.8) label 4 have bit-identical cosine 0.6,
+    # so with k = 2 both classes get exactly half the vote; label 0 at (-1, 0) gets nothing.
+    # The lowest tied label (4) must win whatever the bank order.
+    x = torch.tensor([[0.6, 0.8], [0.6, -0.8], [-1.0, 0.0]])
+    y = torch.tensor([9, 4, 0])
+    for order in ([0, 1, 2], [1, 0, 2], [2, 0, 1]):
+        r = knn_classify(x[order], y[order], HAND_QUERY, torch.tensor([9]), k=2, T=0.1)
+        assert r.predictions.tolist() == [4]
+        assert r.top1 == 0.0
+        assert (r.top5_k, r.top5) == (3, 100.0)
+    s = knn_predict(x, torch.tensor([2, 1, 0]), HAND_QUERY, k=2)
+    assert s[0, 1].item() == s[0, 2].item() == 0.5
+
+
+def test_classification_metrics__top5_ranking_and_ties_by_hand():
+    classes = torch.arange(7)
+    # row 0: target 0 has the 6th largest score -> top-5 miss; row 1: target 1 is 5th -> hit
+    row = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.05])
+    m = classification_metrics(torch.stack([row, row]), torch.tensor([0, 1]), classes)
+    assert (m.top1, m.top5, m.top5_k) == (0.0, 50.0, 5)
+    assert m.predictions.tolist() == [5, 5]
+    # all scores tied: ranking is 0, 1, 2, ... so class 4 is in the top 5 and class 5 is not
+    flat = torch.ones(2, 6)
+    m = classification_metrics(flat, torch.tensor([4, 5]), torch.arange(6))
+    assert (m.top1, m.top5) == (0.0, 50.0)
+    assert m.predictions.tolist() == [0, 0]
+
+
+def test_knn_predict__matches_slow_reference():
+    x_tr, y_tr, x_te, _ = _random_problem(0)
+    ref = _reference_scores(x_tr, y_tr, x_te, k=20, T=0.1, num_classes=5)
+    got = knn_predict(x_tr, y_tr, x_te, k=20, T=0.1, chunk_size=7, bank_chunk_size=64)
+    torch.testing.assert_close(got.double(), ref, atol=2e-5, rtol=0)
+    assert torch.equal(got.argmax(1), ref.argmax(1))
+
+
+def test_knn_predict__chunk_size_one_equals_large():
+    x_tr, y_tr, x_te, _ = _random_problem(1)
+    big = knn_predict(x_tr, y_tr, x_te, k=15, chunk_size=1024)
+    one = knn_predict(x_tr, y_tr, x_te, k=15, chunk_size=1)
+    torch.testing.assert_close(one, big, atol=1e-6, rtol=0)
+
+
+def test_knn_predict__bank_chunked_equals_unchunked():
+    x_tr, y_tr, x_te, _ = _random_problem(2)
+    whole = knn_predict(x_tr, y_tr, x_te, k=25, bank_chunk_size=10**6)
+    for bank_chunk in (1, 7, 25, 100):  # smaller than, equal to and larger than k
+        part = knn_predict(x_tr, y_tr, x_te, k=25, chunk_size=9, bank_chunk_size=bank_chunk)
+        torch.testing.assert_close(part, whole, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_knn_classify__tiny_test_sets(m):
+    x_tr, y_tr, x_te, y_te = _random_problem(3)
+    ref = _reference_scores(x_tr, y_tr, x_te[:m], k=200, T=0.1, num_classes=5)
+    r = knn_classify(x_tr, y_tr, x_te[:m], y_te[:m], chunk_size=1024)
+    assert r.predictions.tolist() == ref.argmax(1).tolist()
+    expected = 100.0 * (ref.argmax(1) == y_te[:m]).double().mean().item()
+    assert r.top1 == pytest.approx(expected)
+    assert r.confusion.sum() == m
+
+
+def test_knn_classify__classes_missing_from_test_set():
+    # 4 classes along the axes of R^4, 3 train points each (e_c + 0.1 e_{c+1 mod 4}, ...).
+    # Test: e_0 (label 0), e_2 (label 2), e_1 labelled 0. With k = 3 each query's neighbours are
+    # the 3 points of its own axis, so predictions are 0, 2, 1: top-1 = 2/3, class 0 = 1/2,
+    # class 2 = 1/1; classes 1 and 3 never occur in the test set.
+    eye = torch.eye(4)
+    x_tr = torch.cat([eye + 0.1 * eye.roll(1, 1), eye + 0.1 * eye.roll(-1, 1), eye])
+    y_tr = torch.arange(4).repeat(3)
+    r = knn_classify(x_tr, y_tr, eye[[0, 2, 1]], torch.tensor([0, 2, 0]), k=3)
+    assert r.predictions.tolist() == [0, 2, 1]
+    assert r.top1 == pytest.approx(200 / 3)
+    assert r.per_class_accuracy == {0: 50.0, 2: 100.0}
+    expected = np.zeros((4, 4), dtype=np.int64)
+    expected[0, 0] = expected[0, 1] = expected[2, 2] = 1
+    np.testing.assert_array_equal(r.confusion, expected)
+    assert r.classes == [0, 1, 2, 3]
+
+
+def test_knn_classify__non_contiguous_labels_match_relabelled():
+    x_tr, y_tr, x_te, y_te = _random_problem(4, c=3)
+    values = torch.tensor([3, 7, 42])
+    a = knn_classify(x_tr, y_tr, x_te, y_te, k=30)
+    b = knn_classify(x_tr, values[y_tr], x_te, values[y_te], k=30)
+    assert (a.top1, a.top5) == (b.top1, b.top5)
+    assert 0 < a.top1 < 100  # a non-trivial problem
+    assert b.classes == [3, 7, 42]
+    assert torch.equal(b.predictions, values[a.predictions])
+    np.testing.assert_array_equal(a.confusion, b.confusion)
+    assert b.per_class_accuracy == {int(values[c]): v for c, v in a.per_class_accuracy.items()}
+    assert (b.top5_k, b.top5) == (3, 100.0)  # fewer than 5 classes: top-5 = top-3
+
+
+def test_knn_predict__empty_test_set_and_invalid_inputs():
+    assert knn_predict(HAND_TRAIN, HAND_LABELS, torch.zeros(0, 2)).shape == (0, 3)
+    with pytest.raises(ValueError, match="'k'"):
+        knn_predict(HAND_TRAIN, HAND_LABELS, HAND_QUERY, k=0)
+    with pytest.raises(ValueError, match="'T'"):
+        knn_predict(HAND_TRAIN, HAND_LABELS, HAND_QUERY, T=0.0)
+    with pytest.raises(ValueError, match="dimension"):
+        knn_predict(HAND_TRAIN, HAND_LABELS, torch.ones(1, 3))
+    with pytest.raises(ValueError, match="empty"):
+        knn_predict(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), HAND_QUERY)
+    with pytest.raises(ValueError, match="knn_classify"):
+        knn_predict(HAND_TRAIN, torch.tensor([0, 1, 5, -1]), HAND_QUERY)
+    with pytest.raises(ValueError, match="NaN"):
+        knn_predict(HAND_TRAIN, HAND_LABELS, torch.tensor([[float("nan"), 0.0]]))

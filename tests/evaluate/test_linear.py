@@ -1,0 +1,212 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.evaluate.features import FeatureSet
+from pipeline.evaluate.linear import (
+    lr_per_epoch,
+    split_train_val,
+    train_linear_augment,
+    train_linear_on_features,
+)
+
+
+def _blobs(seed, n, sep, d=8, c=3, label_noise=0.0, prefix="k"):
+    """Gaussian blobs: class c at sep * e_c, unit isotropic noise."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, c, (n,), generator=g)
+    x = sep * torch.eye(d)[y] + torch.randn(n, d, generator=g)
+    if label_noise:
+        flip = torch.rand(n, generator=g) < label_noise
+        y = torch.where(flip, torch.randint(0, c, (n,), generator=g), y)
+    return FeatureSet(x, y, [f"{prefix}{i}" for i in range(n)])
+
+
+def _final_model_top1(result, test):
+    """Accuracy of the returned classifier recomputed from its weights (l2 feature norm)."""
+    w, b = result.classifier_state["weight"], result.classifier_state["bias"]
+    logits = F.normalize(test.features, dim=1) @ w.T + b
+    pred = torch.tensor(result.classes)[logits.argmax(1)]
+    return 100.0 * (pred == test.labels).double().mean().item(), pred
+
+
+def test_train_linear_on_features__separable_blobs_above_95():
+    # Means 4 e_c: pairwise distance 4 sqrt(2), so a pairwise error is Phi(-2 sqrt 2) = 0.23 %
+    # and the Bayes rule argmax_c x_c (scale-invariant, so unchanged by the L2 norm) is ~99.5 %.
+    train, test = _blobs(0, 300, 4.0), _blobs(1, 300, 4.0, prefix="t")
+    r = train_linear_on_features(train, test, epochs=10, batch_size=32, milestones=(6, 8))
+    assert r.top1 > 95.0
+    assert r.top5_k == 3 and r.top5 == 100.0
+    assert r.confusion.sum() == 300 and r.confusion.shape == (3, 3)
+    assert len(r.history) == 10
+
+
+def test_train_linear_on_features__reports_final_epoch_not_best():
+    # 30 % label noise, overlapping blobs and a constant, huge lr: test accuracy jumps around
+    # (an earlier epoch reaches 57.5 %, the final one 35.5 %); the result must be the final one.
+    train, test = _blobs(0, 200, 1.0, label_noise=0.3), _blobs(100, 200, 1.0, prefix="t")
+    r = train_linear_on_features(train, test, epochs=8, batch_size=16, milestones=(100,))
+    per_epoch = [h["test_top1"] for h in r.history]
+    assert max(per_epoch) >= r.top1 + 10.0  # the case is meaningful: an earlier epoch was better
+    assert r.top1 == per_epoch[-1]
+    top1, pred = _final_model_top1(r, test)
+    assert r.top1 == pytest.approx(top1)
+    assert torch.equal(r.predictions, pred)
+
+
+def test_lr_per_epoch__step_and_cosine_by_hand():
+    # lr 30 per 256 at batch 64 -> 7.5; x0.1 from (0-based) epoch 2 and again from epoch 4
+    got = lr_per_epoch(lr=30.0, batch_size=64, epochs=5, lr_schedule="step", milestones=[2, 4])
+    assert got == pytest.approx([7.5, 7.5, 0.75, 0.75, 0.075])
+    # cosine over 4 epochs: 0.5 (1 + cos(pi e / 4)) = 1, 0.853553, 0.5, 0.146447
+    got = lr_per_epoch(lr=30.0, batch_size=512, epochs=4, lr_schedule="cosine", milestones=[])
+    assert got == pytest.approx([60.0, 51.21320, 30.0, 8.78680], abs=1e-4)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        lr_per_epoch(lr=1.0, batch_size=1, epochs=1, lr_schedule="linear", milestones=[])
+
+
+def test_train_linear_on_features__lr_scaling_in_history():
+    train, test = _blobs(0, 64, 4.0), _blobs(1, 32, 4.0, prefix="t")
+    r = train_linear_on_features(train, test, epochs=3, batch_size=64, lr=30.0, milestones=(2,))
+    assert [h["lr"] for h in r.history] == pytest.approx([7.5, 7.5, 0.75])
+    assert r.lr_effective == pytest.approx(7.5)
+    assert [h["epoch"] for h in r.history] == [1, 2, 3]
+
+
+def test_split_train_val__disjoint_and_deterministic():
+    tr, val = split_train_val(100, 0.2, seed=3)
+    assert len(val) == 20 and len(tr) == 80
+    assert sorted(tr.tolist() + val.tolist()) == list(range(100))
+    again = split_train_val(100, 0.2, seed=3)
+    assert torch.equal(again[0], tr) and torch.equal(again[1], val)
+    assert not torch.equal(split_train_val(100, 0.2, seed=4)[1], val)
+    assert len(split_train_val(10, 0.0, seed=0)[1]) == 0
+    assert len(split_train_val(10, 0.01, seed=0)[1]) == 1  # at least one when asked for
+    with pytest.raises(ValueError, match="val_fraction"):
+        split_train_val(10, 1.0, seed=0)
+
+
+def test_train_linear_on_features__val_split_from_train_only():
+    train, test = _blobs(0, 100, 4.0, prefix="train"), _blobs(1, 50, 4.0, prefix="test")
+    r = train_linear_on_features(train, test, epochs=2, batch_size=16, val_fraction=0.2, seed=5)
+    _, val_idx = split_train_val(100, 0.2, seed=5)
+    assert r.val_keys == [f"train{i}" for i in val_idx.tolist()]
+    assert set(r.val_keys).isdisjoint(test.keys)
+    assert r.val_top1 is not None and r.val_top1 == r.history[-1]["val_top1"]
+    assert "val_top1" in r.metrics() and "val_top1" not in train_linear_on_features(
+        train, test, epochs=1, batch_size=16).metrics()
+
+
+def test_train_linear_on_features__deterministic_given_seed():
+    train, test = _blobs(0, 120, 1.0), _blobs(1, 60, 1.0, prefix="t")
+    kw = dict(epochs=3, batch_size=16, milestones=(2,))
+    a = train_linear_on_features(train, test, seed=7, **kw)
+    b = train_linear_on_features(train, test, seed=7, **kw)
+    c = train_linear_on_features(train, test, seed=8, **kw)
+    assert a.history == b.history
+    assert torch.equal(a.classifier_state["weight"], b.classifier_state["weight"])
+    assert not torch.equal(a.classifier_state["weight"], c.classifier_state["weight"])
+
+
+def test_train_linear_on_features__non_contiguous_labels():
+    train, test = _blobs(0, 150, 4.0), _blobs(1, 60, 4.0, prefix="t")
+    values = torch.tensor([3, 7, 42])
+    relab = lambda fs: FeatureSet(fs.features, values[fs.labels], fs.keys)  # noqa: E731
+    a = train_linear_on_features(train, test, epochs=2, batch_size=16)
+    b = train_linear_on_features(relab(train), relab(test), epochs=2, batch_size=16)
+    assert (a.top1, a.top5) == (b.top1, b.top5)
+    assert b.classes == [3, 7, 42] and torch.equal(b.predictions, values[a.predictions])
+
+
+def test_train_linear_on_features__non_finite_loss_raises():
+    train, test = _blobs(0, 32, 4.0), _blobs(1, 8, 4.0, prefix="t")
+    train.features[5, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite loss"):
+        train_linear_on_features(train, test, epochs=1, batch_size=8)
+
+
+class _TinyBackbone(nn.Module):
+    """Conv + BN + ReLU + global average pool: (B, 3, 8, 8) -> (B, 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return F.relu(self.bn(self.conv(x))).mean(dim=(2, 3))  # B x 4
+
+
+def _image_batches(seed, n_batches, b=8):
+    """Two classes: class 1 images are brighter (+1) in channel 0."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_batches):
+        y = torch.randint(0, 2, (b,), generator=g)
+        x = torch.randn(b, 3, 8, 8, generator=g)
+        x[:, 0] += y[:, None, None].float()
+        out.append((x, y))
+    return out
+
+
+def _snapshot(module):
+    tensors = dict(module.named_parameters()) | dict(module.named_buffers())
+    return {k: v.detach().clone() for k, v in tensors.items()}
+
+
+def test_train_linear_augment__backbone_bit_identical_and_mode_restored():
+    torch.manual_seed(0)
+    backbone = _TinyBackbone()
+    backbone.train()  # a probe that forgot eval() would update BN running stats and fail below
+    before = _snapshot(backbone)
+    train = {e: _image_batches(e, 3) for e in range(3)}
+    test = _image_batches(99, 2)
+    r = train_linear_augment(
+        backbone, lambda e: train[e], test, num_features=4, num_classes=2, batch_size=8,
+        epochs=3, milestones=(2,),
+    )
+    after = _snapshot(backbone)
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    assert backbone.training and backbone.bn.training
+    assert backbone.calls == 3 * 3 + 2  # every training step and test batch went through it
+    assert [h["lr"] for h in r.history] == pytest.approx([0.9375, 0.9375, 0.09375])  # 30 * 8/256
+    assert r.top1 == r.history[-1]["test_top1"] and r.confusion.sum() == 16
+
+
+class _LeakyBackbone(_TinyBackbone):
+    def forward(self, x):
+        with torch.no_grad():
+            self.bn.running_mean.add_(1e-3)  # a buffer change that eval mode cannot prevent
+        return super().forward(x)
+
+
+def test_train_linear_augment__raises_if_a_buffer_changes():
+    backbone = _LeakyBackbone().eval()
+    with pytest.raises(RuntimeError, match=r"buffer bn\.running_mean"):
+        train_linear_augment(
+            backbone, lambda e: _image_batches(e, 1), _image_batches(9, 1), num_features=4,
+            num_classes=2, batch_size=8, epochs=1,
+        )
+    assert not backbone.training
+
+
+def test_train_linear_augment__labels_out_of_range_raise():
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 2\)"):
+        train_linear_augment(
+            _TinyBackbone(), lambda e: [(torch.zeros(2, 3, 8, 8), torch.tensor([0, 2]))],
+            [], num_features=4, num_classes=2, batch_size=2, epochs=1,
+        )
+
+
+def test_lr_per_epoch__milestones_beyond_epochs_never_fire():
+    got = lr_per_epoch(lr=30.0, batch_size=256, epochs=2, lr_schedule="step", milestones=[60, 80])
+    assert got == [30.0, 30.0]
+    assert math.isclose(lr_per_epoch(lr=0.5, batch_size=512, epochs=1, lr_schedule="cosine",
+                                     milestones=[])[0], 1.0)
