@@ -7,16 +7,15 @@ of the modules that define the training math. Anything else is ignored with a lo
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pipeline.atomic import save_torch as save_atomic  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -46,29 +45,6 @@ def fingerprint(training_params: dict[str, Any], shard_hashes: list[str]) -> str
         h.update(rel.encode())
         h.update(f.read_bytes() if f.is_file() else b"<missing>")
     return h.hexdigest()
-
-
-def save_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temp file in the same directory, fsync, then ``os.replace``.
-
-    A crash or a full disk leaves the previous file at ``path`` untouched.
-
-    Raises:
-        OSError: the write failed (the temp file is removed).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def load_checkpoint(path: Path, expected_fingerprint: str) -> dict[str, Any] | None:

@@ -32,7 +32,8 @@ def stage_main(name: str, run: Callable[[Params], None], argv: list[str] | None 
         The process exit code.
     """
     parser = argparse.ArgumentParser(prog=f"stages/{name}.py", description=f"DVC stage {name}")
-    parser.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
+    parser.add_argument("--params", default="params.yaml",
+                        help="params file (default: %(default)s)")
     args = parser.parse_args(argv)
     setup_logging()
     try:

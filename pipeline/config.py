@@ -53,7 +53,7 @@ class DataParams:
     source: str = "fashion_mnist"
     root: str = ""  # "" = the source's default location (see pipeline.data.sources)
     download: bool = False  # allow torchvision to download when the raw files are missing
-    image_size: int = 0  # 0 = native size; else images are resized (shorter side) then center-cropped
+    image_size: int = 0  # 0 = native; else resize (shorter side) + center crop, in px
     max_pretrain_images: int = 0
     max_train_images: int = 0
     max_test_images: int = 0
@@ -203,6 +203,10 @@ def validate(p: Params) -> Params:
     def one_of(key: str, v: str, names: tuple[str, ...]) -> None:
         _check(v in names, key, "one of " + ", ".join(names), v)
 
+    def milestones(key: str, v: list[int]) -> None:
+        _check(all(m > 0 for m in v) and list(v) == sorted(v), key, "increasing positive epochs",
+               v)
+
     pos("seed", p.seed, strict=False)
     one_of("data.source", p.data.source, SOURCES)
     pos("data.image_size", p.data.image_size, strict=False)
@@ -237,8 +241,7 @@ def validate(p: Params) -> Params:
     pos("pretrain.batch_size", t.batch_size)
     pos("pretrain.lr", t.lr)
     one_of("pretrain.lr_schedule", t.lr_schedule, LR_SCHEDULES)
-    _check(all(m > 0 for m in t.lr_milestones) and list(t.lr_milestones) == sorted(t.lr_milestones),
-           "pretrain.lr_milestones", "increasing positive epochs", t.lr_milestones)
+    milestones("pretrain.lr_milestones", t.lr_milestones)
     pos("pretrain.warmup_epochs", t.warmup_epochs, strict=False)
     _check(t.warmup_epochs < t.epochs, "pretrain.warmup_epochs", "< pretrain.epochs",
            t.warmup_epochs)
@@ -267,8 +270,7 @@ def validate(p: Params) -> Params:
     pos("linear.batch_size", lp.batch_size)
     pos("linear.lr", lp.lr)
     one_of("linear.lr_schedule", lp.lr_schedule, LR_SCHEDULES)
-    _check(all(m > 0 for m in lp.lr_milestones) and list(lp.lr_milestones) == sorted(lp.lr_milestones),
-           "linear.lr_milestones", "increasing positive epochs", lp.lr_milestones)
+    milestones("linear.lr_milestones", lp.lr_milestones)
     pos("linear.weight_decay", lp.weight_decay, strict=False)
     _check(0 <= lp.val_fraction < 1, "linear.val_fraction", "0 <= x < 1", lp.val_fraction)
 

@@ -19,13 +19,13 @@ import logging
 import os
 import signal
 import subprocess
-import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pipeline.atomic import write_json
 from pipeline.config import Params, flatten, to_dict
 
 log = logging.getLogger(__name__)
@@ -128,19 +128,8 @@ def read_run_id(stage: str, root: Path | None = None) -> str | None:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to ``path`` through a temp file in the same directory + ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """Write JSON atomically (kept here for the stage scripts; see :mod:`pipeline.atomic`)."""
+    write_json(path, obj)
 
 
 @contextlib.contextmanager

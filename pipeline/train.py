@@ -10,7 +10,6 @@ momentum schedules are precomputed per optimizer step.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -26,8 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.atomic import write_tsv
 from pipeline.checkpoint import fingerprint, load_checkpoint, save_atomic
-from pipeline.config import AugmentParams, ModelParams, MocoParams, PretrainParams
+from pipeline.config import AugmentParams, MocoParams, ModelParams, PretrainParams
 from pipeline.data import augment as aug
 from pipeline.data.loader import eval_loader, read_manifest, train_loader
 from pipeline.evaluate.features import extract_features
@@ -173,8 +173,8 @@ def encoder_meta(model: ModelParams, *, in_channels: int, image_size: int,
                  num_features: int) -> dict[str, Any]:
     """The architecture needed to load ``encoder.pt`` back (written as ``encoder.json``)."""
     return {"backbone": model.backbone, "width": model.width, "in_channels": in_channels,
-            "small_stem": resolve_small_stem(model.small_stem, image_size), "image_size": image_size,
-            "num_features": num_features}
+            "small_stem": resolve_small_stem(model.small_stem, image_size),
+            "image_size": image_size, "num_features": num_features}
 
 
 class _StopFlag:
@@ -207,13 +207,19 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
     """Pretrain MoCo on the ``pretrain`` shards and export the query backbone.
 
     Args:
-        model, moco, opt, augment: the params sections.
+        model: backbone and head params.
+        moco: queue/loss params (K, m, T, BN mode).
+        opt: optimisation params (``pretrain`` section).
+        augment: augmentation preset.
         seed: global seed (model init, data order, augmentation).
         shards_dir: directory holding ``pretrain/``, ``train/``, ``test/`` shard folders.
         encoder_path: where the QUERY backbone ``state_dict`` is written (plain BatchNorm2d,
-            no ``fc.*``); ``encoder.json`` beside it records the architecture.
+            no ``fc.*``); ``encoder.json`` beside it records the architecture and ``head.pt``
+            the query projection head.
         checkpoint_dir: ``last.pt`` lives here (a ``persist: true`` DVC output).
-        metrics_path, plots_path, knn_plots_path: JSON metrics and TSV curves.
+        metrics_path: final metrics JSON (``metrics/pretrain.json``).
+        plots_path: per-logged-step TSV (``plots/pretrain.tsv``).
+        knn_plots_path: kNN-monitor TSV per epoch (``plots/knn_monitor.tsv``).
         run: MLflow handle (rank 0) or None.
         max_steps: stop after this global step (tests simulate an interruption with it).
 
@@ -427,12 +433,17 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
     if rt.is_main:
         sd = net.export_backbone()
         save_atomic(sd, encoder_path)
+        head = net.encoder_q.head
+        save_atomic({"kind": model.head, "in_dim": net.encoder_q.backbone.num_features,
+                     "hidden": model.head_hidden, "dim": model.dim,
+                     "state_dict": {k: v.detach().cpu() for k, v in head.state_dict().items()}},
+                    encoder_path.with_name("head.pt"))
         write_json_atomic(encoder_path.with_suffix(".json"), encoder_meta(
             model, in_channels=channels, image_size=image_size,
             num_features=net.encoder_q.backbone.num_features))
         write_json_atomic(metrics_path, metrics)
-        _write_tsv(plots_path, PLOT_COLUMNS, rows)
-        _write_tsv(knn_plots_path, ("epoch", "step", "knn_top1", "knn_top5"), knn_rows)
+        write_tsv(plots_path, PLOT_COLUMNS, rows)
+        write_tsv(knn_plots_path, ("epoch", "step", "knn_top1", "knn_top5"), knn_rows)
         if run is not None:
             run.log_metrics({f"final_{k}": v for k, v in metrics.items()})
     if rt.world_size > 1:
@@ -448,46 +459,3 @@ def _no_buffer_sync_kwargs() -> dict[str, bool]:
     if "forward_sync_buffers" in params:
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}
-
-
-def _write_tsv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
-    """Atomically write rows as a TSV with a header."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write("\t".join(columns) + "\n")
-        for r in rows:
-            f.write("\t".join(_fmt(r.get(c, "")) for c in columns) + "\n")
-    os.replace(tmp, path)
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return str(v)
-
-
-def load_encoder(encoder_path: Path, *, num_classes: int | None = None) -> nn.Module:
-    """Rebuild the exported backbone from ``encoder.pt`` + ``encoder.json``.
-
-    Args:
-        encoder_path: the exported state_dict.
-        num_classes: if given, ``fc`` becomes a fresh ``Linear(num_features, num_classes)``;
-            otherwise ``fc`` is the identity and the module returns ``(N, num_features)``.
-
-    Raises:
-        FileNotFoundError: either file is missing.
-        RuntimeError: the state_dict does not fit the recorded architecture.
-    """
-    meta = json.loads(Path(encoder_path).with_suffix(".json").read_text())
-    backbone = build_backbone(meta["backbone"], width=meta["width"],
-                              in_channels=meta["in_channels"], small_stem=meta["small_stem"])
-    sd = torch.load(encoder_path, map_location="cpu", weights_only=True)
-    missing, unexpected = backbone.load_state_dict(sd, strict=False)
-    if unexpected or any(not k.startswith("fc.") for k in missing):
-        raise RuntimeError(f"{encoder_path} does not fit {meta['backbone']} width "
-                           f"{meta['width']}: missing {missing}, unexpected {unexpected}")
-    if num_classes is not None:
-        backbone.fc = nn.Linear(backbone.num_features, num_classes)
-    return backbone

@@ -16,7 +16,8 @@ def run(p: Params) -> None:
         for split, m in manifests.items():
             mlrun.log_metrics({f"{split}_images": m["num_samples"],
                                f"{split}_shards": len(m["shards"])})
-            mlrun.log_artifact(Path(p.data.shards_dir) / split / "manifest.json", f"manifests/{split}")
+            mlrun.log_artifact(Path(p.data.shards_dir) / split / "manifest.json",
+                               f"manifests/{split}")
 
 
 if __name__ == "__main__":

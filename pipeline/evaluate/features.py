@@ -6,8 +6,6 @@ features, int64 labels and the sample keys (WebDataset ``__key__``) in the order
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +13,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 from tqdm import tqdm
+
+from pipeline.atomic import save_torch
 
 FORMAT_VERSION = 1
 
@@ -148,7 +148,7 @@ def save_features(fs: FeatureSet, path: str | Path) -> None:
 
     Args:
         fs: the features to write.
-        path: the ``.pt`` file; its folder must exist.
+        path: the ``.pt`` file (its folder is created when missing).
 
     Raises:
         ValueError: ``fs`` is malformed (see :func:`check_feature_set`).
@@ -162,16 +162,7 @@ def save_features(fs: FeatureSet, path: str | Path) -> None:
         "labels": fs.labels.detach().cpu().contiguous(),
         "keys": list(fs.keys),
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(payload, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    save_torch(payload, path)
 
 
 def load_features(path: str | Path) -> FeatureSet:

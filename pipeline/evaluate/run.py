@@ -1,0 +1,262 @@
+"""The evaluation stages' work: embed, baselines, kNN and the linear probe.
+
+Each function takes typed keyword arguments, reads its inputs, writes its outputs atomically
+and returns the metrics it wrote (numeric leaves only). The DVC stage scripts call exactly one
+of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision.transforms as T
+from torch import nn
+
+from pipeline.atomic import write_json as write_json_atomic
+from pipeline.atomic import write_tsv
+from pipeline.config import KnnParams, LinearParams, ModelParams
+from pipeline.data.augment import build_eval_transform
+from pipeline.data.loader import eval_loader, read_manifest
+from pipeline.evaluate.features import FeatureSet, extract_features, load_features, save_features
+from pipeline.evaluate.knn import ClassificationMetrics, knn_classify
+from pipeline.evaluate.linear import (
+    split_train_val,
+    train_linear_augment,
+    train_linear_on_features,
+)
+from pipeline.moco.backbones import build_backbone, build_head, resolve_small_stem
+
+log = logging.getLogger(__name__)
+
+
+def pick_device() -> torch.device:
+    """CUDA when available, else CPU (chosen once per stage)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _spec(split_dir: Path) -> tuple[dict[str, Any], int, tuple, tuple]:
+    m = read_manifest(split_dir)
+    shape = m.get("image_shape")
+    if not shape:
+        raise ValueError(f"{split_dir}/manifest.json: mixed image sizes; set data.image_size")
+    return m, int(shape[1]), tuple(m["mean"]), tuple(m["std"])
+
+
+def load_encoder(encoder_path: Path) -> tuple[nn.Module, dict[str, Any]]:
+    """Rebuild the exported backbone from ``encoder.pt`` + ``encoder.json``.
+
+    Returns:
+        (backbone with ``fc = Identity`` giving ``(N, num_features)`` features, metadata).
+
+    Raises:
+        FileNotFoundError: a file is missing.
+        RuntimeError: the weights do not fit the recorded architecture (anything but ``fc.*``
+            missing, or unexpected keys).
+    """
+    import json
+
+    meta = json.loads(Path(encoder_path).with_suffix(".json").read_text())
+    backbone = build_backbone(meta["backbone"], width=meta["width"],
+                              in_channels=meta["in_channels"], small_stem=meta["small_stem"])
+    sd = torch.load(encoder_path, map_location="cpu", weights_only=True)
+    missing, unexpected = backbone.load_state_dict(sd, strict=False)
+    if unexpected or any(not k.startswith("fc.") for k in missing):
+        raise RuntimeError(f"{encoder_path} does not fit {meta['backbone']} width "
+                           f"{meta['width']}: missing {missing}, unexpected {unexpected}")
+    return backbone, meta
+
+
+def embed(*, encoder_path: Path, shards_dir: Path, out_dir: Path, batch_size: int,
+          use_head: bool = False, head_path: Path | None = None,
+          num_workers: int = 0) -> dict[str, float]:
+    """Frozen features of the labelled train and test shards (eval transform, BN in eval mode).
+
+    Writes ``out_dir/train.pt`` and ``out_dir/test.pt`` (``FeatureSet``: (N, D) float32,
+    (N,) labels, keys).
+
+    Raises:
+        FileNotFoundError: the encoder or the shards are missing.
+    """
+    device = pick_device()
+    backbone, _ = load_encoder(encoder_path)
+    head = None
+    if use_head:
+        if head_path is None or not Path(head_path).is_file():
+            raise FileNotFoundError(f"embed.use_head is true but {head_path} is missing")
+        head = torch.load(head_path, map_location="cpu", weights_only=True)
+        head = _load_head(head)
+    metrics: dict[str, float] = {}
+    for split in ("train", "test"):
+        m, size, mean, std = _spec(shards_dir / split)
+        t0 = time.time()
+        fs = extract_features(backbone, eval_loader(
+            shards_dir / split, transform=build_eval_transform(size, mean, std),
+            batch_size=batch_size, num_workers=num_workers), device=device, head=head,
+            desc=f"embed {split}", progress=sys.stderr.isatty())
+        dt = time.time() - t0
+        save_features(fs, out_dir / f"{split}.pt")
+        metrics[f"{split}_images"] = len(fs)
+        metrics[f"{split}_images_per_s"] = len(fs) / max(dt, 1e-9)
+        metrics["dim"] = fs.features.shape[1]
+        log.info("embedded %d %s images in %.1fs", len(fs), split, dt)
+    return metrics
+
+
+def _load_head(payload: dict[str, Any]) -> nn.Module:
+    head = build_head(payload["kind"], payload["in_dim"], payload["hidden"], payload["dim"])
+    head.load_state_dict(payload["state_dict"])
+    return head
+
+
+def _details(res: ClassificationMetrics, class_names: list[str]) -> dict[str, Any]:
+    """Per-class accuracy and confusion matrix in class-name order (for the report)."""
+    idx = {c: i for i, c in enumerate(res.classes)}
+    per_class = [res.per_class_accuracy.get(i) for i in range(len(class_names))]
+    n = len(class_names)
+    conf = [[0] * n for _ in range(n)]
+    for a, ra in idx.items():
+        for b, rb in idx.items():
+            if 0 <= a < n and 0 <= b < n:
+                conf[a][b] = int(res.confusion[ra][rb])
+    return {"class_names": class_names, "per_class_accuracy": per_class, "confusion_matrix": conf}
+
+
+def knn_eval(*, features_dir: Path, manifest_dir: Path, knn: KnnParams, details_path: Path
+             ) -> dict[str, float]:
+    """Weighted kNN of test features against the train bank (InstDisc protocol).
+
+    Returns:
+        ``top1``, ``top5`` (%), the protocol values ``k``, ``T``, sizes and wall time.
+    """
+    t0 = time.time()
+    train, test = load_features(features_dir / "train.pt"), load_features(features_dir / "test.pt")
+    res = knn_classify(train.features, train.labels, test.features, test.labels, k=knn.k,
+                       T=knn.T, chunk_size=knn.chunk_size, device=pick_device())
+    names = read_manifest(manifest_dir)["class_names"]
+    write_json_atomic(details_path, _details(res, names))
+    return {"top1": res.top1, "top5": res.top5, "k": knn.k, "T": knn.T,
+            "num_train": len(train), "num_test": len(test), "wall_time_s": time.time() - t0}
+
+
+def baselines(*, shards_dir: Path, model: ModelParams, knn: KnnParams, seed: int,
+              batch_size: int = 512) -> dict[str, float]:
+    """The same kNN on raw pixels and on a randomly initialised encoder of the same architecture.
+
+    Raw pixels: the normalised image flattened to ``(N, C*H*W)``. Random encoder: the backbone
+    built with ``seed``, BN in eval mode (initial running statistics), avgpool features.
+    """
+    device = pick_device()
+    m, size, mean, std = _spec(shards_dir / "train")
+    channels = int(m["image_shape"][0])
+    tf = build_eval_transform(size, mean, std)
+    out: dict[str, float] = {}
+
+    class Flatten(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.flatten(1)
+
+    torch.manual_seed(seed)
+    random_bb = build_backbone(model.backbone, width=model.width, in_channels=channels,
+                               small_stem=resolve_small_stem(model.small_stem, size))
+    for name, net in (("raw_pixels", Flatten()), ("random_encoder", random_bb)):
+        t0 = time.time()
+        tr, te = (extract_features(net, eval_loader(shards_dir / s, transform=tf,
+                                                    batch_size=batch_size),
+                                   device=device, desc=f"{name} {s}",
+                                   progress=sys.stderr.isatty()) for s in ("train", "test"))
+        res = knn_classify(tr.features, tr.labels, te.features, te.labels, k=knn.k, T=knn.T,
+                           chunk_size=knn.chunk_size, device=device)
+        out[f"{name}_top1"], out[f"{name}_top5"] = res.top1, res.top5
+        log.info("baseline %s: kNN top-1 %.2f%% (%.1fs)", name, res.top1, time.time() - t0)
+    out["k"], out["T"] = knn.k, knn.T
+    return out
+
+
+def linear_probe(*, features_dir: Path, shards_dir: Path, encoder_path: Path,
+                 linear: LinearParams, seed: int, details_path: Path,
+                 plots_path: Path) -> dict[str, float]:
+    """Linear probe (MoCo protocol); ``linear.mode`` picks precomputed features or augmentation.
+
+    The reported top-1/top-5 are the FINAL epoch's on the test set.
+    """
+    t0 = time.time()
+    device = pick_device()
+    names = read_manifest(shards_dir / "test")["class_names"]
+    settings = dict(epochs=linear.epochs, batch_size=linear.batch_size, lr=linear.lr,
+                    lr_schedule=linear.lr_schedule, milestones=linear.lr_milestones,
+                    weight_decay=linear.weight_decay, seed=seed, device=device)
+    if linear.mode == "features":
+        train, test = (load_features(features_dir / f"{s}.pt") for s in ("train", "test"))
+        res = train_linear_on_features(train, test, val_fraction=linear.val_fraction, **settings)
+    else:
+        res = _linear_augment(shards_dir=shards_dir, encoder_path=encoder_path, linear=linear,
+                              num_classes=len(names), settings=settings, seed=seed)
+    write_json_atomic(details_path, _details(res, names))
+    _write_history(plots_path, res.history)
+    out = {"top1": res.top1, "top5": res.top5, "epochs": linear.epochs, "lr": linear.lr,
+           "lr_effective": res.lr_effective, "batch_size": linear.batch_size,
+           "mode_augment": int(linear.mode == "augment"), "wall_time_s": time.time() - t0}
+    if res.val_top1 is not None:
+        out["val_top1"] = res.val_top1
+    return out
+
+
+def _linear_augment(*, shards_dir: Path, encoder_path: Path, linear: LinearParams,
+                    num_classes: int, settings: dict[str, Any], seed: int) -> Any:
+    """Augment mode: RandomResizedCrop + flip through the frozen backbone every step.
+
+    Batches come in manifest order (a seeded shuffle of the split fixed at build time); the
+    crops are seeded by (seed, epoch). A validation split, if any, is cut from TRAIN.
+    """
+    backbone, meta = load_encoder(encoder_path)
+    m, size, mean, std = _spec(shards_dir / "train")
+    norm = [T.ToTensor(), T.Normalize(mean, std)]
+    train_tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), *norm])
+    test_tf = build_eval_transform(size, mean, std)
+    n = int(m["num_samples"])
+    val_idx = set()
+    if linear.val_fraction > 0:
+        _, val = split_train_val(n, linear.val_fraction, seed)
+        val_idx = set(val.tolist())
+
+    def batches(transform: Any, keep: Any) -> Any:
+        buf_x, buf_y = [], []
+        for i, (x, y, _) in enumerate(_samples(shards_dir / "train", transform)):
+            if keep(i):
+                buf_x.append(x)
+                buf_y.append(y)
+            if len(buf_x) == linear.batch_size:
+                yield torch.stack(buf_x), torch.tensor(buf_y)
+                buf_x, buf_y = [], []
+        if buf_x:
+            yield torch.stack(buf_x), torch.tensor(buf_y)
+
+    def train_batches(epoch: int) -> Any:
+        torch.manual_seed(seed * 1000 + epoch)
+        return batches(train_tf, lambda i: i not in val_idx)
+
+    test = ((x, y) for x, y, _ in eval_loader(shards_dir / "test", transform=test_tf,
+                                              batch_size=linear.batch_size))
+    val = (lambda: batches(test_tf, lambda i: i in val_idx)) if val_idx else None
+    return train_linear_augment(backbone, train_batches, test, num_features=meta["num_features"],
+                                num_classes=num_classes, val_batches=val, **settings)
+
+
+def _samples(split_dir: Path, transform: Any) -> Any:
+    for xs, ys, keys in eval_loader(split_dir, transform=transform, batch_size=256):
+        yield from zip(xs, ys.tolist(), keys)
+
+
+def _write_history(path: Path, history: list[dict[str, float]]) -> None:
+    """``plots/linear.tsv``: epoch, loss, train_acc, lr (+ val_acc, test_acc when known)."""
+    rename = {"train_top1": "train_acc", "val_top1": "val_acc", "test_top1": "test_acc"}
+    rows = [{rename.get(k, k): v for k, v in h.items()} for h in history]
+    write_tsv(path, ["epoch", "loss", "train_acc", "lr", "val_acc", "test_acc"], rows)
+
+
+__all__ = ["FeatureSet", "baselines", "embed", "knn_eval", "linear_probe", "load_encoder"]

@@ -1,0 +1,22 @@
+"""DVC stage ``baselines``: kNN on raw pixels and on a random-init encoder, for context."""
+
+import sys
+from pathlib import Path
+
+from pipeline.cli import stage_main
+from pipeline.config import Params
+from pipeline.tracking import stage_run, write_json_atomic
+
+
+def run(p: Params) -> None:
+    from pipeline.evaluate.run import baselines
+
+    with stage_run("baselines", p, upstream=("build_shards",)) as mlrun:
+        metrics = baselines(shards_dir=Path(p.data.shards_dir), model=p.model, knn=p.knn,
+                            seed=p.seed, batch_size=p.embed.batch_size)
+        write_json_atomic(Path("metrics/baselines.json"), metrics)
+        mlrun.log_metrics(metrics)
+
+
+if __name__ == "__main__":
+    sys.exit(stage_main("baselines", run))

@@ -1,0 +1,26 @@
+"""DVC stage ``linear``: linear probe on the frozen backbone (MoCo protocol)."""
+
+import sys
+from pathlib import Path
+
+from pipeline.cli import stage_main
+from pipeline.config import Params
+from pipeline.tracking import stage_run, write_json_atomic
+
+
+def run(p: Params) -> None:
+    from pipeline.evaluate.run import linear_probe
+
+    with stage_run("linear", p, upstream=("embed", "pretrain")) as mlrun:
+        metrics = linear_probe(features_dir=Path("features"), shards_dir=Path(p.data.shards_dir),
+                               encoder_path=Path("models/encoder.pt"), linear=p.linear,
+                               seed=p.seed, details_path=Path("eval/linear_details.json"),
+                               plots_path=Path("plots/linear.tsv"))
+        write_json_atomic(Path("metrics/linear.json"), metrics)
+        mlrun.log_metrics(metrics)
+        mlrun.log_artifact("eval/linear_details.json")
+        mlrun.log_artifact("plots/linear.tsv")
+
+
+if __name__ == "__main__":
+    sys.exit(stage_main("linear", run))
