@@ -426,6 +426,8 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
         if rows else 0.0,
         "wall_time_s": wall, "peak_memory_bytes": peak_memory_bytes(rt.device),
         "world_size": rt.world_size}
+    if rt.world_size > 1:
+        metrics["queue_ranks_identical"] = int(_queues_identical(net))
     if knn_rows:
         metrics["knn_top1"] = knn_rows[-1]["knn_top1"]
         metrics["knn_top5"] = knn_rows[-1]["knn_top5"]
@@ -449,6 +451,25 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
     if rt.world_size > 1:
         dist.barrier()
     return metrics
+
+
+def _queues_identical(net: MoCo) -> bool:
+    """Whether every rank holds a bit-identical queue (keys, pointer); raises if not.
+
+    Raises:
+        RuntimeError: the queues diverged (keys must be gathered from all ranks before enqueue).
+    """
+    import hashlib
+
+    h = hashlib.sha256(net.queue.keys.detach().cpu().numpy().tobytes())
+    h.update(str(int(net.queue.ptr)).encode())
+    mine = torch.tensor([int.from_bytes(h.digest()[:7], "big")], dtype=torch.int64,
+                        device=net.queue.keys.device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    if any(int(t) != int(mine) for t in everyone):
+        raise RuntimeError("the key queues differ across ranks after training")
+    return True
 
 
 def _no_buffer_sync_kwargs() -> dict[str, bool]:

@@ -181,8 +181,13 @@ class _SizedLoader(DataLoader):
 
     def __init__(self, dataset: IterableDataset, length: int, num_workers: int,
                  pin_memory: bool):
+        # A private generator: iterating a DataLoader draws its base seed from the generator,
+        # and drawing from the GLOBAL torch RNG would shift the trainer's random stream (a
+        # resumed run would then diverge from an uninterrupted one). Our streams seed
+        # themselves from (seed, epoch, rank, worker), so this seed is unused.
         super().__init__(dataset, batch_size=None, num_workers=num_workers,
-                         collate_fn=_identity, pin_memory=pin_memory)
+                         collate_fn=_identity, pin_memory=pin_memory,
+                         generator=torch.Generator().manual_seed(0))
         self._length = length
 
     def __len__(self) -> int:

@@ -188,6 +188,7 @@ def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, 
         raise ShardError(f"{out_dir}: no samples for split '{split}'; nothing written")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    tmp.chmod(0o755)  # mkdtemp makes 0700; shards are shared data
     try:
         manifest = _write(first, it, tmp, split=split, source=source, class_names=class_names,
                           mode=mode, samples_per_shard=samples_per_shard, mean=mean, std=std,
@@ -320,6 +321,7 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
     out = Path(params.shards_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    tmp.chmod(0o755)
     mean, std = src.mean, src.std
     manifests = {}
     try:

@@ -1,0 +1,174 @@
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+from helpers import build_tiny_shards, run_pretrain
+
+from pipeline.evaluate.run import load_encoder
+from pipeline.train import (
+    NonFiniteLossError,
+    lr_schedule,
+    resolve_precision,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+def same_state(a: Path, b: Path) -> bool:
+    sa = torch.load(a, weights_only=True)
+    sb = torch.load(b, weights_only=True)
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_resolve_precision__auto_is_fp32_on_cpu():
+    assert resolve_precision("auto", torch.device("cpu")) is None
+    assert resolve_precision("bf16", torch.device("cpu")) is torch.bfloat16
+    assert resolve_precision("fp32", torch.device("cuda")) is None
+
+
+def test_lr_schedule__scaling_warmup_cosine_and_steps():
+    # lr per 256 images scaled to the batch: 0.06 * 512 / 256 = 0.12
+    lrs = lr_schedule(base_lr=0.06, batch_size=512, total_steps=10, steps_per_epoch=5,
+                      schedule="cosine")
+    assert len(lrs) == 10 and lrs[0] == pytest.approx(0.12)
+    assert lrs[5] == pytest.approx(0.12 * 0.5 * (1 + math.cos(math.pi * 5 / 10)))
+    warm = lr_schedule(base_lr=0.03, batch_size=256, total_steps=10, steps_per_epoch=2,
+                       schedule="cosine", warmup_epochs=1)
+    assert warm[:2] == pytest.approx([0.015, 0.03])
+    step = lr_schedule(base_lr=0.03, batch_size=256, total_steps=8, steps_per_epoch=2,
+                       schedule="step", milestones=[2, 3])
+    assert step == pytest.approx([0.03] * 4 + [0.003] * 2 + [0.0003] * 2)
+
+
+def test_pretrain__exports_plain_backbone_and_outputs(tiny_shards, tmp_path):
+    m = run_pretrain(tiny_shards, tmp_path)
+    assert m["steps"] == 2 * (192 // 16) and math.isfinite(m["loss"])
+    rows = (tmp_path / "plots.tsv").read_text().splitlines()
+    assert rows[0].split("\t")[:3] == ["step", "epoch", "loss"]
+    assert len(rows) == 1 + m["steps"] // 2
+    backbone, meta = load_encoder(tmp_path / "encoder.pt")
+    assert meta["in_channels"] == 1 and meta["small_stem"] is True
+    assert not any("split" in type(mod).__name__.lower() for mod in backbone.modules())
+    assert backbone(torch.zeros(2, 1, 16, 16)).shape == (2, meta["num_features"])
+
+
+def test_pretrain__encoder_loads_into_torchvision_with_only_fc_missing(tmp_path):
+    shards = build_tiny_shards(tmp_path / "rgb", n_pretrain=64, n_train=32, n_test=32, size=32,
+                               mode="RGB")
+    run_pretrain(shards, tmp_path, {"model": {"width": 64, "small_stem": "false"},
+                                    "pretrain": {"epochs": 1, "batch_size": 32}})
+    sd = torch.load(tmp_path / "encoder.pt", weights_only=True)
+    res = torchvision.models.resnet18(num_classes=10).load_state_dict(sd, strict=False)
+    assert sorted(res.missing_keys) == ["fc.bias", "fc.weight"]
+    assert res.unexpected_keys == []
+
+
+def test_pretrain__nan_loss_stops_with_step_and_keeps_checkpoint(tiny_shards, tmp_path,
+                                                                 monkeypatch):
+    import pipeline.moco.model as model_mod
+
+    real = model_mod.info_nce
+    calls = {"n": 0}
+
+    def poisoned(*a, **k):
+        loss, logits = real(*a, **k)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] > 5 else loss), logits
+
+    monkeypatch.setattr(model_mod, "info_nce", poisoned)
+    with pytest.raises(NonFiniteLossError, match="at step 5"):
+        run_pretrain(tiny_shards, tmp_path)
+    ck = torch.load(tmp_path / "ckpt/last.pt", weights_only=True)
+    assert ck["step"] == 4  # the last good checkpoint (every 2 steps) survives
+    assert not (tmp_path / "encoder.pt").exists()
+
+
+def test_pretrain__resume_after_interruption_is_bit_identical(tiny_shards, tmp_path):
+    run_pretrain(tiny_shards, tmp_path / "full")
+    part = tmp_path / "part"
+    run_pretrain(tiny_shards, part, max_steps=7)  # "crash" after step 7 (checkpoint at 6)
+    ck = torch.load(part / "ckpt/last.pt", weights_only=True)
+    assert ck["step"] == 6
+    run_pretrain(tiny_shards, part)
+    assert same_state(tmp_path / "full/encoder.pt", part / "encoder.pt")
+
+
+def test_pretrain__changed_params_ignore_checkpoint(tiny_shards, tmp_path, caplog):
+    run_pretrain(tiny_shards, tmp_path, max_steps=4)
+    caplog.set_level("INFO")
+    run_pretrain(tiny_shards, tmp_path, {"moco": {"T": 0.2}}, max_steps=2)
+    assert "ignoring checkpoint" in caplog.text and "starting fresh" in caplog.text
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, {tests!r})
+    from helpers import run_pretrain
+    run_pretrain(Path({shards!r}), Path({out!r}))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 0.7])
+def test_pretrain__sigkill_then_restart_is_bit_identical(tiny_shards, tmp_path, delay):
+    run_pretrain(tiny_shards, tmp_path / "full")
+    out = tmp_path / "killed"
+    code = KILL_SCRIPT.format(tests=str(ROOT / "tests"), shards=str(tiny_shards), out=str(out))
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    deadline = time.time() + 120
+    while not (out / "ckpt/last.pt").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "encoder.pt").exists() or delay > 0
+    run_pretrain(tiny_shards, out)
+    assert same_state(tmp_path / "full/encoder.pt", out / "encoder.pt")
+
+
+def test_pretrain__knn_monitor_curve(tiny_shards, tmp_path):
+    m = run_pretrain(tiny_shards, tmp_path, {"pretrain": {
+        "knn_every_epochs": 1, "knn_monitor_train_images": 64, "knn_monitor_test_images": 32}})
+    rows = (tmp_path / "knn.tsv").read_text().splitlines()
+    assert [r.split("\t")[0] for r in rows] == ["epoch", "0", "1", "2"]
+    assert 0 <= m["knn_top1"] <= 100 and "knn_top1_init" in m
+
+
+TORCHRUN = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    sys.path.insert(0, {tests!r})
+    from helpers import run_pretrain
+    m = run_pretrain(Path({shards!r}), Path({out!r}),
+                     {{"moco": {{"bn": "shuffle"}}, "pretrain": {{"num_workers": 1}}}})
+    Path({out!r}, f"rank{{os.environ['RANK']}}.json").write_text(json.dumps(m))
+""")
+
+
+@pytest.mark.slow
+def test_pretrain__torchrun_two_processes_gloo(tmp_path):
+    # uneven shards: 3 shards of 64, 64, 32 images for 2 ranks x 1 worker
+    shards = build_tiny_shards(tmp_path / "s", n_pretrain=160, per_shard=64)
+    out = tmp_path / "out"
+    script = tmp_path / "run.py"
+    script.write_text(TORCHRUN.format(tests=str(ROOT / "tests"), shards=str(shards),
+                                      out=str(out)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", "29531", str(script)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m0 = json.loads((out / "rank0.json").read_text())
+    m1 = json.loads((out / "rank1.json").read_text())
+    assert m0["world_size"] == 2 and m0["steps"] == m1["steps"] == 2 * (160 // 16)
+    assert m0["queue_ranks_identical"] == m1["queue_ranks_identical"] == 1
+    assert (out / "encoder.pt").exists()
