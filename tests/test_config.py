@@ -38,7 +38,8 @@ def test_cifar_preset__matches_moco_demo_recipe():
 
 def test_imagenet_preset__matches_moco_v2():
     p = load_params(ROOT / "configs/imagenet-r50-v2.yaml")
-    assert (p.moco.K, p.moco.m, p.moco.T, p.model.head, p.model.dim) == (65536, 0.999, 0.2, "mlp", 128)
+    got = (p.moco.K, p.moco.m, p.moco.T, p.model.head, p.model.dim)
+    assert got == (65536, 0.999, 0.2, "mlp", 128)
     assert (p.pretrain.lr, p.pretrain.batch_size, p.pretrain.weight_decay) == (0.03, 256, 1e-4)
     assert (p.linear.lr, p.linear.lr_milestones, p.linear.epochs) == (30.0, [60, 80], 100)
 
