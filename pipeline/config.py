@@ -75,7 +75,7 @@ class ModelParams:
     """Backbone and projection head."""
 
     backbone: str = "resnet18"
-    width: int = 32  # channels of the first stage (torchvision: 64)
+    width: int = 16  # channels of the first stage (torchvision: 64); 16 = CPU size
     small_stem: str = "auto"  # auto|true|false; auto = 3x3 stride-1 stem, no max-pool below 64 px
     head: str = "mlp"  # linear (MoCo v1) or mlp (MoCo v2)
     head_hidden: int = 512  # MLP hidden width (MoCo v2 uses the backbone's feature width)
@@ -99,7 +99,7 @@ class MocoParams:
 class PretrainParams:
     """Optimisation of the query encoder. ``lr`` is per 256 images (scaled to the global batch)."""
 
-    epochs: int = 2
+    epochs: int = 4
     steps_per_epoch: int = 0  # 0 = pretrain images // batch_size
     batch_size: int = 256  # global batch (split across DDP ranks)
     lr: float = 0.06  # per 256 images
