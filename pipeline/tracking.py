@@ -191,6 +191,29 @@ class StageRun:
         else:
             mlflow.log_artifact(str(path), artifact_path=artifact_path)
 
+    def log_shards(self, split_dir: str | Path, context: str) -> None:
+        """Record a shard split as an MLflow dataset input (digest = sha256 of its manifest).
+
+        Args:
+            split_dir: a shard directory holding ``manifest.json``.
+            context: ``training`` or ``evaluation``.
+        """
+        manifest = Path(split_dir) / "manifest.json"
+        if self._run is None or not manifest.is_file():
+            return
+        import hashlib
+
+        import mlflow
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.data.sources import LocalArtifactDatasetSource
+
+        m = json.loads(manifest.read_text())
+        digest = hashlib.sha256(manifest.read_bytes()).hexdigest()[:36]  # MLflow caps at 36
+        ds = MetaDataset(source=LocalArtifactDatasetSource(str(Path(split_dir).resolve())),
+                         name=f"{m.get('source', 'data')}/{m.get('split', Path(split_dir).name)}",
+                         digest=digest)
+        mlflow.log_input(ds, context=context)
+
     def set_tags(self, tags: dict[str, str]) -> None:
         """Set run tags."""
         if self._run is not None:
@@ -201,7 +224,8 @@ class StageRun:
 
 @contextlib.contextmanager
 def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), rank: int = 0,
-              extra_tags: dict[str, str] | None = None) -> Iterator[StageRun]:
+              extra_tags: dict[str, str] | None = None,
+              system_metrics: bool = False) -> Iterator[StageRun]:
     """One MLflow run for one executed stage, written to ``runs/<stage>.json`` at the end.
 
     Args:
@@ -210,6 +234,7 @@ def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), ran
         upstream: names of the stages whose run ids are recorded as ``upstream.<stage>`` tags.
         rank: process rank; only rank 0 talks to MLflow.
         extra_tags: more tags.
+        system_metrics: also sample CPU/GPU/memory usage (MLflow system metrics, psutil).
 
     Yields:
         A :class:`StageRun`.
@@ -240,7 +265,8 @@ def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), ran
     for up in upstream:
         tags[f"upstream.{up}"] = read_run_id(up, root) or "unknown"
     run_name = f"{os.environ.get('DVC_EXP_NAME', 'workspace')}:{stage}"
-    with sigterm_as_exception(), mlflow.start_run(run_name=run_name, tags=tags) as run:
+    with sigterm_as_exception(), mlflow.start_run(run_name=run_name, tags=tags,
+                                                  log_system_metrics=system_metrics) as run:
         handle = StageRun(run)
         try:
             mlflow.log_params(loggable_params(params))

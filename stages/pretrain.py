@@ -17,8 +17,9 @@ def run(p: Params) -> None:
     from pipeline.train import pretrain
 
     rank = int(os.environ.get("RANK", "0"))
-    with stage_run("pretrain", p, upstream=("build_shards",), rank=rank) as mlrun:
-        mlrun.log_artifact(Path(p.data.shards_dir) / "pretrain" / "manifest.json", "dataset")
+    with stage_run("pretrain", p, upstream=("build_shards",), rank=rank,
+                   system_metrics=True) as mlrun:
+        mlrun.log_shards(Path(p.data.shards_dir) / "pretrain", context="training")
         pretrain(model=p.model, moco=p.moco, opt=p.pretrain, augment=p.augment, seed=p.seed,
                  shards_dir=Path(p.data.shards_dir), encoder_path=Path("models/encoder.pt"),
                  checkpoint_dir=Path("models/checkpoints"),

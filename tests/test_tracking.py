@@ -119,3 +119,19 @@ def test_stage_run__sigterm_marks_killed(db, tmp_path):
     c = MlflowClient(db)
     runs = c.search_runs([c.get_experiment_by_name("moco-pipeline").experiment_id])
     assert [r.info.status for r in runs] == ["KILLED"]
+
+
+def test_stage_run__shards_logged_as_dataset_input(db, tmp_path):
+    import hashlib
+
+    split = tmp_path / "shards/pretrain"
+    split.mkdir(parents=True)
+    (split / "manifest.json").write_text('{"source": "fashion_mnist", "split": "pretrain"}')
+    with stage_run("pretrain", from_dict({})) as r:
+        r.log_shards(split, context="training")
+    run = MlflowClient(db).get_run(json.loads((tmp_path / "runs/pretrain.json").read_text())
+                                   ["run_id"])
+    (ds,) = run.inputs.dataset_inputs
+    assert ds.dataset.name == "fashion_mnist/pretrain"
+    want = hashlib.sha256((split / "manifest.json").read_bytes()).hexdigest()[:36]
+    assert ds.dataset.digest == want

@@ -1,0 +1,135 @@
+"""Pretrain step throughput: our engine vs a minimal plain-PyTorch MoCo loop; prints JSON.
+
+Both run the same math on the same cached batch (default params.yaml: backbone, width, head,
+K, m, T, SplitBN groups, batch): query forward, EMA update, shuffled key forward, InfoNCE
+against the queue, backward, SGD step, enqueue. The engine is ``pipeline.train.pretrain`` itself
+with its loader replaced by the cached batch (so logging, schedules and bookkeeping count);
+the reference is a 30-line loop written here without any of the project's MoCo code. Figures
+are medians over ``--repeats`` runs of ``--steps`` steps (the first steps are warm-up).
+
+Also measures the data-wait fraction of the engine with the REAL loader (default workers).
+
+Usage: ``python benchmarks/pretrain_step.py [--steps 20] [--repeats 3] [--params params.yaml]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import pipeline.train as engine
+from pipeline.config import load_params
+from pipeline.data.loader import read_manifest
+from pipeline.moco.backbones import build_backbone, build_head, resolve_small_stem
+from pipeline.moco.batchnorm import convert_split_bn
+
+
+def cached_batch(p, size: int, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shape = (p.pretrain.batch_size, channels, size, size)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def engine_rate(p, shards: Path, batch, steps: int, real_loader: bool = False) -> dict:
+    """images/s (median of logged windows after the first) of pipeline.train.pretrain."""
+    p.pretrain.steps_per_epoch = steps
+    p.pretrain.epochs = 1
+    p.pretrain.knn_every_epochs = 0
+    p.pretrain.checkpoint_every_steps = 0
+    p.pretrain.log_every_steps = 5
+    original = engine.train_loader
+    if not real_loader:
+        engine.train_loader = lambda *a, steps, skip_batches=0, **k: (
+            batch for _ in range(steps - skip_batches))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp)
+            engine.pretrain(model=p.model, moco=p.moco, opt=p.pretrain, augment=p.augment,
+                            seed=p.seed, shards_dir=shards, encoder_path=out / "e.pt",
+                            checkpoint_dir=out / "ck", metrics_path=out / "m.json",
+                            plots_path=out / "p.tsv", knn_plots_path=out / "k.tsv")
+            rows = [line.split("\t") for line in (out / "p.tsv").read_text().splitlines()]
+    finally:
+        engine.train_loader = original
+    head = rows[0]
+    vals = [dict(zip(head, r)) for r in rows[2:]]  # drop the header and the warm-up window
+    return {"images_per_s": statistics.median(float(v["images_per_s"]) for v in vals),
+            "data_wait_fraction": statistics.median(float(v["data_wait_fraction"])
+                                                    for v in vals)}
+
+
+def reference_rate(p, batch, steps: int, channels: int, size: int) -> float:
+    """A minimal MoCo loop in plain PyTorch on the same batch; images/s after 5 warm-up steps."""
+    torch.manual_seed(p.seed)
+    bb = build_backbone(p.model.backbone, width=p.model.width, in_channels=channels,
+                        small_stem=resolve_small_stem(p.model.small_stem, size))
+    q_enc = torch.nn.Sequential(bb, build_head(p.model.head, bb.num_features,
+                                               p.model.head_hidden, p.model.dim))
+    convert_split_bn(q_enc, p.moco.bn_splits)
+    k_enc = __import__("copy").deepcopy(q_enc).requires_grad_(False)
+    queue = F.normalize(torch.randn(p.model.dim, p.moco.K), dim=0)
+    ptr = 0
+    lr = p.pretrain.lr * p.pretrain.batch_size / 256
+    opt = torch.optim.SGD(q_enc.parameters(), lr=lr, momentum=0.9,
+                          weight_decay=p.pretrain.weight_decay)
+    x_q, x_k = batch
+    n = x_q.shape[0]
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        q = F.normalize(q_enc(x_q), dim=1)
+        with torch.no_grad():
+            for pk, pq in zip(k_enc.parameters(), q_enc.parameters()):
+                pk.mul_(p.moco.m).add_(pq.detach(), alpha=1 - p.moco.m)
+            perm = torch.randperm(n)
+            k = F.normalize(k_enc(x_k[perm]), dim=1)[torch.argsort(perm)]
+        logits = torch.cat([(q * k).sum(1, keepdim=True), q @ queue], 1) / p.moco.T
+        loss = F.cross_entropy(logits, torch.zeros(n, dtype=torch.long))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            idx = (ptr + torch.arange(n)) % p.moco.K
+            queue[:, idx] = k.T
+            ptr = (ptr + n) % p.moco.K
+        times.append(time.perf_counter() - t0)
+    return n / statistics.median(times[5:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--shards", default=None, help="default: data.shards_dir of the params")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    p = load_params(args.params)
+    shards = Path(args.shards or p.data.shards_dir)
+    m = read_manifest(shards / "pretrain")
+    channels, size = m["image_shape"][0], m["image_shape"][1]
+    batch = cached_batch(p, size, channels)
+    eng = [engine_rate(load_params(args.params), shards, batch, args.steps)["images_per_s"]
+           for _ in range(args.repeats)]
+    ref = [reference_rate(p, batch, args.steps, channels, size) for _ in range(args.repeats)]
+    real = engine_rate(load_params(args.params), shards, None, args.steps, real_loader=True)
+    e, r = statistics.median(eng), statistics.median(ref)
+    print(json.dumps({
+        "config": {"backbone": p.model.backbone, "width": p.model.width, "K": p.moco.K,
+                   "batch_size": p.pretrain.batch_size, "image_size": size,
+                   "threads": torch.get_num_threads()},
+        "engine_images_per_s": round(e, 1), "reference_images_per_s": round(r, 1),
+        "engine_over_reference": round(e / r, 3),
+        "real_loader_images_per_s": round(real["images_per_s"], 1),
+        "real_loader_data_wait_fraction": round(real["data_wait_fraction"], 3),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""`make bench`: run every benchmark, write benchmarks/results.json and print a table.
+
+Each benchmark is a script that prints one JSON object (medians of several runs). The pretrain
+benchmarks need the default shards (`dvc repro build_shards` first).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+BENCHES = {
+    "data": ["data_throughput.py"],
+    "pretrain_step": ["pretrain_step.py"],
+    "queue": ["queue_bench.py"],
+    "knn": ["knn_bench.py"],
+    "gpu": ["gpu.py"],
+}
+
+
+def run(args: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, str(HERE / args[0]), *args[1:]], capture_output=True,
+                          text=True)
+    if proc.returncode:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
+    text = proc.stdout
+    return json.loads(text[text.index("{"):])
+
+
+def table(res: dict) -> str:
+    d, s, q, k = res["data"], res["pretrain_step"], res["queue"], res["knn"]
+    rows = [("benchmark", "value")]
+    if "error" not in d:
+        rows.append(("shard build (img/s)", f"{d['shard_build']['images_per_s']}"))
+        for w, v in d["train_loader"]["by_num_workers"].items():
+            rows.append((f"train loader, two-crop aug, {w} workers (img/s)",
+                         f"{v['images_per_s']}"))
+    if "error" not in s:
+        rows += [("pretrain step, engine (img/s)", f"{s['engine_images_per_s']}"),
+                 ("pretrain step, plain PyTorch reference (img/s)",
+                  f"{s['reference_images_per_s']}"),
+                 ("engine / reference", f"{s['engine_over_reference']}"),
+                 ("pretrain with real loader (img/s)", f"{s['real_loader_images_per_s']}"),
+                 ("data-wait fraction (real loader)", f"{s['real_loader_data_wait_fraction']}")]
+    g = res.get("gpu", {})
+    for r in g.get("runs", []):
+        rows.append((f"GPU {r['model']} {r['image_size']}px {r['dtype']} "
+                     f"channels_last={r['channels_last']} (img/s)", f"{r['images_per_s']}"))
+    if "error" not in q:
+        rows += [(f"enqueue, K={r['K']} (us)", f"{r['enqueue_us']}") for r in q["results"]]
+    if "error" not in k:
+        rows.append(("kNN 10k x 60k, D=512 (s)", f"{k['seconds_median']}"))
+    width = max(len(a) for a, _ in rows)
+    return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)
+
+
+def main() -> None:
+    results = {"machine": {"cpu_threads": torch.get_num_threads(),
+                           "platform": platform.platform(), "torch": torch.__version__}}
+    for name, args in BENCHES.items():
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        results[name] = run(args)
+    (HERE / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(table(results))
+    errors = {k: v["error"] for k, v in results.items() if isinstance(v, dict) and "error" in v}
+    if errors:
+        print(f"errors: {errors}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
