@@ -12,8 +12,8 @@ def run(p: Params) -> None:
     from pipeline.evaluate.run import baselines
 
     with stage_run("baselines", p, upstream=("build_shards",)) as mlrun:
-        metrics = baselines(shards_dir=Path(p.data.shards_dir), model=p.model, knn=p.knn,
-                            seed=p.seed, batch_size=p.embed.batch_size)
+        metrics = baselines(shards_dir=Path(p.data.shards_dir), model=p.model, seed=p.seed,
+                            batch_size=p.embed.batch_size)
         write_json_atomic(Path("metrics/baselines.json"), metrics)
         mlrun.log_metrics(metrics)
 

@@ -23,7 +23,7 @@ from pipeline.config import KnnParams, LinearParams, ModelParams
 from pipeline.data.augment import build_eval_transform
 from pipeline.data.loader import eval_loader, read_manifest
 from pipeline.evaluate.features import FeatureSet, extract_features, load_features, save_features
-from pipeline.evaluate.knn import ClassificationMetrics, knn_classify
+from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, ClassificationMetrics, knn_classify
 from pipeline.evaluate.linear import (
     split_train_val,
     train_linear_augment,
@@ -91,6 +91,7 @@ def embed(*, encoder_path: Path, shards_dir: Path, out_dir: Path, batch_size: in
         head = torch.load(head_path, map_location="cpu", weights_only=True)
         head = _load_head(head)
     metrics: dict[str, float] = {}
+    done: dict[str, FeatureSet] = {}
     for split in ("train", "test"):
         m, size, mean, std = _spec(shards_dir / split)
         t0 = time.time()
@@ -99,11 +100,14 @@ def embed(*, encoder_path: Path, shards_dir: Path, out_dir: Path, batch_size: in
             batch_size=batch_size, num_workers=num_workers), device=device, head=head,
             desc=f"embed {split}", progress=sys.stderr.isatty())
         dt = time.time() - t0
-        save_features(fs, out_dir / f"{split}.pt")
+        done[split] = fs
         metrics[f"{split}_images"] = len(fs)
         metrics[f"{split}_images_per_s"] = len(fs) / max(dt, 1e-9)
         metrics["dim"] = fs.features.shape[1]
         log.info("embedded %d %s images in %.1fs", len(fs), split, dt)
+    # written only once both splits are embedded: a failure leaves the previous pair intact
+    for split, fs in done.items():
+        save_features(fs, out_dir / f"{split}.pt")
     return metrics
 
 
@@ -143,12 +147,15 @@ def knn_eval(*, features_dir: Path, manifest_dir: Path, knn: KnnParams, details_
             "num_train": len(train), "num_test": len(test), "wall_time_s": time.time() - t0}
 
 
-def baselines(*, shards_dir: Path, model: ModelParams, knn: KnnParams, seed: int,
+def baselines(*, shards_dir: Path, model: ModelParams, seed: int,
               batch_size: int = 512) -> dict[str, float]:
-    """The same kNN on raw pixels and on a randomly initialised encoder of the same architecture.
+    """The reference kNN (k=200, T=0.1) on raw pixels and on a random-init encoder.
 
     Raw pixels: the normalised image flattened to ``(N, C*H*W)``. Random encoder: the backbone
     built with ``seed``, BN in eval mode (initial running statistics), avgpool features.
+    The protocol is fixed at the InstDisc / MoCo CIFAR demo values, independent of the ``knn``
+    params, so the baselines are computed once per dataset and architecture (changing ``knn.k``
+    does not recompute them).
     """
     device = pick_device()
     m, size, mean, std = _spec(shards_dir / "train")
@@ -169,11 +176,11 @@ def baselines(*, shards_dir: Path, model: ModelParams, knn: KnnParams, seed: int
                                                     batch_size=batch_size),
                                    device=device, desc=f"{name} {s}",
                                    progress=sys.stderr.isatty()) for s in ("train", "test"))
-        res = knn_classify(tr.features, tr.labels, te.features, te.labels, k=knn.k, T=knn.T,
-                           chunk_size=knn.chunk_size, device=device)
+        res = knn_classify(tr.features, tr.labels, te.features, te.labels, k=DEFAULT_K,
+                           T=DEFAULT_T, device=device)
         out[f"{name}_top1"], out[f"{name}_top5"] = res.top1, res.top5
         log.info("baseline %s: kNN top-1 %.2f%% (%.1fs)", name, res.top1, time.time() - t0)
-    out["k"], out["T"] = knn.k, knn.T
+    out["k"], out["T"] = DEFAULT_K, DEFAULT_T
     return out
 
 
