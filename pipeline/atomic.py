@@ -42,8 +42,22 @@ def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
 
 
 def save_torch(obj: Any, path: str | Path) -> None:
-    """``torch.save`` atomically (see :func:`write_atomic`)."""
-    write_atomic(path, lambda f: torch.save(obj, f))
+    """``torch.save`` atomically (see :func:`write_atomic`).
+
+    Raises:
+        OSError: the write failed (e.g. ENOSPC); torch's zip writer reports a failed write as
+            an opaque ``RuntimeError``, so the ``OSError`` underneath is re-raised instead.
+    """
+
+    def write(f: IO[bytes]) -> None:
+        try:
+            torch.save(obj, f)
+        except RuntimeError as e:
+            if isinstance(e.__context__, OSError):
+                raise e.__context__ from None
+            raise
+
+    write_atomic(path, write)
 
 
 def write_json(path: str | Path, obj: Any) -> None:

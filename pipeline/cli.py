@@ -41,5 +41,21 @@ def stage_main(name: str, run: Callable[[Params], None], argv: list[str] | None 
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    run(params)
+    try:
+        run(params)
+    except _user_errors() as e:
+        # Bad input or a stopped run: one clear line, no traceback (the MLflow run is already
+        # marked FAILED by the time the exception reaches here).
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that describe bad input or a guarded stop, not a bug."""
+    from pipeline.data.shards import ShardError
+    from pipeline.data.sources import SourceError
+    from pipeline.tracking import TrackingError
+    from pipeline.train import NonFiniteLossError
+
+    return (ShardError, SourceError, TrackingError, NonFiniteLossError, FileNotFoundError)

@@ -362,9 +362,11 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
                     out = ddp_net(im_q, im_k, m=ms[step], step=step)
                 loss = out.loss
                 if not torch.isfinite(loss.detach()):
+                    kept = (f"the last good checkpoint is kept at {ckpt_path}"
+                            if ckpt_path.is_file() else "no checkpoint was written yet")
                     raise NonFiniteLossError(
                         f"non-finite loss ({loss.item()}) at step {step} (epoch {epoch}); "
-                        f"training stopped, the last good checkpoint is kept at {ckpt_path}")
+                        f"training stopped, {kept}. Lower pretrain.lr or check the data")
                 optimizer.zero_grad(set_to_none=True)
                 scaler.scale(loss).backward()
                 scaler.step(optimizer)

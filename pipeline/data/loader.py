@@ -67,7 +67,25 @@ def _identity(x: Any) -> Any:
 
 
 def _shard_urls(directory: Path, manifest: dict[str, Any]) -> list[str]:
-    return [str(directory / s["name"]) for s in manifest["shards"]]
+    """The shard paths in manifest order, each present with the manifest's byte size.
+
+    A shard cut at a member boundary still reads as a valid, shorter tar: without this check
+    training would silently draw from fewer samples.
+
+    Raises:
+        ShardError: a shard is missing or its size differs from the manifest (names it).
+    """
+    urls = []
+    for s in manifest["shards"]:
+        path = directory / s["name"]
+        if not path.is_file():
+            raise ShardError(f"{path}: shard listed in the manifest is missing")
+        size = path.stat().st_size
+        if size != s["bytes"]:
+            raise ShardError(f"{path}: {size} bytes, manifest says {s['bytes']} (truncated or "
+                             "altered; check with `python -m pipeline verify-shards`)")
+        urls.append(str(path))
+    return urls
 
 
 class _TrainStream(IterableDataset):

@@ -1,0 +1,73 @@
+"""Bad params: every stage script refuses them before any work (exit 2, one stderr line naming
+the key, nothing created), and the trainer refuses more ranks than the batch can feed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import run_pretrain
+from relhelpers import run_stage, write_params
+
+import pipeline.train as train_mod
+
+CASES = [  # (stage, section, key, bad value)
+    ("pretrain", "pretrain", "batch_size", 0),
+    ("pretrain", "pretrain", "batch_size", -16),
+    ("pretrain", "moco", "K", 0),
+    ("pretrain", "moco", "m", 1.5),
+    ("pretrain", "moco", "m", -0.1),
+    ("pretrain", "moco", "T", 0.0),
+    ("pretrain", "pretrain", "epochs", 0),
+    ("pretrain", "augment", "preset", "v9"),
+    ("pretrain", "model", "backbone", "vgg16"),
+    ("build_shards", "data", "source", "mnist"),
+    ("pretrain", "moco", "bn_splits", 3),  # does not divide pretrain.batch_size 16
+    ("embed", "embed", "batch_size", 0),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stage", "section", "key", "value"), CASES,
+                         ids=[f"{c[0]}-{c[1]}.{c[2]}={c[3]}" for c in CASES])
+def test_stage__bad_param__exit_2_one_line_naming_key_nothing_written(stage, section, key,
+                                                                     value, tmp_path):
+    wd = tmp_path / "wd"
+    write_params(wd / "bad.yaml", {section: {key: value}}, mlflow=True)
+    db = tmp_path / "x.db"
+
+    r = run_stage(stage, wd, "bad.yaml", db=db, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert f"'{section}.{key}'" in lines[0] and lines[0].startswith("error: ")
+    assert r.stdout == ""
+    assert sorted(p.name for p in wd.iterdir()) == ["bad.yaml"]  # no models/, runs/, data/
+    assert not db.exists()
+
+
+def test_pretrain_stage__missing_params_file__exit_2_naming_it(tmp_path):
+    r = run_stage("pretrain", tmp_path, "nope.yaml", db=tmp_path / "x.db", timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["error: params: file 'nope.yaml' does not exist"]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("world_size", [17, 32, 48])
+def test_pretrain__more_ranks_than_batch__refused_before_any_output(world_size, tiny_shards,
+                                                                   tmp_path, monkeypatch):
+    # torchrun-free: the trainer sees the Runtime a WORLD_SIZE=N launch would give rank 0
+    monkeypatch.setattr(train_mod, "setup_device", lambda: train_mod.Runtime(
+        device=torch.device("cpu"), rank=0, world_size=world_size, local_rank=0))
+    with pytest.raises(ValueError, match=rf"batch_size \(16\).*processes \({world_size}\)"):
+        run_pretrain(tiny_shards, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pretrain__one_image_per_rank_with_split_bn__refused(tiny_shards, tmp_path,
+                                                             monkeypatch):
+    # batch 16 over 16 ranks = 1 image per rank: 2 BN splits cannot divide it
+    monkeypatch.setattr(train_mod, "setup_device", lambda: train_mod.Runtime(
+        device=torch.device("cpu"), rank=0, world_size=16, local_rank=0))
+    with pytest.raises(ValueError, match="bn_splits"):
+        run_pretrain(tiny_shards, tmp_path)
+    assert list(tmp_path.iterdir()) == []
