@@ -5,7 +5,8 @@ K, m, T, SplitBN groups, batch): query forward, EMA update, shuffled key forward
 against the queue, backward, SGD step, enqueue. The engine is ``pipeline.train.pretrain`` itself
 with its loader replaced by the cached batch (so logging, schedules and bookkeeping count);
 the reference is a 30-line loop written here without any of the project's MoCo code. Figures
-are medians over ``--repeats`` runs of ``--steps`` steps (the first steps are warm-up).
+are medians over ``--repeats`` interleaved runs of each run's median per-step rate over
+``--steps`` steps (the first 5 steps of each run are warm-up).
 
 Also measures the data-wait fraction of the engine with the REAL loader (default workers).
 
@@ -43,7 +44,7 @@ def engine_rate(p, shards: Path, batch, steps: int, real_loader: bool = False) -
     p.pretrain.epochs = 1
     p.pretrain.knn_every_epochs = 0
     p.pretrain.checkpoint_every_steps = 0
-    p.pretrain.log_every_steps = 5
+    p.pretrain.log_every_steps = 1  # one row per step: per-step rates, like the reference
     original = engine.train_loader
     if not real_loader:
         engine.train_loader = lambda *a, steps, skip_batches=0, **k: (
@@ -59,7 +60,7 @@ def engine_rate(p, shards: Path, batch, steps: int, real_loader: bool = False) -
     finally:
         engine.train_loader = original
     head = rows[0]
-    vals = [dict(zip(head, r)) for r in rows[2:]]  # drop the header and the warm-up window
+    vals = [dict(zip(head, r)) for r in rows[6:]]  # drop the header and 5 warm-up steps
     return {"images_per_s": statistics.median(float(v["images_per_s"]) for v in vals),
             "data_wait_fraction": statistics.median(float(v["data_wait_fraction"])
                                                     for v in vals)}
@@ -115,9 +116,11 @@ def main() -> None:
     m = read_manifest(shards / "pretrain")
     channels, size = m["image_shape"][0], m["image_shape"][1]
     batch = cached_batch(p, size, channels)
-    eng = [engine_rate(load_params(args.params), shards, batch, args.steps)["images_per_s"]
-           for _ in range(args.repeats)]
-    ref = [reference_rate(p, batch, args.steps, channels, size) for _ in range(args.repeats)]
+    eng, ref = [], []
+    for _ in range(args.repeats):  # interleaved, so background load hits both alike
+        eng.append(engine_rate(load_params(args.params), shards, batch,
+                               args.steps)["images_per_s"])
+        ref.append(reference_rate(p, batch, args.steps, channels, size))
     real = engine_rate(load_params(args.params), shards, None, args.steps, real_loader=True)
     e, r = statistics.median(eng), statistics.median(ref)
     print(json.dumps({
