@@ -1,7 +1,8 @@
 """The MoCo pretraining engine: schedules, precision, DDP, checkpoint/resume, kNN monitor, export.
 
 One code path serves one CPU process, one GPU and N processes under ``torchrun`` (gloo on CPU,
-NCCL on GPU). The device is chosen once in :func:`setup_device`; nothing calls ``.cuda()``.
+NCCL on GPU). The device is chosen once in :func:`setup_device` and passed along; no module
+hard-codes a device.
 
 Epochs are defined in optimizer steps: ``steps_per_epoch`` full global batches (default
 ``pretrain images // batch_size``), identical on every rank, so DDP can never hang. The lr and
