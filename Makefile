@@ -28,7 +28,10 @@ data:
 
 setup: $(VENV)/.installed data
 
+# Validate params (complete, in range) BEFORE dvc repro: DVC deletes a stage's outputs before
+# running it, so a typo caught inside the stage would cost the previous outputs.
 run: setup
+	python -m pipeline check-params > /dev/null
 	dvc repro
 
 test: setup

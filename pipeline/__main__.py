@@ -8,7 +8,7 @@ import sys
 from omegaconf import OmegaConf
 
 from pipeline.cli import EXIT_BAD_INPUT, setup_logging
-from pipeline.config import ParamsError, load_params, to_dict
+from pipeline.config import ParamsError, load_params, missing_keys, to_dict
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +26,12 @@ def main(argv: list[str] | None = None) -> int:
             params = load_params(args.params)
         except ParamsError as e:
             print(f"error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        missing = missing_keys(args.params)
+        if missing:
+            print(f"error: {args.params}: missing keys {', '.join(missing)} (dvc repro needs "
+                  "every key; copy them from params.yaml or a preset in configs/)",
+                  file=sys.stderr)
             return EXIT_BAD_INPUT
         print(OmegaConf.to_yaml(OmegaConf.create(to_dict(params))), end="")
         return 0

@@ -340,6 +340,18 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         raise ParamsError(f"{path}: {e}") from None
 
 
+def missing_keys(path: str | Path) -> list[str]:
+    """Dotted schema keys absent from a params file.
+
+    Stages fill absent keys with defaults, but ``dvc repro`` needs every key that ``dvc.yaml``
+    lists to be IN the file, so ``check-params`` (run by ``make run`` before ``dvc repro``)
+    reports them.
+    """
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+    have = set(flatten(raw)) if isinstance(raw, dict) else set()
+    return sorted(set(flatten(to_dict(Params()))) - have)
+
+
 def to_dict(p: Params) -> dict[str, Any]:
     """The params as a plain nested dict (for YAML dumps and MLflow artifacts)."""
     return asdict(p)

@@ -101,3 +101,12 @@ def test_check_params_cli__prints_config_or_error(tmp_path, capsys):
 def test_load_params__missing_file_named(tmp_path):
     with pytest.raises(ParamsError, match="nope.yaml"):
         load_params(tmp_path / "nope.yaml")
+
+
+def test_check_params_cli__incomplete_file_names_missing_keys(tmp_path, capsys):
+    part = tmp_path / "p.yaml"
+    part.write_text("seed: 1\nmoco:\n  K: 16\n")  # valid values, but DVC needs every key
+    assert cli_main(["check-params", "--params", str(part)]) == 2
+    err = capsys.readouterr().err
+    assert "missing keys" in err and "report.tsne_points" in err and "moco.m," in err
+    assert "moco.K," not in err and "seed," not in err
