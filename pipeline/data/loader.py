@@ -43,7 +43,14 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.data.augment import sample_seed
-from pipeline.data.shards import ShardError, check_members, decode_record, iter_shard, read_manifest
+from pipeline.data.shards import (
+    ShardError,
+    check_members,
+    decode_record,
+    iter_shard,
+    read_manifest,
+    sha256_file,
+)
 
 __all__ = ["ShardError", "eval_loader", "read_manifest", "train_loader"]
 
@@ -66,24 +73,43 @@ def _identity(x: Any) -> Any:
     return x
 
 
-def _shard_urls(directory: Path, manifest: dict[str, Any]) -> list[str]:
-    """The shard paths in manifest order, each present with the manifest's byte size.
+# (path, size, mtime_ns) -> sha256 of shards hashed in this process: each file is read once even
+# though a loader is built every epoch.
+_DIGESTS: dict[tuple[str, int, int], str] = {}
 
-    A shard cut at a member boundary still reads as a valid, shorter tar: without this check
-    training would silently draw from fewer samples.
+
+def _file_sha256(path: Path, size: int, mtime_ns: int) -> str:
+    key = (str(path.resolve()), size, mtime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = sha256_file(path)
+    return _DIGESTS[key]
+
+
+def _shard_urls(directory: Path, manifest: dict[str, Any]) -> list[str]:
+    """The shard paths in manifest order, each present with the manifest's byte size and sha256.
+
+    A shard cut at a member boundary still reads as a valid, shorter tar, and a shard whose
+    bytes were altered may still decode: without these checks a stage would silently train or
+    evaluate on other data than the manifest (and DVC) describe. The sha256 of each file is
+    computed once per process (cached by path, size and mtime).
 
     Raises:
-        ShardError: a shard is missing or its size differs from the manifest (names it).
+        ShardError: a shard is missing, or its size or sha256 differs from the manifest (names
+            the file).
     """
     urls = []
     for s in manifest["shards"]:
         path = directory / s["name"]
         if not path.is_file():
             raise ShardError(f"{path}: shard listed in the manifest is missing")
-        size = path.stat().st_size
-        if size != s["bytes"]:
-            raise ShardError(f"{path}: {size} bytes, manifest says {s['bytes']} (truncated or "
-                             "altered; check with `python -m pipeline verify-shards`)")
+        st = path.stat()
+        if st.st_size != s["bytes"]:
+            raise ShardError(f"{path}: {st.st_size} bytes, manifest says {s['bytes']} (truncated "
+                             "or altered; check with `python -m pipeline verify-shards`)")
+        digest = _file_sha256(path, st.st_size, st.st_mtime_ns)
+        if digest != s["sha256"]:
+            raise ShardError(f"{path}: sha256 {digest[:16]}... != manifest {s['sha256'][:16]}... "
+                             "(altered; rebuild with `dvc repro -f build_shards`)")
         urls.append(str(path))
     return urls
 
@@ -176,7 +202,8 @@ def train_loader(manifest_dir: str | Path, *, transform: TwoCropTransform, batch
 
     Raises:
         ValueError: an argument out of range (names it).
-        ShardError: missing/invalid manifest; a corrupt sample (during iteration).
+        ShardError: missing/invalid manifest; a shard missing or differing from the manifest in
+            size or sha256 (at call time); a corrupt sample (during iteration).
     """
     _check_args(batch_size=(batch_size, 1), steps=(steps, 1), epoch=(epoch, 0), seed=(seed, 0),
                 world_size=(world_size, 1), rank=(rank, 0), num_workers=(num_workers, 0),
@@ -291,13 +318,15 @@ def eval_loader(manifest_dir: str | Path, *, transform: EvalTransform, batch_siz
 
     Raises:
         ValueError: an argument out of range (names it).
-        ShardError: missing/invalid manifest; a corrupt shard or sample (during iteration).
+        ShardError: missing/invalid manifest; a shard missing or differing from the manifest in
+            size or sha256 (at call time); a corrupt sample (during iteration).
     """
     _check_args(batch_size=(batch_size, 1), num_workers=(num_workers, 0),
                 max_images=(max_images, 0))
     directory = Path(manifest_dir)
     manifest = read_manifest(directory)
     total = min(max_images, manifest["num_samples"]) if max_images else manifest["num_samples"]
-    shards = [(str(directory / s["name"]), s["num_samples"]) for s in manifest["shards"]]
+    urls = _shard_urls(directory, manifest)
+    shards = [(url, s["num_samples"]) for url, s in zip(urls, manifest["shards"], strict=True)]
     stream = _EvalStream(shards, manifest["mode"], transform, batch_size=batch_size, total=total)
     return _SizedLoader(stream, math.ceil(total / batch_size), num_workers, pin_memory)

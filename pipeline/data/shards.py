@@ -101,7 +101,8 @@ def resize_samples(samples: Iterable[Sample], image_size: int) -> Iterator[Sampl
         yield Sample(s.key, F.center_crop(img, [image_size, image_size]), s.label)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -256,7 +257,7 @@ def _write(first: Sample, rest: Iterator[Sample], tmp: Path, *, split: str, sour
     for i, count in enumerate(counts):
         path = tmp / (SHARD_PATTERN % i)
         shards.append({"name": path.name, "num_samples": count, "bytes": path.stat().st_size,
-                       "sha256": _sha256(path)})
+                       "sha256": sha256_file(path)})
     on_disk = sorted(p.name for p in tmp.glob("*.tar"))
     if on_disk != [s["name"] for s in shards]:  # ShardWriter opened a shard it never filled
         raise ShardError(f"{out_dir}: shard files {on_disk} differ from those written")
@@ -499,7 +500,7 @@ def verify_shards(directory: str | Path) -> dict[str, Any]:
         if size != s["bytes"]:
             raise ShardError(f"{path}: {size} bytes, manifest says {s['bytes']} (truncated or "
                              "altered)")
-        digest = _sha256(path)
+        digest = sha256_file(path)
         if digest != s["sha256"]:
             raise ShardError(f"{path}: sha256 {digest} != manifest {s['sha256']} (altered)")
         count = 0
