@@ -41,7 +41,11 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from pipeline.evaluate.features import FeatureSet
-from pipeline.evaluate.knn import ClassificationMetrics, classification_metrics, contiguous_labels
+from pipeline.evaluate.metrics import (
+    ClassificationMetrics,
+    classification_metrics,
+    contiguous_labels,
+)
 
 LR_SCHEDULES = ("step", "cosine")
 FEATURE_NORMS = ("l2", "none")

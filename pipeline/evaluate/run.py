@@ -23,12 +23,13 @@ from pipeline.config import KnnParams, LinearParams, ModelParams
 from pipeline.data.augment import build_eval_transform
 from pipeline.data.loader import eval_loader, read_manifest
 from pipeline.evaluate.features import FeatureSet, extract_features, load_features, save_features
-from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, ClassificationMetrics, knn_classify
+from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, knn_classify
 from pipeline.evaluate.linear import (
     split_train_val,
     train_linear_augment,
     train_linear_on_features,
 )
+from pipeline.evaluate.metrics import ClassificationMetrics
 from pipeline.moco.backbones import build_backbone, build_head, resolve_small_stem
 
 log = logging.getLogger(__name__)

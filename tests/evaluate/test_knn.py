@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.evaluate.knn import classification_metrics, knn_classify, knn_predict
+from pipeline.evaluate.knn import knn_classify, knn_predict
+from pipeline.evaluate.metrics import classification_metrics
 
 
 def _reference_scores(train, labels, test, k, T, num_classes):
