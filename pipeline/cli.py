@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pipeline.config import Params, ParamsError, load_params
 
 EXIT_BAD_INPUT = 2
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 
 def setup_logging() -> None:
@@ -36,6 +37,8 @@ def stage_main(name: str, run: Callable[[Params], None], argv: list[str] | None 
                         help="params file (default: %(default)s)")
     args = parser.parse_args(argv)
     setup_logging()
+    from pipeline.tracking import Terminated  # lazy: keeps `--help` and check-params light
+
     try:
         params = load_params(args.params)
     except ParamsError as e:
@@ -48,6 +51,11 @@ def stage_main(name: str, run: Callable[[Params], None], argv: list[str] | None 
         # marked FAILED by the time the exception reaches here).
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    except Terminated as e:
+        # SIGTERM (e.g. Ctrl-C of dvc repro, a scheduler's preemption): the checkpoint and the
+        # KILLED MLflow run are already written; 128 + SIGTERM is the shell's convention.
+        print(f"error: Terminated: {e}; rerun `dvc repro` to resume", file=sys.stderr)
+        return EXIT_TERMINATED
     return 0
 
 

@@ -539,8 +539,8 @@ def verify_main(directory: str | Path) -> int:
         dirs = [d for d in sorted(directory.iterdir()) if (d / MANIFEST_NAME).is_file()] \
             if directory.is_dir() else []
     if not dirs:
-        print(f"verify-shards: {directory}: no {MANIFEST_NAME} here or in its sub-directories",
-              file=sys.stderr)
+        print(f"error: verify-shards: {directory}: no {MANIFEST_NAME} here or in its "
+              "sub-directories", file=sys.stderr)
         return 1
     try:
         for d in dirs:
@@ -548,6 +548,7 @@ def verify_main(directory: str | Path) -> int:
             print(f"ok  {r['dir']}: {r['split']} ({r['source']}), {r['num_samples']} samples "
                   f"in {r['num_shards']} shard(s), {r['bytes'] / 1e6:.1f} MB")
     except (ShardError, OSError) as e:
-        print(f"verify-shards: FAILED: {e}", file=sys.stderr)
+        print(f"error: verify-shards: {e}; rebuild with `dvc repro -f build_shards`",
+              file=sys.stderr)
         return 1
     return 0
