@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import tarfile
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
+from helpers import relabel_first_sample, rewrite_manifest
 from PIL import Image
 
 from pipeline.data.loader import eval_loader, read_manifest, train_loader
@@ -152,24 +152,6 @@ def test_eval_loader__max_images_prefix(uneven: Path):
     assert [len(ks) for _, _, ks in batches] == [4, 3]
 
 
-def rehash_manifest(d: Path) -> None:
-    m = json.loads((d / "manifest.json").read_text())
-    for s in m["shards"]:
-        data = (d / s["name"]).read_bytes()
-        s["bytes"], s["sha256"] = len(data), hashlib.sha256(data).hexdigest()
-    (d / "manifest.json").write_text(json.dumps(m))
-
-
-def relabel_first_sample(shard: Path) -> None:
-    """Change one label digit in place: same size, still a valid tar that decodes."""
-    with tarfile.open(shard) as t:
-        cls = next(m for m in t.getmembers() if m.name.endswith(".cls"))
-    data = bytearray(shard.read_bytes())
-    old = data[cls.offset_data]
-    data[cls.offset_data] = ord("1") if old != ord("1") else ord("2")
-    shard.write_bytes(bytes(data))
-
-
 @pytest.mark.parametrize("loader", ["train", "eval"])
 def test_loaders__altered_but_decodable_shard_refused(tmp_path: Path, loader: str):
     d = make_shards(tmp_path / "s", n=6, per_shard=3)
@@ -190,7 +172,7 @@ def test_eval_loader__pickle_member_refused(tmp_path: Path):
     with wds.TarWriter(str(d / "shard-000000.tar"), encoder=False) as w:
         w.write({"__key__": "x0", "png": png.getvalue(), "cls": b"0"})
         w.write({"__key__": "x1", "pickle": b"\x80\x04K\x01.", "cls": b"0"})
-    rehash_manifest(d)  # a consistent manifest: the member check itself must refuse the pickle
+    rewrite_manifest(d)  # a consistent manifest: the member check itself must refuse the pickle
     with pytest.raises(ShardError, match=r"shard-000000.tar: sample 'x1': member '\.pickle'"):
         list(eval_loader(d, transform=to_tensor, batch_size=2))
 

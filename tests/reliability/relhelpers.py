@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -14,6 +13,7 @@ from typing import Any
 
 import torch
 import yaml
+from helpers import rewrite_manifest  # noqa: F401  (re-exported for the reliability tests)
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
@@ -100,18 +100,6 @@ def tree_digest(root: Path) -> dict[str, str]:
     """``{relative path: sha256}`` of every file under ``root`` (hidden ones included)."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def rewrite_manifest(split_dir: Path, **top: Any) -> None:
-    """Re-hash the shards into ``manifest.json`` (bytes, sha256) and set top-level fields."""
-    mpath = split_dir / "manifest.json"
-    m = json.loads(mpath.read_text())
-    for s in m["shards"]:
-        p = split_dir / s["name"]
-        s["bytes"] = p.stat().st_size
-        s["sha256"] = hashlib.sha256(p.read_bytes()).hexdigest()
-    m.update(top)
-    mpath.write_text(json.dumps(m, indent=2, sort_keys=True) + "\n")
 
 
 def mlflow_runs(db: Path, experiment: str = "moco-pipeline") -> list:

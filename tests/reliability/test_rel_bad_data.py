@@ -11,6 +11,7 @@ import tarfile
 
 import numpy as np
 import pytest
+from helpers import relabel_first_sample
 from PIL import Image
 from relhelpers import (
     PY,
@@ -41,15 +42,6 @@ def flip_byte(path):
     path.write_bytes(bytes(data))
 
 
-def relabel_one_sample(path):
-    """Edit one label digit in place: same size, valid tar, decodes -- only sha256 can tell."""
-    with tarfile.open(path) as t:
-        cls = next(m for m in t.getmembers() if m.name.endswith(".cls"))
-    data = bytearray(path.read_bytes())
-    data[cls.offset_data] = ord("1") if data[cls.offset_data] != ord("1") else ord("2")
-    path.write_bytes(bytes(data))
-
-
 def seed_previous_outputs(wd):
     """Outputs of an earlier run that a failing stage must not touch."""
     (wd / "models").mkdir()
@@ -70,7 +62,7 @@ def test_pretrain_stage__bad_shards__fails_naming_file_outputs_intact(fault, wor
         truncate_at_member_boundary(shard)
         named = SHARD1
     elif fault == "label_altered_same_size":
-        relabel_one_sample(shard)
+        relabel_first_sample(shard)
         named = SHARD1
     elif fault == "missing_shard":
         shard.unlink()
