@@ -102,7 +102,11 @@ def resize_samples(samples: Iterable[Sample], image_size: int) -> Iterator[Sampl
 
 
 def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
+    """Hex sha256 (64 characters) of a file's bytes, read in 1 MiB blocks.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
