@@ -109,8 +109,9 @@ class PretrainParams:
     weight_decay: float = 5e-4
     sgd_momentum: float = 0.9
     precision: str = "auto"
-    channels_last: bool = True  # CUDA only
-    compile: bool = False  # CUDA only
+    channels_last: str = "auto"  # auto|true|false; auto = CUDA only
+    compile: str = "auto"  # auto|true|false torch.compile of the encoders; auto = CUDA only
+    num_threads: int = 0  # CPU intra-op threads; 0 = auto (probe all usable cores vs half)
     num_workers: int = 1
     deterministic: bool = True
     checkpoint_every_epochs: int = 1
@@ -248,6 +249,11 @@ def validate(p: Params) -> Params:
     pos("pretrain.weight_decay", t.weight_decay, strict=False)
     _check(0 <= t.sgd_momentum < 1, "pretrain.sgd_momentum", "0 <= x < 1", t.sgd_momentum)
     one_of("pretrain.precision", t.precision, PRECISIONS)
+    for k in ("channels_last", "compile"):
+        v = str(getattr(t, k)).lower()  # YAML true/false arrive as "True"/"False"
+        setattr(t, k, v)
+        one_of(f"pretrain.{k}", v, ("auto", "true", "false"))
+    pos("pretrain.num_threads", t.num_threads, strict=False)
     pos("pretrain.num_workers", t.num_workers, strict=False)
     pos("pretrain.checkpoint_every_epochs", t.checkpoint_every_epochs)
     pos("pretrain.checkpoint_every_steps", t.checkpoint_every_steps, strict=False)

@@ -35,7 +35,16 @@ _SECRET_WORDS = ("password", "secret", "token", "key_id", "access_key", "credent
 
 
 class Terminated(BaseException):
-    """Raised in the main thread when the process receives SIGTERM."""
+    """Raised in the main thread when the process receives SIGTERM (or SIGINT during training).
+
+    Args:
+        message: what happened (e.g. where the checkpoint was written).
+        signum: the signal received (the exit code is ``128 + signum``).
+    """
+
+    def __init__(self, message: str = "", signum: int = signal.SIGTERM) -> None:
+        super().__init__(message)
+        self.signum = int(signum)
 
 
 class TrackingError(RuntimeError):

@@ -1,22 +1,10 @@
 """WebDataset input pipelines over a split's shards (the explicit list from its manifest).
 
-``train_loader`` — MoCo pretraining, one epoch:
-
-* Every (rank, worker) stream draws shards with replacement (resampled, as WebDataset advises
-  for multi-node training) with an RNG seeded by ``(seed, epoch, rank, worker, num_workers)``,
-  then shuffles samples through a buffer seeded the same way. A new ``epoch`` gives a new order;
-  the same arguments give the same batches, bit for bit.
-* Each rank yields exactly ``steps`` full batches whatever the shard count (even fewer shards
-  than ranks x workers) or worker count, so DDP ranks never wait on each other.
-* With ``W`` DataLoader workers, the rank's batch ``i`` is built by logical worker ``i % W``
-  (PyTorch's DataLoader returns worker outputs round-robin). ``skip_batches=s`` rotates the
-  logical worker ids by ``s`` and drops each worker's first batches as raw bytes, before any
-  decoding or augmentation, so a resumed epoch yields exactly batches ``s..steps-1`` of the
-  uninterrupted one.
-* ``transform(img, sample_seed)`` gets the per-sample seed
-  :func:`pipeline.data.augment.sample_seed` ``(seed, epoch, key, draw)``, where
-  ``draw = (batch * world_size + rank) * batch_size + slot`` is unique within the epoch across
-  ranks (a shard may be drawn twice, so the key alone does not identify a draw).
+``train_loader`` — MoCo pretraining, one epoch of one rank, as uint8 batches: a true epoch (every
+image at most once, all but a remainder of less than one global batch exactly once), in an order
+that is a pure function of ``(seed, epoch)`` (see :func:`train_loader` for the design). Workers
+only read and decode; the two augmented views are made per batch on the training device
+(:mod:`pipeline.data.augment`).
 
 ``eval_loader`` — every sample exactly once, in manifest order (the order written at build
 time), partial last batch kept, for any ``num_workers``: global batch ``i`` is built by worker
@@ -37,12 +25,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import webdataset as wds
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.data.augment import sample_seed
 from pipeline.data.shards import (
     ShardError,
     check_members,
@@ -54,7 +42,7 @@ from pipeline.data.shards import (
 
 __all__ = ["ShardError", "eval_loader", "read_manifest", "train_loader"]
 
-TwoCropTransform = Callable[[Image.Image, int], tuple[torch.Tensor, torch.Tensor]]
+SHUFFLE_BUDGET_BYTES = 512 * 2**20  # raw sample bytes each train reader may buffer (auto size)
 EvalTransform = Callable[[Image.Image], torch.Tensor]
 
 
@@ -114,14 +102,71 @@ def _shard_urls(directory: Path, manifest: dict[str, Any]) -> list[str]:
     return urls
 
 
-class _TrainStream(IterableDataset):
-    """One rank's epoch: this worker's share of ``steps`` batches of two-crop views."""
+def epoch_order(counts: list[int], *, seed: int, epoch: int) -> tuple[list[int], int]:
+    """The epoch's global sample order: a shard permutation and a cyclic offset.
 
-    def __init__(self, urls: list[str], mode: str, transform: TwoCropTransform, *,
-                 batch_size: int, steps: int, epoch: int, seed: int, rank: int, world_size: int,
-                 skip_batches: int, shuffle_buffer: int):
+    The epoch's sequence is the shards in permuted order, concatenated (tar order inside each
+    shard), then rotated left by ``offset`` samples. Readers take contiguous slices of it and
+    shuffle inside their slice; the remainder that fills no global batch is the sequence's tail,
+    so the rotation makes the dropped images different every epoch.
+
+    Args:
+        counts: samples per shard, in manifest order.
+        seed: the run seed.
+        epoch: 0-based epoch.
+
+    Returns:
+        ``(permutation, offset)``: shard indices in epoch order and ``0 <= offset < sum(counts)``.
+    """
+    rng = random.Random(_seed_int("epoch-order", seed, epoch))
+    perm = list(range(len(counts)))
+    rng.shuffle(perm)
+    return perm, rng.randrange(max(1, sum(counts)))
+
+
+def reader_runs(counts: list[int], perm: list[int], offset: int, start: int,
+                length: int) -> list[tuple[int, int, int]]:
+    """Map a slice ``[start, start + length)`` of the rotated epoch sequence to shard runs.
+
+    Args:
+        counts: samples per shard, manifest order.
+        perm: shard indices in epoch order (:func:`epoch_order`).
+        offset: the epoch's rotation.
+        start: first position in the rotated sequence.
+        length: number of positions; ``start + length <= sum(counts)``.
+
+    Returns:
+        ``(shard index, first sample, end sample)`` runs in reading order.
+    """
+    total = sum(counts)
+    bounds, acc = [], 0  # (shard, begin, end) of each shard in the un-rotated sequence
+    for i in perm:
+        bounds.append((i, acc, acc + counts[i]))
+        acc += counts[i]
+    runs: list[tuple[int, int, int]] = []
+    pos, left = (start + offset) % max(total, 1), length
+    while left > 0:
+        for shard, begin, end in bounds:
+            if begin <= pos < end:
+                take = min(left, end - pos)
+                if runs and runs[-1][0] == shard and runs[-1][2] == pos - begin:
+                    runs[-1] = (shard, runs[-1][1], runs[-1][2] + take)
+                else:
+                    runs.append((shard, pos - begin, pos - begin + take))
+                left -= take
+                pos = (pos + take) % total
+                break
+    return runs
+
+
+class _TrainStream(IterableDataset):
+    """One reader's share of one rank's epoch: raw samples → shuffle → uint8 batches."""
+
+    def __init__(self, shards: list[tuple[str, int]], mode: str, *, batch_size: int, steps: int,
+                 epoch: int, seed: int, rank: int, world_size: int, skip_batches: int,
+                 shuffle_buffer: int):
         super().__init__()
-        self.urls, self.mode, self.transform = urls, mode, transform
+        self.shards, self.mode = shards, mode
         self.batch_size, self.steps, self.epoch, self.seed = batch_size, steps, epoch, seed
         self.rank, self.world_size = rank, world_size
         self.skip_batches, self.shuffle_buffer = skip_batches, shuffle_buffer
@@ -134,90 +179,164 @@ class _TrainStream(IterableDataset):
         dropped = sum(1 for i in mine if i < self.skip_batches)
         return logical, dropped, [i for i in mine if i >= self.skip_batches]
 
-    def _resampled(self, logical: int) -> Iterator[dict[str, str]]:
-        rng = random.Random(_seed_int("shards", self.seed, self.epoch, self.rank, logical,
-                                      _worker()[1]))
-        while True:
-            yield {"url": rng.choice(self.urls)}
+    def _slice(self, logical: int) -> tuple[int, int]:
+        """(start, length) of this reader's slice of the rotated epoch sequence.
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        Readers are laid out rank-major, then by logical worker; each holds exactly the samples
+        of the batches it builds, so all slices together are the first ``steps * batch_size *
+        world_size`` positions and no position is read twice.
+        """
+        num_workers = _worker()[1]
+        per_worker = [len(range(w, self.steps, num_workers)) * self.batch_size
+                      for w in range(num_workers)]
+        start = self.rank * self.steps * self.batch_size + sum(per_worker[:logical])
+        return start, per_worker[logical]
+
+    def _raw(self, logical: int) -> Iterator[dict[str, Any]]:
+        counts = [c for _, c in self.shards]
+        perm, offset = epoch_order(counts, seed=self.seed, epoch=self.epoch)
+        start, length = self._slice(logical)
+        for shard, first, end in reader_runs(counts, perm, offset, start, length):
+            url = self.shards[shard][0]
+            got = 0
+            for record in itertools.islice(iter_shard(url), first, end):
+                got += 1
+                yield check_members(record)
+            if got != end - first:
+                raise ShardError(f"{url}: fewer samples than the manifest's "
+                                 f"{self.shards[shard][1]}")
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
         logical, dropped, batches = self._plan()
         if not batches:
             return iter(())
         b = self.batch_size
-        buffer_rng = random.Random(_seed_int("buffer", self.seed, self.epoch, self.rank, logical,
-                                             _worker()[1]))
+        start, length = self._slice(logical)
+        rng = random.Random(_seed_int("buffer", self.seed, self.epoch, self.rank, logical,
+                                      _worker()[1]))
+        buffer = max(1, min(length, self.shuffle_buffer))
 
         def take(src: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
             # drop whole batches as raw bytes (cheap resume), then exactly the batches to yield
             return itertools.islice(src, dropped * b, (dropped + len(batches)) * b)
 
-        def views(src: Iterator[dict[str, Any]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-            for n, record in enumerate(src):
+        def decode(src: Iterator[dict[str, Any]]) -> Iterator[tuple[np.ndarray, str]]:
+            for record in src:
                 key, image, _ = decode_record(record, self.mode)
-                draw = (batches[n // b] * self.world_size + self.rank) * b + n % b
-                yield self.transform(image, sample_seed(self.seed, self.epoch, key, draw))
+                yield _to_uint8(image), key
 
         pipeline = wds.DataPipeline(
-            lambda: self._resampled(logical),
-            wds.tarfile_to_samples(),
-            wds.map(check_members),
-            wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=buffer_rng),
+            lambda: self._raw(logical),
+            wds.shuffle(buffer, initial=buffer, rng=rng),
             take,
-            views,
-            wds.batched(b, collation_fn=_stack_pairs, partial=False),
+            decode,
+            wds.batched(b, collation_fn=_stack_uint8, partial=False),
         )
         return iter(pipeline)
 
 
-def _stack_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
-    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+def _to_uint8(image: Image.Image) -> np.ndarray:
+    """``(C, H, W)`` uint8 array of a decoded ``L`` or ``RGB`` image."""
+    a = np.asarray(image, dtype=np.uint8)
+    return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
 
-def train_loader(manifest_dir: str | Path, *, transform: TwoCropTransform, batch_size: int,
-                 steps: int, epoch: int, seed: int, rank: int = 0, world_size: int = 1,
-                 num_workers: int = 0, skip_batches: int = 0, shuffle_buffer: int = 2000,
+def _stack_uint8(items: list[tuple[np.ndarray, str]]) -> tuple[torch.Tensor, list[str]]:
+    return torch.from_numpy(np.stack([a for a, _ in items])), [k for _, k in items]
+
+
+def auto_shuffle_buffer(manifest: dict[str, Any], budget_bytes: int = SHUFFLE_BUDGET_BYTES) -> int:
+    """Samples that fit the shuffle budget, from the manifest's mean bytes per sample.
+
+    The buffer holds raw (encoded) samples. Whenever a reader's slice fits in it — always for
+    Fashion-MNIST, CIFAR and STL-10 at the default budget — the slice is shuffled by a uniform
+    random permutation; for larger data the shard permutation does most of the mixing.
+
+    Args:
+        manifest: a split's manifest (``shards[].bytes``, ``num_samples``).
+        budget_bytes: memory allowed per reader, in bytes.
+
+    Returns:
+        The buffer size in samples (>= 1000).
+    """
+    total_bytes = sum(int(s["bytes"]) for s in manifest["shards"])
+    per_sample = max(1.0, total_bytes / max(1, int(manifest["num_samples"])))
+    return max(1000, int(budget_bytes / per_sample))
+
+
+def train_loader(manifest_dir: str | Path, *, batch_size: int, steps: int, epoch: int,
+                 seed: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
+                 skip_batches: int = 0, shuffle_buffer: int = 0,
                  pin_memory: bool = False) -> DataLoader:
-    """Batches of two augmented views for one epoch of one rank.
+    """One rank's batches of one epoch, as uint8 images (augmentation happens on the device).
+
+    Every image of the split is yielded at most once per epoch across all ranks and workers:
+    the epoch uses the first ``steps * batch_size * world_size`` positions of a seeded order and
+    drops the rest (less than one global batch when ``steps = images // global batch``, the
+    full epoch). The order is a pure function of ``(seed, epoch)``:
+
+    1. :func:`epoch_order` permutes the shards and picks a cyclic offset; the epoch sequence is
+       the permuted shards concatenated and rotated by the offset (so the dropped remainder
+       moves every epoch).
+    2. The sequence is cut into contiguous slices, one per (rank, worker) reader, each exactly
+       as long as the batches that reader builds. Slices may start and end inside a shard, so
+       any number of readers works with any number of shards (fewer shards than readers
+       included) without drawing anything twice: splitting inside shards was chosen over
+       deriving more shards because it needs no rebuild and costs only a skip over raw tar
+       members.
+    3. Each reader shuffles its slice through a buffer (``shuffle_buffer`` samples, seeded by
+       ``(seed, epoch, rank, worker)``); when the slice fits the buffer this is a uniform
+       permutation of the slice.
+
+    With ``W`` workers the rank's batch ``i`` is built by logical worker ``i % W`` (the
+    DataLoader returns worker outputs round-robin). ``skip_batches=s`` rotates the logical worker
+    ids by ``s`` and drops each worker's first batches as raw bytes, before decoding, so a
+    resumed epoch yields exactly batches ``s..steps-1`` of the uninterrupted one.
 
     Args:
         manifest_dir: the split directory (``<shards_dir>/pretrain``).
-        transform: ``transform(img, sample_seed) -> (q, k)``, each ``(C, H, W)`` float; must be
-            deterministic given the seed.
         batch_size: images per batch on this rank (global batch / world size).
         steps: batches this epoch, per rank; every rank yields exactly this many.
-        epoch: 0-based epoch (changes the shard draw, buffer shuffle and augmentations).
+        epoch: 0-based epoch (changes the order).
         seed: the run seed.
         rank: this process's rank, ``0 <= rank < world_size``.
         world_size: number of ranks.
-        num_workers: DataLoader worker processes (0 = in-process).
+        num_workers: DataLoader worker processes (0 = in-process); they only read and decode.
         skip_batches: resume: yield only batches ``skip_batches..steps-1`` of this epoch.
-        shuffle_buffer: samples in the shuffle buffer (raw bytes, per worker); it is filled
-            before the first batch.
+        shuffle_buffer: samples in each reader's shuffle buffer (raw bytes); 0 = auto
+            (:func:`auto_shuffle_buffer`, a 512 MiB budget per reader).
         pin_memory: DataLoader ``pin_memory``.
 
     Returns:
-        A DataLoader (``len() == steps - skip_batches``) yielding ``(q, k)``, each
-        ``(B, C, H, W)``.
+        A DataLoader (``len() == steps - skip_batches``) yielding ``(images, keys)``: images
+        ``(B, C, H, W)`` uint8, keys the ``B`` sample keys.
 
     Raises:
-        ValueError: an argument out of range (names it).
+        ValueError: an argument out of range, or ``steps * batch_size * world_size`` exceeds the
+            split's images (names them).
         ShardError: missing/invalid manifest; a shard missing or differing from the manifest in
             size or sha256 (at call time); a corrupt sample (during iteration).
     """
     _check_args(batch_size=(batch_size, 1), steps=(steps, 1), epoch=(epoch, 0), seed=(seed, 0),
                 world_size=(world_size, 1), rank=(rank, 0), num_workers=(num_workers, 0),
-                skip_batches=(skip_batches, 0), shuffle_buffer=(shuffle_buffer, 1))
+                skip_batches=(skip_batches, 0), shuffle_buffer=(shuffle_buffer, 0))
     if rank >= world_size:
         raise ValueError(f"rank must be < world_size ({world_size}), got {rank}")
     if skip_batches > steps:
         raise ValueError(f"skip_batches must be <= steps ({steps}), got {skip_batches}")
     directory = Path(manifest_dir)
     manifest = read_manifest(directory)
-    stream = _TrainStream(_shard_urls(directory, manifest), manifest["mode"], transform,
-                          batch_size=batch_size, steps=steps, epoch=epoch, seed=seed, rank=rank,
-                          world_size=world_size, skip_batches=skip_batches,
-                          shuffle_buffer=shuffle_buffer)
+    n = int(manifest["num_samples"])
+    if steps * batch_size * world_size > n:
+        raise ValueError(f"{directory}: an epoch of {steps} steps x {batch_size} images x "
+                         f"{world_size} ranks needs {steps * batch_size * world_size} images, "
+                         f"the split has {n} (lower pretrain.steps_per_epoch or batch_size)")
+    urls = _shard_urls(directory, manifest)
+    shards = [(url, s["num_samples"]) for url, s in zip(urls, manifest["shards"], strict=True)]
+    stream = _TrainStream(shards, manifest["mode"], batch_size=batch_size, steps=steps,
+                          epoch=epoch, seed=seed, rank=rank, world_size=world_size,
+                          skip_batches=skip_batches,
+                          shuffle_buffer=shuffle_buffer or auto_shuffle_buffer(manifest))
     return _SizedLoader(stream, steps - skip_batches, num_workers, pin_memory)
 
 

@@ -8,7 +8,7 @@ import torch
 from helpers import run_pretrain
 from relhelpers import run_stage, write_params
 
-import pipeline.train as train_mod
+import pipeline.train.engine as train_mod
 
 CASES = [  # (stage, section, key, bad value)
     ("pretrain", "pretrain", "batch_size", 0),

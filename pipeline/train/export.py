@@ -1,0 +1,76 @@
+"""What pretraining leaves behind: the query backbone, its head, its architecture, metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.atomic import write_tsv
+from pipeline.checkpoint import save_atomic
+from pipeline.config import ModelParams
+from pipeline.moco.backbones import resolve_small_stem
+from pipeline.moco.model import MoCo
+from pipeline.tracking import write_json_atomic
+from pipeline.train.logging import PLOT_COLUMNS
+from pipeline.train.state import TrainState
+
+
+def encoder_meta(model: ModelParams, *, in_channels: int, image_size: int,
+                 num_features: int) -> dict[str, Any]:
+    """The architecture needed to load ``encoder.pt`` back (written as ``encoder.json``)."""
+    return {"backbone": model.backbone, "width": model.width, "in_channels": in_channels,
+            "small_stem": resolve_small_stem(model.small_stem, image_size),
+            "image_size": image_size, "num_features": num_features}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA max allocated, else max RSS (Linux reports KiB)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def final_metrics(state: TrainState, *, total_steps: int, epochs: int, wall_s: float,
+                  device: torch.device, world_size: int) -> dict[str, float]:
+    """``metrics/pretrain.json``: last window's loss/accuracy, mean throughput, cost, kNN."""
+    rows = state.rows
+    last = rows[-1] if rows else {}
+
+    def mean(key: str) -> float:
+        return sum(r[key] for r in rows) / len(rows) if rows else 0.0
+
+    out = {"loss": last.get("loss", float("nan")), "inst_top1": last.get("inst_top1", 0.0),
+           "inst_top5": last.get("inst_top5", 0.0), "steps": total_steps, "epochs": epochs,
+           "images_per_s": mean("images_per_s"), "data_wait_fraction": mean("data_wait_fraction"),
+           "wall_time_s": wall_s, "peak_memory_bytes": peak_memory_bytes(device),
+           "world_size": world_size, "num_threads": state.num_threads}
+    if state.knn_rows:
+        out["knn_top1"] = state.knn_rows[-1]["knn_top1"]
+        out["knn_top5"] = state.knn_rows[-1]["knn_top5"]
+        out["knn_top1_init"] = state.knn_rows[0]["knn_top1"]
+    return out
+
+
+def export_outputs(net: MoCo, model: ModelParams, *, in_channels: int, image_size: int,
+                   state: TrainState, metrics: dict[str, float], encoder_path: Path,
+                   metrics_path: Path, plots_path: Path, knn_plots_path: Path) -> None:
+    """Write the encoder (plain BN, no ``fc``), ``head.pt``, ``encoder.json``, metrics, curves.
+
+    Every file is written atomically (temp file + rename).
+    """
+    save_atomic(net.export_backbone(), encoder_path)
+    head = net.encoder_q.head
+    save_atomic({"kind": model.head, "in_dim": net.encoder_q.backbone.num_features,
+                 "hidden": model.head_hidden, "dim": model.dim,
+                 "state_dict": {k: v.detach().cpu() for k, v in head.state_dict().items()}},
+                encoder_path.with_name("head.pt"))
+    write_json_atomic(encoder_path.with_suffix(".json"), encoder_meta(
+        model, in_channels=in_channels, image_size=image_size,
+        num_features=net.encoder_q.backbone.num_features))
+    write_json_atomic(metrics_path, metrics)
+    write_tsv(plots_path, PLOT_COLUMNS, state.rows)
+    write_tsv(knn_plots_path, ("epoch", "step", "knn_top1", "knn_top5"), state.knn_rows)

@@ -1,0 +1,223 @@
+"""Where and how training runs: device, DDP, precision, CPU threads, memory format, compile.
+
+One code path serves one CPU process, one GPU and N processes under ``torchrun`` (gloo on CPU,
+NCCL on GPU). The device is chosen once in :func:`setup_device` and passed along.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    """Where and how this process runs."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 logs, checkpoints and exports."""
+        return self.rank == 0
+
+
+def setup_device() -> Runtime:
+    """Initialise torch.distributed from torchrun's environment (if present) and pick a device.
+
+    Returns:
+        The :class:`Runtime`: ``cuda:LOCAL_RANK`` when CUDA exists, else CPU; gloo on CPU,
+        NCCL on CUDA.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return Runtime(device=device, rank=rank, world_size=world, local_rank=local)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512_BF16 or AMX), per torch or /proc/cpuinfo.
+
+    Without it, bf16 autocast on CPU was measured ~30x slower than fp32; with AVX512_BF16, 2.3x
+    faster (this project's machines, 2026-11-30).
+    """
+    cpu = getattr(torch, "cpu", None)
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        fn = getattr(cpu, probe, None)
+        if fn is not None:
+            with contextlib.suppress(Exception):
+                if fn():
+                    return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def resolve_precision(precision: str, device: torch.device,
+                      native_bf16: Callable[[], bool] = cpu_has_native_bf16) -> torch.dtype | None:
+    """The autocast dtype for ``precision`` on ``device`` (None = fp32, no autocast).
+
+    ``auto`` = bf16 on CUDA with bf16 support, fp16 (+ GradScaler) on older CUDA, bf16 on a CPU
+    with native bf16, fp32 on other CPUs. The InfoNCE loss is computed in fp32 either way
+    (:mod:`pipeline.moco.loss`).
+
+    Args:
+        precision: ``auto``, ``fp32``, ``bf16`` or ``fp16`` (``pretrain.precision``).
+        device: the training device.
+        native_bf16: detector for CPU bf16 support (injectable for tests).
+    """
+    if precision == "fp32":
+        return None
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision == "fp16":
+        return torch.float16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if native_bf16() else None
+
+
+def resolve_switch(value: str, *, cpu_default: bool, device: torch.device) -> bool:
+    """``auto``/``true``/``false`` → bool; ``auto`` is True on CUDA, ``cpu_default`` on CPU."""
+    if value in ("true", "false"):
+        return value == "true"
+    return True if device.type == "cuda" else cpu_default
+
+
+class Precision:
+    """Autocast and (fp16 only) gradient scaling around the step.
+
+    Args:
+        dtype: autocast dtype, or None for fp32.
+        device: the training device.
+    """
+
+    def __init__(self, dtype: torch.dtype | None, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward pass's autocast context (disabled for fp32)."""
+        return torch.autocast(self.device.type, dtype=self.dtype or torch.float32,
+                              enabled=self.dtype is not None)
+
+    def backward_and_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        """``loss.backward()`` and ``optimizer.step()``, scaled when fp16."""
+        optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+    @property
+    def name(self) -> str:
+        """``fp32``, ``bf16`` or ``fp16``."""
+        return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def thread_candidates(num_workers: int) -> list[int]:
+    """Intra-op thread counts worth trying: all usable cores minus loader workers, and half."""
+    full = max(1, usable_cores() - num_workers)
+    return [full] if full == 1 else [full, max(1, full // 2)]
+
+
+def choose_threads(candidates: list[int], probe: Callable[[], None], repeats: int = 2) -> int:
+    """The fastest thread count for ``probe`` (one training-sized forward+backward).
+
+    On a quiet machine all cores win; when another busy process shares the cores, fewer
+    threads avoid OpenMP oversubscription (measured: 1 thread beside one busy process keeps
+    0.71x of the quiet 2-thread rate, 2 threads only 0.42x). The probe runs ``repeats`` times
+    per candidate after one warm-up; the minimum time counts.
+
+    Returns:
+        The chosen thread count (also set with ``torch.set_num_threads``).
+    """
+    if len(candidates) == 1:
+        torch.set_num_threads(candidates[0])
+        return candidates[0]
+    best, best_t = candidates[0], float("inf")
+    for n in candidates:
+        torch.set_num_threads(n)
+        probe()
+        t = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            probe()
+            t = min(t, time.perf_counter() - t0)
+        log.info("threads %d: probe step %.3f s", n, t)
+        if t < best_t:
+            best, best_t = n, t
+    torch.set_num_threads(best)
+    return best
+
+
+def wrap_model(net: nn.Module, rt: Runtime, *, channels_last: bool, compile_: bool) -> nn.Module:
+    """The module the step calls: channels_last memory format, DDP and/or ``torch.compile``.
+
+    Compilation applies to the two encoders (the queue bookkeeping stays eager), so a compiled
+    model keeps the same ``state_dict`` keys and checkpoints stay interchangeable.
+    """
+    if channels_last:
+        net.to(memory_format=torch.channels_last)
+    if compile_:
+        net.encoder_q.compile()
+        net.encoder_k.compile()
+    if rt.world_size == 1:
+        return net
+    # No buffer sync: queues are identical by construction (gathered keys), and syncing would
+    # re-broadcast the whole (D, K) queue every step.
+    return nn.parallel.DistributedDataParallel(
+        net, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
+        **_no_buffer_sync_kwargs())
+
+
+def _no_buffer_sync_kwargs() -> dict[str, bool]:
+    """DDP kwargs that disable buffer broadcasting (renamed in recent torch releases)."""
+    import inspect
+
+    params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    if "forward_sync_buffers" in params:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def configure_determinism(enabled: bool, device: torch.device) -> None:
+    """Deterministic algorithms when asked (bit-identical resume); else cuDNN autotuning on CUDA.
+
+    GPU presets keep ``cudnn.benchmark`` unless ``pretrain.deterministic`` asks otherwise.
+    """
+    if enabled:
+        torch.use_deterministic_algorithms(True, warn_only=device.type == "cuda")
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    elif device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
