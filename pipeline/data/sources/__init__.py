@@ -28,6 +28,8 @@ Modules (import the public names from this package, not from the modules):
 - ``cifar``: CIFAR-10/100 pickles, verified before a restricted unpickling.
 - ``stl10``: STL-10 binaries.
 - ``imagefolder``: class-folder trees of image files.
+- ``modes``: every PIL image mode to 8-bit ``L`` or ``RGB`` (scaled, composited on white, or
+  refused), and the grey/colour rule that sets a folder's channel count.
 - ``registry``: :func:`open_source`, ``SOURCE_NAMES``.
 """
 

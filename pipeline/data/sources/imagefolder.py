@@ -10,22 +10,12 @@ import numpy as np
 from PIL import Image
 
 from pipeline.data.sources.base import Sample, Source, SourceError, UnreadableImage
+from pipeline.data.sources.modes import SUPPORTED_MODES, ModeError, folder_mode, image_kind, to_mode
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 _KEY_MAX_CHARS = 80  # USTAR member names are limited to 100 characters (key + extension)
-_GREY_MODES = ("1", "L", "LA", "La")
 
 Files = list[tuple[str, int]]  # (path, label) pairs
-
-
-def _to_mode(image: Image.Image, mode: str) -> Image.Image:
-    """Convert any PIL mode to ``mode`` ("L" or "RGB"); transparency is composited on white."""
-    if image.mode == "P":  # palette: keep its transparency, if any, as alpha
-        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
-    if image.mode in ("RGBA", "LA", "La", "RGBa", "PA") or "transparency" in image.info:
-        rgba = image.convert("RGBA")
-        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
-    return image if image.mode == mode else image.convert(mode)
 
 
 def _sanitize_key(relpath: str) -> str:
@@ -39,14 +29,16 @@ class ImageFolderSource(Source):
     Layout: ``root/<class>/**/<image>`` (any nesting inside a class folder) is split into train
     and test per class with a seeded shuffle (``round(n_c * test_fraction)`` test images per
     class); ``root/train/<class>/...`` + ``root/test/<class>/...`` (``val`` accepted for
-    ``test``) is used as given. Files with extensions .jpg .jpeg .png .webp .bmp (any case) are
-    images; hidden files and folders are ignored. Order is sorted by relative path.
+    ``test``) is used as given. Files with extensions .jpg .jpeg .png .webp .bmp .tif .tiff (any
+    case) are images (a multi-page TIFF contributes its first page); hidden files and folders
+    are ignored. Order is sorted by relative path.
 
-    Modes: the dataset mode is ``"L"`` when every image is grey (PIL modes 1, L, LA) and
-    ``"RGB"`` otherwise; each image is converted with PIL (palette -> RGB(A), CMYK -> RGB without
-    colour management, RGB -> L by ITU-R 601-2 luma), and transparency is composited onto white,
-    so transparent regions look as they do on a white page rather than exposing undefined
-    colour under alpha 0.
+    Modes (:mod:`pipeline.data.sources.modes` has the full table): the dataset mode is ``"L"``
+    when every image is grey (1, L, LA, 16-bit, I, F, grey palettes) and ``"RGB"`` as soon as
+    one image is colour, grey images then getting three equal channels. High bit-depth images
+    are scaled to 8 bits (16-bit 32768 -> 128), transparency is composited onto white, and an
+    unsupported mode (found when the headers are scanned) or an ``I``/``F`` value outside its
+    fixed range (found when the image is read) is refused with a line naming the file.
 
     Keys: ``<7-digit index>_<relative path without extension, non [A-Za-z0-9_-] -> '_'>``,
     truncated so tar member names stay under USTAR's 100 characters; unique by the index.
@@ -106,19 +98,32 @@ class ImageFolderSource(Source):
         return classes, files
 
     def _scan_headers(self) -> None:
-        modes: set[str] = set()
+        """Decide :attr:`mode` and :attr:`native_shape` from every image header.
+
+        Palette images are decoded here (their used colours decide grey or colour).
+
+        Raises:
+            SourceError: unreadable headers or unsupported modes, every bad file listed.
+        """
+        kinds: set[str] = set()
         sizes: set[tuple[int, int]] = set()
-        bad = []
+        bad, unsupported = [], []
         for path, _ in sorted(set(self._files["train"]) | set(self._files["test"])):
             try:
                 with Image.open(path) as im:
-                    modes.add(im.mode)
+                    kinds.add(image_kind(im))
                     sizes.add(im.size)
+            except ModeError as e:
+                unsupported.append(f"{path} ({e})")
             except Exception as e:  # PIL raises several types for unreadable files
                 bad.append(f"{path} ({type(e).__name__})")
         if bad:
             raise SourceError(f"{len(bad)} unreadable image(s): " + "; ".join(bad))
-        self.mode = "L" if modes <= set(_GREY_MODES) else "RGB"
+        if unsupported:
+            raise SourceError(f"{len(unsupported)} image(s) in an unsupported mode: "
+                              + "; ".join(unsupported)
+                              + f" (supported PIL modes: {', '.join(SUPPORTED_MODES)})")
+        self.mode = folder_mode(kinds)
         channels = 1 if self.mode == "L" else 3
         if len(sizes) == 1:
             (w, h), = sizes
@@ -134,7 +139,9 @@ class ImageFolderSource(Source):
         try:
             with Image.open(path) as im:
                 im.load()
-                image = _to_mode(im, self.mode)
+                image = to_mode(im, self.mode)
+        except ModeError as e:  # e.g. float values outside 0..1
+            raise UnreadableImage(f"{path} ({e})") from None
         except Exception as e:  # truncated / corrupt data past the header
             raise UnreadableImage(f"{path} ({type(e).__name__}: {e})") from None
         rel = os.path.relpath(path, self.root)

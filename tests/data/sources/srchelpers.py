@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -28,3 +29,22 @@ def idx_bytes(array: np.ndarray) -> bytes:
 def save(path: Path, image: Image.Image, fmt: str | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path, format=fmt)
+
+
+def png_bytes(width: int, height: int, bit_depth: int, colour_type: int, rows: list[bytes],
+              trns: bytes | None = None) -> bytes:
+    """A minimal PNG written chunk by chunk (IHDR, optional tRNS, IDAT, IEND), for layouts PIL
+    cannot save itself: 16-bit grey+alpha, 16-bit RGB, 16-bit grey with a transparent value.
+
+    ``rows``: the raw big-endian bytes of each scanline (filter byte 0 is added here).
+    """
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + data))
+        return struct.pack(">I", len(data)) + kind + data + crc
+
+    header = struct.pack(">IIBBBBB", width, height, bit_depth, colour_type, 0, 0, 0)
+    raw = b"".join(b"\x00" + r for r in rows)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + (chunk(b"tRNS", trns) if trns is not None else b"")
+            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 from srchelpers import KEY_CHARS, save
 
+from pipeline.config import DataParams
+from pipeline.data.shards import build_all, iter_shard
 from pipeline.data.sources import SourceError, open_source
 
 
@@ -105,3 +109,25 @@ def test_imagefolder__test_class_unknown_to_train(tmp_path: Path):
 def test_imagefolder__missing_root(tmp_path: Path):
     with pytest.raises(SourceError, match="data.root"):
         open_source("imagefolder", "")
+
+
+def test_imagefolder__16bit_grey_png_shards_as_128(tmp_path: Path):
+    # issue #16: a 4x4 16-bit grey PNG, every pixel 32768, was sharded as 255 (clipped) and its
+    # all-grey folder became RGB; 32768 / 65535 of full scale is 128 in 8 bits (32768 >> 8)
+    for cls in ("a", "b"):
+        for i in range(2):
+            path = tmp_path / "raw" / cls / f"{i}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.frombytes("I;16", (4, 4), np.full((4, 4), 32768, "<u2").tobytes()).save(path)
+    with Image.open(tmp_path / "raw" / "a" / "0.png") as im:
+        assert im.mode == "I;16"
+    params = DataParams(source="imagefolder", root=str(tmp_path / "raw"), test_fraction=0.5,
+                        shards_dir=str(tmp_path / "sh"))
+    ms = build_all(params, seed=0, progress=False)
+    assert ms["train"]["mode"] == "L" and ms["train"]["image_shape"] == [1, 4, 4]
+    assert ms["train"]["pixel_mean"] == [round(128 / 255, 6)]
+    for split in ("pretrain", "train", "test"):
+        for record in iter_shard(tmp_path / "sh" / split / "shard-000000.tar"):
+            with Image.open(io.BytesIO(record["png"])) as png:
+                assert png.mode == "L"
+                assert np.asarray(png).tolist() == [[128] * 4] * 4
