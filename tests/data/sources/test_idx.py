@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import struct
 from pathlib import Path
 
@@ -58,3 +59,22 @@ def test_fashion_mnist__real_files():
     first = next(src.iter("train"))
     assert (first.key, first.label) == ("train_000000", first_label)
     np.testing.assert_array_equal(np.asarray(next(src.iter("test")).image), first_test)
+
+
+@pytest.mark.skipif(not FASHION_REAL.is_dir(), reason="dataset-fashion-mnist not installed")
+def test_fashion_mnist__samples_pinned_across_refactors():
+    # sha256 over (key, label, mode, size, pixels) of capped, shuffled splits, recorded with the
+    # single-module sources.py before it became a package (#17): the samples, and so the shards
+    # built from them, are unchanged. Independent of the PNG encoder, unlike the shard bytes.
+    src = open_source("fashion_mnist")
+    digests = {}
+    for split, cap in (("train", 100), ("test", 50)):
+        h = hashlib.sha256()
+        for s in src.iter(split, max_images=cap, seed=0, shuffle=True):
+            h.update(f"{s.key} {s.label} {s.image.mode} {s.image.size}\n".encode())
+            h.update(s.image.tobytes())
+        digests[split] = h.hexdigest()
+    assert digests == {
+        "train": "77cae09d5f6ab6c21816aa501548c68ac613341af15443750c976b9dda97075e",
+        "test": "f31916fceb5e3e9548e7df15e3412356da961465e0bb072a9b51b0a088caf3e4",
+    }
