@@ -42,7 +42,8 @@ the ``I;16`` family, ``I``, ``F``, 16-bit grey+alpha PNGs (PIL opens them as ``R
 decodes raw mode ``LA;16B``), and ``P``/``PA`` whose *used* palette entries all have R = G = B.
 Colour: ``RGB``, ``RGBA``, ``RGBa``, ``RGBX``, ``CMYK``, ``YCbCr``, other palettes. A colour
 image is turned into ``L`` only when a caller asks for it (ITU-R 601-2 luma, PIL's rule);
-ImageFolder never does. Any other mode (e.g. ``LAB`` or ``HSV`` TIFFs) is refused.
+ImageFolder never does. WebP has no grey mode (PIL decodes every WebP as ``RGB``/``RGBA``), so
+a WebP file counts as colour. Any other mode (e.g. a ``LAB`` TIFF) is refused.
 """
 
 from __future__ import annotations
