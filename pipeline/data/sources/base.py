@@ -1,0 +1,216 @@
+"""The shared base of every dataset reader: :class:`Sample`, :class:`Source`, errors, caps.
+
+Also the array-backed machinery the three array datasets (idx, CIFAR, STL-10) share:
+:class:`ArraySource` serves a split as contiguous :class:`Part` blocks of a ``uint8`` array.
+Names without a leading underscore here are used across the package but are not re-exported
+by ``pipeline.data.sources`` unless listed in its ``__all__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+SPLITS = ("pretrain", "train", "test")
+DEFAULT_ROOTS = {
+    "fashion_mnist": "/usr/share/datasets/fashion-mnist",  # Debian package dataset-fashion-mnist
+    "cifar10": "data/raw/cifar10",
+    "cifar100": "data/raw/cifar100",
+    "stl10": "data/raw/stl10",
+}
+
+
+class SourceError(ValueError):
+    """Raw data that is missing, malformed or fails verification (message names the file)."""
+
+
+class UnreadableImage(Exception):
+    """One image that cannot be decoded or converted; :meth:`Source.iter` collects them."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One image of a split.
+
+    Attributes:
+        key: unique within the split; only ``[A-Za-z0-9_-]`` (safe as a WebDataset key).
+        image: PIL image in the source's :attr:`Source.mode` (``"L"`` or ``"RGB"``).
+        label: class index ``0..C-1``, or ``-1`` for an unlabelled image.
+    """
+
+    key: str
+    image: Image.Image
+    label: int
+
+
+def select_indices(labels: np.ndarray, max_images: int, seed: int) -> np.ndarray:
+    """Pick a seeded, class-stratified subset of indices, returned in ascending order.
+
+    Each label value (``-1`` counts as its own group) gets ``floor(max_images * n_c / n)``
+    images plus one for the groups with the largest remainders (ties: smaller label first), so
+    proportions are kept to within one image.
+
+    Args:
+        labels: ``(N,)`` integer labels.
+        max_images: how many to keep; ``0`` or ``>= N`` keeps all.
+        seed: selects which images of each class are kept.
+
+    Returns:
+        ``(M,)`` int64 sorted indices into ``labels``.
+
+    Raises:
+        ValueError: ``max_images < 0``.
+    """
+    n = len(labels)
+    if max_images < 0:
+        raise ValueError(f"max_images must be >= 0, got {max_images}")
+    if max_images == 0 or max_images >= n:
+        return np.arange(n, dtype=np.int64)
+    classes, counts = np.unique(labels, return_counts=True)
+    exact = max_images * counts / n
+    quota = np.floor(exact).astype(np.int64)
+    short = max_images - int(quota.sum())
+    order = sorted(range(len(classes)), key=lambda c: (-(exact[c] - quota[c]), c))
+    for c in order[:short]:
+        quota[c] += 1
+    rng = np.random.default_rng([seed, 0])
+    chosen = [rng.permutation(np.flatnonzero(labels == c))[:q] for c, q in zip(classes, quota)]
+    return np.sort(np.concatenate(chosen)).astype(np.int64)
+
+
+class Source:
+    """A dataset with ``pretrain``/``train``/``test`` splits of :class:`Sample`.
+
+    Attributes:
+        name: the source name (``open_source``'s first argument).
+        class_names: ``C`` names, index = label.
+        mode: ``"L"`` (1 channel) or ``"RGB"`` (3 channels); every yielded image has this mode.
+        mean: per-channel normalisation mean on the 0..1 scale, or ``None`` when no published
+            value exists (ImageFolder: ``build_all`` computes it from the pretrain split).
+        std: per-channel normalisation std, or ``None`` (see ``mean``).
+        native_shape: ``(C, H, W)`` when all images share one size, else ``None``.
+    """
+
+    name: str = ""
+    class_names: tuple[str, ...] = ()
+    mode: str = "L"
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    native_shape: tuple[int, int, int] | None = None
+
+    def labels(self, split: str) -> np.ndarray:
+        """Labels of a split, ``(N,)`` int64 (``-1`` = unlabelled), in source order."""
+        raise NotImplementedError
+
+    def _load(self, split: str, index: int) -> Sample:
+        raise NotImplementedError
+
+    def _check_split(self, split: str) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
+
+    def count(self, split: str) -> int:
+        """Number of images in a split."""
+        return len(self.labels(split))
+
+    def splits(self) -> dict[str, int]:
+        """Image count per split, ``{"pretrain": N, "train": N, "test": N}``."""
+        return {s: self.count(s) for s in SPLITS}
+
+    def indices(self, split: str, *, max_images: int = 0, seed: int = 0,
+                shuffle: bool = False) -> np.ndarray:
+        """The source indices ``iter`` visits, in visiting order.
+
+        Args:
+            split: ``pretrain``, ``train`` or ``test``.
+            max_images: cap (0 = all), see :func:`select_indices`.
+            seed: seeds the subset and the shuffle.
+            shuffle: visit in a seeded random order instead of source order.
+
+        Returns:
+            ``(M,)`` int64 indices.
+        """
+        self._check_split(split)
+        idx = select_indices(self.labels(split), max_images, seed)
+        if shuffle:
+            idx = np.random.default_rng([seed, 1]).permutation(idx)
+        return idx
+
+    def iter(self, split: str, *, max_images: int = 0, seed: int = 0,
+             shuffle: bool = False) -> Iterator[Sample]:
+        """Yield the samples of a split (arguments as in :meth:`indices`).
+
+        Raises:
+            SourceError: images that cannot be decoded or converted; raised after the last
+                readable one, listing every bad path with its reason.
+        """
+        bad: list[str] = []
+        for i in self.indices(split, max_images=max_images, seed=seed, shuffle=shuffle):
+            try:
+                yield self._load(split, int(i))
+            except UnreadableImage as e:
+                bad.append(str(e))
+        if bad:
+            raise SourceError(f"{len(bad)} unreadable image(s): " + "; ".join(bad))
+
+
+# --- array-backed sources --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Part:
+    """A contiguous block of a split: ``images[i]`` -> HW or HWC uint8 via ``to_hwc``."""
+
+    prefix: str  # key prefix: train / test / unlabeled
+    images: np.ndarray
+    labels: np.ndarray
+    to_hwc: Callable[[np.ndarray], np.ndarray] | None = None
+
+
+class ArraySource(Source):
+    """A source whose splits concatenate :class:`Part` blocks (keys ``<prefix>_NNNNNN``)."""
+
+    def __init__(self, parts: Mapping[str, Sequence[Part]]):
+        """Index the parts of each split.
+
+        Args:
+            parts: ``{split: [Part, ...]}`` for every split in :data:`SPLITS`.
+        """
+        self._parts = {s: list(p) for s, p in parts.items()}
+        self._labels = {s: np.concatenate([p.labels for p in ps]).astype(np.int64)
+                        for s, ps in self._parts.items()}
+        self._starts = {s: np.cumsum([0] + [len(p.labels) for p in ps])
+                        for s, ps in self._parts.items()}
+
+    def labels(self, split: str) -> np.ndarray:
+        """Labels of a split, ``(N,)`` int64 (``-1`` = unlabelled), in source order."""
+        self._check_split(split)
+        return self._labels[split]
+
+    def _load(self, split: str, index: int) -> Sample:
+        k = int(np.searchsorted(self._starts[split], index, side="right")) - 1
+        part, local = self._parts[split][k], index - int(self._starts[split][k])
+        arr = part.images[local]
+        if part.to_hwc is not None:
+            arr = part.to_hwc(arr)
+        image = Image.fromarray(np.ascontiguousarray(arr))
+        return Sample(f"{part.prefix}_{local:06d}", image, int(part.labels[local]))
+
+
+def find_dir(root: Path, subdirs: Sequence[str], names: Sequence[str]) -> Path | None:
+    """The first ``root/sub`` (in ``subdirs`` order) holding every file in ``names``, or None."""
+    for sub in subdirs:
+        d = root / sub
+        if all((d / n).is_file() for n in names):
+            return d
+    return None
+
+
+def check_labels(labels: np.ndarray, num_classes: int, path: Path) -> None:
+    """Raise :class:`SourceError` naming ``path`` unless every label is in ``0..num_classes-1``."""
+    if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
+        raise SourceError(f"{path}: labels outside 0..{num_classes - 1}")

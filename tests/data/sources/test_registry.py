@@ -1,0 +1,29 @@
+"""The registry: one entry point, and the public names of the package."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.data.sources import open_source
+
+
+def test_open_source__unknown_name():
+    with pytest.raises(ValueError, match="unknown data source 'mnist'.*fashion_mnist.*imagefolder"):
+        open_source("mnist")
+
+
+def test_package__public_names_importable():
+    # every name that code outside the package imports (pipeline/cli.py, shards.py, tests,
+    # benchmarks) keeps working from the package, with the classes defined in their modules
+    import pipeline.data.sources as sources
+    from pipeline.data.sources import SPLITS, Sample, SourceError  # noqa: F401
+
+    for name in sources.__all__:
+        assert hasattr(sources, name), name
+    assert sources.open_source.__module__ == "pipeline.data.sources.registry"
+    assert sources.verify_file.__module__ == "pipeline.data.sources.checksum"
+    assert sources.ImageFolderSource.__module__ == "pipeline.data.sources.imagefolder"
+    assert issubclass(sources.ChecksumError, sources.SourceError)
+    assert SPLITS == ("pretrain", "train", "test")
+    assert sources.SOURCE_NAMES == ("fashion_mnist", "cifar10", "cifar100", "stl10",
+                                    "imagefolder")
