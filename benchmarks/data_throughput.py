@@ -2,8 +2,11 @@
 
 * shard build: the first ``--images`` train images (a stratified subset, in source order) ->
   ``write_shards`` into a temp dir (PNG encode + tar + sha256), images/s;
-* train loader: two-crop ``v2_grey`` augmentation (pipeline.data.augment) over those shards,
-  images/s for each ``--workers`` value, worker start-up included.
+* train loader: true-epoch read + decode to uint8 batches over those shards, images/s for each
+  ``--workers`` value, worker start-up included;
+* two-crop ``v2_grey`` views on one thread: batched on a whole uint8 batch with kornia
+  (pipeline.data.batch_augment, what training uses) vs the per-image PIL/torchvision reference
+  (pipeline.data.augment), pairs/s.
 
 Each figure is the median of ``--repeats`` runs.
 
@@ -27,23 +30,31 @@ from pipeline.data.shards import write_shards
 from pipeline.data.sources import open_source
 
 
-def two_crop_transform(mean, std):
+def views_rate(images: torch.Tensor, mean, std, repeats: int) -> dict:
+    """Two-crop v2_grey pairs/s on one thread: batched kornia views vs per-image PIL reference."""
+    from PIL import Image
+
+    from pipeline.data.augment import TwoCropTransform, build_pretrain_transform
+    from pipeline.data.batch_augment import BatchTwoCrop, build_batch_view
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        from pipeline.data.augment import TwoCropTransform, build_pretrain_transform
-
-        return "augment.v2_grey", TwoCropTransform(build_pretrain_transform("v2_grey", 28, mean,
-                                                                            std))
-    except ImportError:  # augment.py not there yet: the same crops with plain torchvision
-        from torchvision import transforms as T
-
-        base = T.Compose([T.RandomResizedCrop(28, scale=(0.2, 1.0)), T.RandomHorizontalFlip(),
-                          T.ToTensor()])
-
-        def fallback(img, seed):
-            torch.manual_seed(seed)
-            return base(img), base(img)
-
-        return "torchvision RRC+flip", fallback
+        batched = BatchTwoCrop(build_batch_view("v2_grey", 28, mean, std))
+        per_image = TwoCropTransform(build_pretrain_transform("v2_grey", 28, mean, std))
+        pil = [Image.fromarray(a[0].numpy(), "L") for a in images]
+        out = {"batched_kornia": [], "per_image_pil": []}
+        for rep in range(repeats):
+            t0 = time.perf_counter()
+            batched(images, rep)
+            out["batched_kornia"].append(len(images) / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            for i, img in enumerate(pil):
+                per_image(img, rep * 100000 + i)
+            out["per_image_pil"].append(len(images) / (time.perf_counter() - t0))
+    finally:
+        torch.set_num_threads(threads)
+    return {k: round(statistics.median(v)) for k, v in out.items()}
 
 
 def main() -> None:
@@ -71,22 +82,25 @@ def main() -> None:
         result["shard_build"] = {"images": args.images, "images_per_s": round(
             statistics.median(build)), "runs": [round(x) for x in build]}
 
-        name, transform = two_crop_transform(src.mean, src.std)
-        loaders = {}
+        loaders, first = {}, None
         for workers in args.workers:
             runs = []
             for rep in range(args.repeats):
                 t0 = time.perf_counter()
                 n = 0
-                for q, _k in train_loader(shards, transform=transform,
-                                          batch_size=args.batch_size, steps=args.steps,
-                                          epoch=rep, seed=0, num_workers=workers):
-                    n += q.shape[0]
+                for images, _keys in train_loader(shards, batch_size=args.batch_size,
+                                                  steps=args.steps, epoch=rep, seed=0,
+                                                  num_workers=workers):
+                    n += images.shape[0]
+                    first = images if first is None else first
                 runs.append(n / (time.perf_counter() - t0))
             loaders[str(workers)] = {"images_per_s": round(statistics.median(runs)),
                                      "runs": [round(x) for x in runs]}
-        result["train_loader"] = {"transform": name, "batch_size": args.batch_size,
-                                  "steps": args.steps, "by_num_workers": loaders}
+        result["train_loader"] = {"what": "read + decode to uint8 batches (no augmentation)",
+                                  "batch_size": args.batch_size, "steps": args.steps,
+                                  "by_num_workers": loaders}
+        result["two_crop_v2_grey_pairs_per_s_1_thread"] = views_rate(first, src.mean, src.std,
+                                                                     args.repeats)
     print(json.dumps(result, indent=2))
 
 

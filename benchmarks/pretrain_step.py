@@ -8,7 +8,10 @@ the reference is a 30-line loop written here without any of the project's MoCo c
 are medians over ``--repeats`` interleaved runs of each run's median per-step rate over
 ``--steps`` steps (the first 5 steps of each run are warm-up).
 
-Also measures the data-wait fraction of the engine with the REAL loader (default workers).
+Also measures the engine with the REAL loader and on-device views, as the pretrain stage runs
+(images/s, its ratio to the reference, data-wait fraction), and the same beside one busy
+competing process (a pure-Python spin loop), as a ratio to the quiet rate measured in this run.
+The engine's thread count is re-probed at start, as in the stage.
 
 Usage: ``python benchmarks/pretrain_step.py [--steps 20] [--repeats 3] [--params params.yaml]``
 """
@@ -18,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,17 +30,25 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import pipeline.train as engine
+import pipeline.train.engine as engine
 from pipeline.config import load_params
 from pipeline.data.loader import read_manifest
 from pipeline.moco.backbones import build_backbone, build_head, resolve_small_stem
 from pipeline.moco.batchnorm import convert_split_bn
+
+THREADS = torch.get_num_threads()  # the reference uses all threads; the engine probes
 
 
 def cached_batch(p, size: int, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     shape = (p.pretrain.batch_size, channels, size, size)
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def cached_uint8(p, size: int, channels: int) -> tuple[torch.Tensor, list[str]]:
+    g = torch.Generator().manual_seed(0)
+    shape = (p.pretrain.batch_size, channels, size, size)
+    return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8), [""] * shape[0]
 
 
 def engine_rate(p, shards: Path, batch, steps: int, real_loader: bool = False) -> dict:
@@ -61,6 +74,7 @@ def engine_rate(p, shards: Path, batch, steps: int, real_loader: bool = False) -
         engine.train_loader = original
     head = rows[0]
     vals = [dict(zip(head, r)) for r in rows[6:]]  # drop the header and 5 warm-up steps
+    torch.set_num_threads(THREADS)
     return {"images_per_s": statistics.median(float(v["images_per_s"]) for v in vals),
             "data_wait_fraction": statistics.median(float(v["data_wait_fraction"])
                                                     for v in vals)}
@@ -68,6 +82,7 @@ def engine_rate(p, shards: Path, batch, steps: int, real_loader: bool = False) -
 
 def reference_rate(p, batch, steps: int, channels: int, size: int) -> float:
     """A minimal MoCo loop in plain PyTorch on the same batch; images/s after 5 warm-up steps."""
+    torch.set_num_threads(THREADS)
     torch.manual_seed(p.seed)
     bb = build_backbone(p.model.backbone, width=p.model.width, in_channels=channels,
                         small_stem=resolve_small_stem(p.model.small_stem, size))
@@ -116,21 +131,34 @@ def main() -> None:
     m = read_manifest(shards / "pretrain")
     channels, size = m["image_shape"][0], m["image_shape"][1]
     batch = cached_batch(p, size, channels)
-    eng, ref = [], []
-    for _ in range(args.repeats):  # interleaved, so background load hits both alike
-        eng.append(engine_rate(load_params(args.params), shards, batch,
+    eng, ref, real = [], [], []
+    for _ in range(args.repeats):  # interleaved, so background load hits all alike
+        eng.append(engine_rate(load_params(args.params), shards, cached_uint8(p, size, channels),
                                args.steps)["images_per_s"])
         ref.append(reference_rate(p, batch, args.steps, channels, size))
-    real = engine_rate(load_params(args.params), shards, None, args.steps, real_loader=True)
+        real.append(engine_rate(load_params(args.params), shards, None, args.steps,
+                                real_loader=True))
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(2)
+        busy = engine_rate(load_params(args.params), shards, None, args.steps, real_loader=True)
+    finally:
+        spin.kill()
+        spin.wait()
     e, r = statistics.median(eng), statistics.median(ref)
+    q = statistics.median(x["images_per_s"] for x in real)
+    wait = statistics.median(x["data_wait_fraction"] for x in real)
     print(json.dumps({
         "config": {"backbone": p.model.backbone, "width": p.model.width, "K": p.moco.K,
                    "batch_size": p.pretrain.batch_size, "image_size": size,
-                   "threads": torch.get_num_threads()},
+                   "threads": THREADS},
         "engine_images_per_s": round(e, 1), "reference_images_per_s": round(r, 1),
         "engine_over_reference": round(e / r, 3),
-        "real_loader_images_per_s": round(real["images_per_s"], 1),
-        "real_loader_data_wait_fraction": round(real["data_wait_fraction"], 3),
+        "real_loader_images_per_s": round(q, 1),
+        "real_loader_over_reference": round(q / r, 3),
+        "real_loader_data_wait_fraction": round(wait, 3),
+        "contended_images_per_s": round(busy["images_per_s"], 1),
+        "contended_over_quiet": round(busy["images_per_s"] / q, 3),
     }, indent=2))
 
 

@@ -39,15 +39,21 @@ def table(res: dict) -> str:
     if "error" not in d:
         rows.append(("shard build (img/s)", f"{d['shard_build']['images_per_s']}"))
         for w, v in d["train_loader"]["by_num_workers"].items():
-            rows.append((f"train loader, two-crop aug, {w} workers (img/s)",
+            rows.append((f"train loader, uint8 batches, {w} workers (img/s)",
                          f"{v['images_per_s']}"))
+        for kind, v in d["two_crop_v2_grey_pairs_per_s_1_thread"].items():
+            rows.append((f"two-crop v2_grey, 1 thread, {kind} (pairs/s)", f"{v}"))
     if "error" not in s:
         rows += [("pretrain step, engine (img/s)", f"{s['engine_images_per_s']}"),
                  ("pretrain step, plain PyTorch reference (img/s)",
                   f"{s['reference_images_per_s']}"),
                  ("engine / reference", f"{s['engine_over_reference']}"),
                  ("pretrain with real loader (img/s)", f"{s['real_loader_images_per_s']}"),
-                 ("data-wait fraction (real loader)", f"{s['real_loader_data_wait_fraction']}")]
+                 ("real loader / reference", f"{s['real_loader_over_reference']}"),
+                 ("data-wait fraction (real loader)", f"{s['real_loader_data_wait_fraction']}"),
+                 ("real loader beside one busy process (img/s)",
+                  f"{s['contended_images_per_s']}"),
+                 ("contended / quiet", f"{s['contended_over_quiet']}")]
     g = res.get("gpu", {})
     for r in g.get("runs", []):
         rows.append((f"GPU {r['model']} {r['image_size']}px {r['dtype']} "
