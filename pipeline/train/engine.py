@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -276,8 +277,8 @@ class _Run:
             self.record_monitor(s // spe)
         if self.stop.raised:
             self.save()
-            raise Terminated(f"signal {self.stop.signum}: checkpoint written at step {s}",
-                             signum=self.stop.signum)
+            name = signal.Signals(self.stop.signum).name
+            raise Terminated(f"{name}: checkpoint written at step {s}", signum=self.stop.signum)
         if self.policy.due(s):
             self.save()
 
