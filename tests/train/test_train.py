@@ -28,8 +28,8 @@ def same_state(a: Path, b: Path) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_resolve_precision__auto_is_fp32_on_cpu():
-    assert resolve_precision("auto", torch.device("cpu")) is None
+def test_resolve_precision__auto_is_fp32_on_cpu_without_native_bf16():
+    assert resolve_precision("auto", torch.device("cpu"), native_bf16=lambda: False) is None
     assert resolve_precision("bf16", torch.device("cpu")) is torch.bfloat16
     assert resolve_precision("fp32", torch.device("cuda")) is None
 

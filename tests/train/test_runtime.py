@@ -1,0 +1,119 @@
+"""Engine parts, each alone: precision, threads, switches, signals, checkpoint cadence, windows."""
+
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+from helpers import run_pretrain
+
+from pipeline.train.logging import LogWindow
+from pipeline.train.runtime import (
+    Precision,
+    choose_threads,
+    resolve_precision,
+    resolve_switch,
+    thread_candidates,
+)
+from pipeline.train.signals import stop_on_signals
+from pipeline.train.state import CheckpointPolicy
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_resolve_precision__auto_follows_native_bf16_on_cpu():
+    assert resolve_precision("auto", CPU, native_bf16=lambda: False) is None
+    assert resolve_precision("auto", CPU, native_bf16=lambda: True) is torch.bfloat16
+    assert resolve_precision("fp16", CPU) is torch.float16
+    assert resolve_precision("fp32", CUDA) is None
+
+
+def test_resolve_switch__auto_true_false():
+    assert resolve_switch("auto", cpu_default=False, device=CPU) is False
+    assert resolve_switch("auto", cpu_default=True, device=CPU) is True
+    assert resolve_switch("auto", cpu_default=False, device=CUDA) is True
+    assert resolve_switch("false", cpu_default=True, device=CUDA) is False
+    assert resolve_switch("true", cpu_default=False, device=CPU) is True
+
+
+def test_precision__fp16_scales_and_steps_on_cpu():
+    p = Precision(torch.float16, CPU)
+    assert p.scaler.is_enabled() and p.name == "fp16"
+    lin = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    before = lin.weight.detach().clone()
+    for _ in range(30):  # the scaler skips overflowing steps (scale 2**16 at first) then steps
+        with p.autocast():
+            loss = lin(torch.ones(2, 4)).float().pow(2).mean()
+        p.backward_and_step(loss, opt)
+    assert not torch.equal(before, lin.weight) and p.scaler.get_scale() < 2.0**16
+    assert Precision(None, CPU).name == "fp32" and not Precision(None, CPU).scaler.is_enabled()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_pretrain__autocast_runs_with_fp32_loss(tiny_shards, tmp_path, precision):
+    m = run_pretrain(tiny_shards, tmp_path, {"pretrain": {"precision": precision, "epochs": 1}})
+    assert math.isfinite(m["loss"]) and m["steps"] == 192 // 16
+
+
+def test_thread_candidates__all_usable_cores_minus_workers_and_half(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    assert thread_candidates(0) == [8, 4]
+    assert thread_candidates(2) == [6, 3]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert thread_candidates(1) == [1]
+
+
+def test_choose_threads__keeps_the_faster():
+    before = torch.get_num_threads()
+    try:
+        # a probe that is slow with 2 threads (as beside a busy process) picks 1 thread
+        assert choose_threads([2, 1], lambda: time.sleep(
+            0.02 if torch.get_num_threads() == 2 else 0.001)) == 1
+        assert torch.get_num_threads() == 1
+        assert choose_threads([2, 1], lambda: time.sleep(
+            0.001 if torch.get_num_threads() == 2 else 0.02)) == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_on_signals__flag_then_previous_handler_restored(sig):
+    previous = signal.getsignal(sig)
+    with stop_on_signals() as flag:
+        assert not flag.raised
+        os.kill(os.getpid(), sig)
+        time.sleep(0.05)
+        assert flag.raised and flag.signum == sig
+    assert signal.getsignal(sig) is previous
+
+
+def test_checkpoint_policy__due_by_hand():
+    # 10 steps per epoch, every 2 epochs, every 7 steps, 35 steps in all
+    p = CheckpointPolicy(every_epochs=2, every_steps=7, total_steps=35, steps_per_epoch=10)
+    assert [s for s in range(1, 36) if p.due(s)] == [7, 14, 20, 21, 28, 35]
+    off = CheckpointPolicy(every_epochs=1, every_steps=0, total_steps=25, steps_per_epoch=10)
+    assert [s for s in range(1, 26) if off.due(s)] == [10, 20, 25]
+
+
+def test_log_window__averages_by_hand():
+    w = LogWindow(batch_size=8)
+    w.add(loss=2.0, top1=10.0, top5=50.0, wait_s=0.0)
+    w.add(loss=4.0, top1=30.0, top5=70.0, wait_s=0.0)
+    r = w.row(step=20, steps_per_epoch=8, lr=0.1, m=0.99, queue_mean_age=3.0)
+    assert (r["loss"], r["inst_top1"], r["inst_top5"], r["epoch"]) == (3.0, 20.0, 60.0, 2.5)
+    assert r["images_per_s"] > 0 and w.n == 0
+
+
+@pytest.mark.slow
+def test_pretrain__compile_on_cpu_and_resume_bit_identical(tiny_shards, tmp_path):
+    over = {"pretrain": {"compile": "true", "epochs": 1, "num_threads": 1}}
+    full = run_pretrain(tiny_shards, tmp_path / "full", over)
+    assert math.isfinite(full["loss"])
+    run_pretrain(tiny_shards, tmp_path / "part", over, max_steps=5)  # checkpoint at 4
+    run_pretrain(tiny_shards, tmp_path / "part", over)
+    a = torch.load(tmp_path / "full/encoder.pt", weights_only=True)
+    b = torch.load(tmp_path / "part/encoder.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
