@@ -11,16 +11,13 @@ UPSTREAM = ("build_shards", "pretrain", "embed", "baselines", "knn", "linear")
 
 
 def run(p: Params) -> None:
-    from pipeline.report.render import build_report, check_html, collect_final_metrics
+    from pipeline.report.build import build_report
 
     root = Path.cwd()
     with stage_run("report", p, upstream=UPSTREAM) as mlrun:
-        html = build_report(params=p, root=root, out_dir=root / "reports",
-                            git_commit=git_state(root)["git.commit"])
-        problems = check_html(html)
-        if problems:
-            raise RuntimeError(f"{html}: broken references: {problems}")
-        mlrun.log_metrics(collect_final_metrics(root))
+        report = build_report(params=p, root=root, out_dir=root / "reports",
+                              git_commit=git_state(root)["git.commit"])
+        mlrun.log_metrics(report.final_metrics)
         mlrun.log_artifact(root / "reports", "report")
 
 

@@ -10,7 +10,9 @@ Memory is bounded independently of the bank size: the bank is processed in chunk
 ``chunk_size`` rows. See :func:`knn_predict` for the bound.
 
 The top-1/top-5/per-class/confusion summary is :mod:`pipeline.evaluate.metrics`, shared with the
-linear probe.
+linear probe, and so is the rule for unlabelled rows: label -1 rows are ignored (left out of the
+bank and of the test set) with a logged count; any other label outside ``0..num_classes-1`` is
+refused, naming the value.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pipeline.evaluate.metrics import (
     ClassificationMetrics,
     classification_metrics,
     contiguous_labels,
+    labelled_mask,
 )
 
 DEFAULT_K = 200  # InstDisc / MoCo CIFAR demo
@@ -84,7 +87,8 @@ def knn_predict(
     InstDisc vote sum. Rows sum to 1.
 
     Labels here are class INDICES in ``[0, num_classes)``; for arbitrary label values (e.g.
-    {3, 7, 42}) use :func:`knn_classify`, which maps them to contiguous indices and back.
+    {3, 7, 42}) use :func:`knn_classify`, which maps them to contiguous indices and back. Bank
+    rows labelled -1 (unlabelled) are ignored, with a logged count: they never vote.
 
     Memory: the bank is processed in blocks of ``bank_chunk_size`` rows (each moved to ``device``
     and normalised once) and the test set in blocks of ``chunk_size`` rows. Peak extra memory on
@@ -100,11 +104,12 @@ def knn_predict(
 
     Args:
         train_features: (N, D) bank features (any float dtype; computed in fp32).
-        train_labels: (N,) int64 class indices of the bank, in ``[0, num_classes)``.
+        train_labels: (N,) int64 class indices of the bank, in ``[0, num_classes)``; -1 marks
+            an unlabelled row (ignored).
         test_features: (M, D) query features; M = 0 gives an empty (0, C) result.
         k: neighbours per query; ``min(k, N)`` are used when the bank is smaller.
         T: temperature of the vote weights ``exp(s / T)`` (> 0).
-        num_classes: C; default ``train_labels.max() + 1``.
+        num_classes: C; default the largest bank label + 1.
         chunk_size: test rows per similarity block (``knn.chunk_size``).
         bank_chunk_size: bank rows per similarity block.
         device: where to compute; default the device of ``test_features``. Inputs may live on
@@ -114,19 +119,15 @@ def knn_predict(
         (M, C) float32 class scores on ``device``.
 
     Raises:
-        ValueError: wrong shapes or dtypes, an empty bank, k / T / chunk sizes out of range, or
-            labels outside ``[0, num_classes)``.
+        ValueError: wrong shapes or dtypes, an empty bank (or one without a labelled row), k / T /
+            chunk sizes out of range, or a label outside ``[0, num_classes)`` other than -1 (the
+            value is named).
     """
     _check_inputs(train_features, train_labels, test_features, k, T, chunk_size, bank_chunk_size)
+    train_features, train_labels = _labelled_bank(train_features, train_labels, num_classes)
     device = torch.device(device) if device is not None else test_features.device
     n, m = train_features.shape[0], test_features.shape[0]
-    lo, hi = int(train_labels.min()), int(train_labels.max())
-    c = hi + 1 if num_classes is None else int(num_classes)
-    if lo < 0 or hi >= c:
-        raise ValueError(
-            f"train_labels must lie in [0, num_classes = {c}), got [{lo}, {hi}]; "
-            "use knn_classify for arbitrary label values"
-        )
+    c = int(train_labels.max()) + 1 if num_classes is None else int(num_classes)
     k_eff = min(int(k), n)
     if m == 0:
         return torch.zeros(0, c, device=device)
@@ -163,6 +164,17 @@ def knn_predict(
     return scores
 
 
+def _labelled_bank(features: Tensor, labels: Tensor, num_classes: int | None
+                   ) -> tuple[Tensor, Tensor]:
+    """The bank without its unlabelled (-1) rows; other labels checked against num_classes."""
+    keep = labelled_mask(labels, what="knn: train_labels", num_classes=num_classes)
+    if bool(keep.all()):
+        return features, labels  # no copy of a large bank
+    if not bool(keep.any()):
+        raise ValueError(f"knn: the train bank has no labelled row (all {len(labels)} are -1)")
+    return features[keep.to(features.device)], labels[keep]
+
+
 @dataclass
 class KnnResult(ClassificationMetrics):
     """kNN accuracy on a test set (see :class:`ClassificationMetrics`) plus the settings used.
@@ -186,6 +198,7 @@ def knn_classify(
     *,
     k: int = DEFAULT_K,
     T: float = DEFAULT_T,
+    num_classes: int | None = None,
     chunk_size: int = 1024,
     bank_chunk_size: int = DEFAULT_BANK_CHUNK_SIZE,
     device: torch.device | str | None = None,
@@ -198,32 +211,45 @@ def knn_classify(
     in the accuracy and the confusion matrix). Ties between classes with equal votes go to the
     lowest label value (stable ranking, see :func:`classification_metrics`).
 
+    Unlabelled rows (label -1) are ignored, with a logged count: they neither vote in the bank
+    nor count in the accuracy (the result describes the labelled test rows only). Any other
+    negative label, or one ``>= num_classes`` when that is given, is refused.
+
     Args:
         train_features: (N, D) bank features.
-        train_labels: (N,) integer labels of the bank.
+        train_labels: (N,) integer labels of the bank (-1 = unlabelled, ignored).
         test_features: (M, D) query features, M >= 1.
-        test_labels: (M,) integer labels of the queries.
-        k: neighbours per query (k=200 as in InstDisc / the MoCo CIFAR demo); ``min(k, N)`` used.
+        test_labels: (M,) integer labels of the queries (-1 = unlabelled, ignored).
+        k: neighbours per query (k=200 as in InstDisc / the MoCo CIFAR demo); ``min(k, N)`` of
+            the N labelled bank rows are used.
         T: vote temperature (T=0.1 as in InstDisc / the MoCo CIFAR demo).
+        num_classes: C when known (e.g. the manifest's class count): labels must then lie in
+            ``0..C-1`` (or be -1). It only checks; the classes of the result are still the label
+            values that occur.
         chunk_size: test rows per similarity block (``knn.chunk_size``).
         bank_chunk_size: bank rows per similarity block (memory bound: see :func:`knn_predict`).
         device: compute device; default the device of ``test_features``.
 
     Returns:
-        :class:`KnnResult`: top-1 / top-5 in percent (top-5 is top-min(5, C)), per-class accuracy,
-        confusion matrix, predictions as label values.
+        :class:`KnnResult` of the labelled test rows: top-1 / top-5 in percent (top-5 is
+        top-min(5, C)), per-class accuracy, confusion matrix, predictions as label values.
 
     Raises:
-        ValueError: shapes or dtypes do not match, an empty bank or test set, or k / T / chunk
-            sizes out of range.
+        ValueError: shapes or dtypes do not match, an empty bank or test set (or one without a
+            labelled row), an invalid label (named), or k / T / chunk sizes out of range.
     """
     if test_labels.shape != (test_features.shape[0],):
         raise ValueError(
             f"test_labels must have shape (M,) = ({test_features.shape[0]},), "
             f"got {tuple(test_labels.shape)}"
         )
+    _check_inputs(train_features, train_labels, test_features, k, T, chunk_size, bank_chunk_size)
+    train_features, train_labels = _labelled_bank(train_features, train_labels, num_classes)
+    keep = labelled_mask(test_labels, what="knn: test_labels", num_classes=num_classes)
+    if not bool(keep.all()):
+        test_features, test_labels = test_features[keep.to(test_features.device)], test_labels[keep]
     if test_features.shape[0] == 0:
-        raise ValueError("cannot compute kNN accuracy on an empty test set (M = 0)")
+        raise ValueError("cannot compute kNN accuracy on an empty test set (M = 0 labelled rows)")
     classes, (train_idx, test_idx) = contiguous_labels(train_labels, test_labels)
     scores = knn_predict(
         train_features, train_idx, test_features, k=k, T=T, num_classes=len(classes),

@@ -26,10 +26,15 @@ lr 30, batch 256: raw pixels (mean norm 12) — none 83.5 % (final loss 19.6), l
 81.9 % (loss 45); random-ReLU features of norm 0.37 — none 83.6 %, l2 84.8 %, standardised 83.8 %.
 Standardisation puts ``|x|^2 ~ D`` into the step size, too large for SGD at lr 30, so it is not
 offered.
+
+Unlabelled rows (label -1) are ignored in both modes, with a logged count: they are never
+trained on, validated or scored. Any other label outside ``0..num_classes-1`` is refused with
+the value named (the rule of every evaluation entry point, :mod:`pipeline.evaluate.metrics`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -42,10 +47,14 @@ from tqdm import tqdm
 
 from pipeline.evaluate.features import FeatureSet
 from pipeline.evaluate.metrics import (
+    UNLABELLED,
     ClassificationMetrics,
     classification_metrics,
     contiguous_labels,
+    labelled_mask,
 )
+
+log = logging.getLogger(__name__)
 
 LR_SCHEDULES = ("step", "cosine")
 FEATURE_NORMS = ("l2", "none")
@@ -273,6 +282,7 @@ def train_linear_on_features(
     val_fraction: float = 0.0,
     seed: int = 0,
     feature_norm: str = "l2",
+    num_classes: int | None = None,
     device: torch.device | str = "cpu",
     progress: bool = False,
 ) -> LinearResult:
@@ -282,13 +292,14 @@ def train_linear_on_features(
     x0.1 at epochs 60 and 80. Each epoch visits the (non-validation) training rows once in a
     random order drawn from a ``torch.Generator`` seeded with ``seed`` (the last batch may be
     smaller); the classifier init uses the same seed, so a result is a function of the inputs
-    and ``seed``. Labels may be any integers; the classes are the sorted union of train and test
-    label values.
+    and ``seed``. Labels may be any integers >= 0; the classes are the sorted union of train and
+    test label values. Rows labelled -1 (unlabelled) are dropped from both sets first, with a
+    logged count; the validation split is then cut from the labelled train rows.
 
     Args:
-        train: (N, D) training features + labels.
-        test: (M, D) test features + labels; used only to score the final classifier (and the
-            per-epoch ``test_top1`` curve, which selects nothing).
+        train: (N, D) training features + labels (-1 = unlabelled, ignored).
+        test: (M, D) test features + labels (-1 = unlabelled, ignored); used only to score the
+            final classifier (and the per-epoch ``test_top1`` curve, which selects nothing).
         epochs: training epochs (``linear.epochs``).
         batch_size: images per step (``linear.batch_size``); also scales the lr.
         lr: learning rate per 256 images (``linear.lr``); effective ``lr * batch_size / 256``.
@@ -300,22 +311,27 @@ def train_linear_on_features(
             split with ``seed``; 0 = none.
         seed: seed of the split, the init and the shuffling (``seed``).
         feature_norm: ``"l2"`` (default) or ``"none"``; see the module docstring.
+        num_classes: C when known (the manifest's class count): labels must then lie in
+            ``0..C-1`` (or be -1). It only checks; the classes are still the values that occur.
         device: where to train; the features are moved there once.
         progress: show a tqdm bar over epochs.
 
     Returns:
-        :class:`LinearResult` of the final epoch.
+        :class:`LinearResult` of the final epoch, on the labelled test rows.
 
     Raises:
-        ValueError: mismatched feature dimensions, out-of-range settings, or an empty set.
+        ValueError: mismatched feature dimensions, out-of-range settings, an invalid label
+            (named), or a set without labelled rows.
         FloatingPointError: the loss became NaN or Inf.
     """
     _check_common(feature_norm, momentum, weight_decay)
     if train.features.shape[1] != test.features.shape[1]:
         raise ValueError(f"linear: train D = {train.features.shape[1]} differs from test D = "
                          f"{test.features.shape[1]}")
+    train = _labelled(train, "linear: train labels", num_classes)
+    test = _labelled(test, "linear: test labels", num_classes)
     if len(train) == 0 or len(test) == 0:
-        raise ValueError("linear: the train and test sets must not be empty")
+        raise ValueError("linear: the train and test sets must not be empty (labelled rows)")
     device = torch.device(device)
     lrs = lr_per_epoch(lr=lr, batch_size=batch_size, epochs=epochs, lr_schedule=lr_schedule,
                        milestones=milestones)
@@ -352,11 +368,27 @@ def train_linear_on_features(
     return _result(clf, history, scores, targets, classes, lrs[0], feature_norm, val_keys)
 
 
+def _labelled(fs: FeatureSet, what: str, num_classes: int | None) -> FeatureSet:
+    """``fs`` without its unlabelled (-1) rows; other labels checked against num_classes."""
+    keep = labelled_mask(fs.labels, what=what, num_classes=num_classes)
+    return fs if bool(keep.all()) else fs.subset(keep.nonzero()[:, 0])
+
+
 def _tensors(module: nn.Module) -> dict[str, Tensor]:
     """Every parameter and buffer (persistent or not), by qualified name."""
     out = {f"param {n}": p for n, p in module.named_parameters(remove_duplicate=False)}
     out.update({f"buffer {n}": b for n, b in module.named_buffers(remove_duplicate=False)})
     return out
+
+
+def _batch_labels(y: Tensor, split: str, num_classes: int) -> Tensor:
+    """(B,) bool, the labelled rows of one batch; raises on an invalid label.
+
+    No log line per batch: the caller counts the unlabelled rows and logs once.
+    """
+    if bool(((y < UNLABELLED) | (y >= num_classes)).any()):  # raises, naming the value
+        labelled_mask(y, what=f"linear: {split} batch labels", num_classes=num_classes)
+    return y != UNLABELLED
 
 
 def _same_bits(a: Tensor, b: Tensor) -> bool:
@@ -399,7 +431,9 @@ def train_linear_augment(
     (RandomResizedCrop + horizontal flip, shuffled with its own seed) of at most ``batch_size``
     images; ``test_batches`` (center crop) is read once at the end. A validation split, if any,
     must be cut from the TRAIN set by the caller (:func:`split_train_val`) and is evaluated after
-    every epoch. Labels are class indices in ``[0, num_classes)``. Defaults as in
+    every epoch. Labels are class indices in ``[0, num_classes)``; rows labelled -1 (unlabelled)
+    are dropped from every batch (an all-unlabelled batch is skipped) and their count is logged
+    at the end, per split. Defaults as in
     :func:`train_linear_on_features` (MoCo: lr 30 per 256, wd 0, 100 epochs, steps at 60/80).
 
     Args:
@@ -425,8 +459,9 @@ def train_linear_augment(
         :class:`LinearResult` of the final epoch (``classes`` = ``range(num_classes)``).
 
     Raises:
-        ValueError: out-of-range settings, labels outside ``[0, num_classes)``, a backbone
-            output that is not (B, num_features), or an empty epoch / test set.
+        ValueError: out-of-range settings, a label outside ``[0, num_classes)`` other than -1
+            (named), a backbone output that is not (B, num_features), or an empty epoch / test
+            set.
         FloatingPointError: the loss became NaN or Inf.
         RuntimeError: a backbone parameter or buffer changed during the probe (names listed).
     """
@@ -447,27 +482,37 @@ def train_linear_augment(
                              f"(B, num_features = {num_features})")
         return feats.float()
 
-    def checked(batches: Iterable[Batch]) -> Iterable[Batch]:
+    ignored = {"train": 0, "val": 0, "test": 0}  # unlabelled rows dropped, over all passes
+
+    def checked(batches: Iterable[Batch], split: str) -> Iterable[Batch]:
         for batch in batches:
-            y = torch.as_tensor(batch[1], dtype=torch.long)
-            if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
-                raise ValueError(f"linear: labels must lie in [0, {num_classes}), got "
-                                 f"[{int(y.min())}, {int(y.max())}]")
-            yield batch[0], y
+            x, y = batch[0], torch.as_tensor(batch[1], dtype=torch.long)
+            keep = _batch_labels(y, split, num_classes)
+            if not bool(keep.all()):
+                ignored[split] += len(y) - int(keep.sum())
+                x, y = x[keep.to(x.device)], y[keep]
+            if len(y):
+                yield x, y
 
     clf = _make_classifier(num_features, num_classes, seed, device)
     try:
         backbone.eval()
         history = _fit(
-            clf, encode, lambda e: checked(train_batches(e)), lrs=lrs, momentum=momentum,
-            weight_decay=weight_decay, feature_norm=feature_norm, device=device,
-            val_batches=(lambda: checked(val_batches())) if val_batches is not None else None,
-            test_batches_each_epoch=None, progress=progress,
+            clf, encode, lambda e: checked(train_batches(e), "train"), lrs=lrs,
+            momentum=momentum, weight_decay=weight_decay, feature_norm=feature_norm,
+            device=device, test_batches_each_epoch=None, progress=progress,
+            val_batches=(lambda: checked(val_batches(), "val")) if val_batches is not None
+            else None,
         )
-        scores, targets = _scores(clf, encode, checked(test_batches), feature_norm, device)
+        scores, targets = _scores(clf, encode, checked(test_batches, "test"), feature_norm,
+                                  device)
     finally:
         for mod, was_training in modes:
             mod.training = was_training
+    if any(ignored.values()):
+        log.warning("linear: ignored rows labelled -1 (unlabelled): %d train (all %d epochs), "
+                    "%d validation (all epochs), %d test", ignored["train"], epochs,
+                    ignored["val"], ignored["test"])
 
     now = _tensors(backbone)
     changed = sorted(set(snapshot) ^ set(now))

@@ -3,6 +3,10 @@
 Each function takes typed keyword arguments, reads its inputs, writes its outputs atomically
 and returns the metrics it wrote (numeric leaves only). The DVC stage scripts call exactly one
 of them.
+
+Labels: the number of classes is the manifest's ``class_names``; a label outside
+``0..C-1`` is refused, naming the value, and rows labelled -1 (unlabelled) are ignored with a
+logged count (the rule of :mod:`pipeline.evaluate.metrics`).
 """
 
 from __future__ import annotations
@@ -135,14 +139,22 @@ def knn_eval(*, features_dir: Path, manifest_dir: Path, knn: KnnParams, details_
              ) -> dict[str, float]:
     """Weighted kNN of test features against the train bank (InstDisc protocol).
 
+    Rows labelled -1 are ignored (logged); other labels must lie in ``0..C-1``, C = the number
+    of class names in the manifest of ``manifest_dir``.
+
     Returns:
-        ``top1``, ``top5`` (%), the protocol values ``k``, ``T``, sizes and wall time.
+        ``top1``, ``top5`` (%), the protocol values ``k``, ``T``, sizes (all rows of the feature
+        files) and wall time.
+
+    Raises:
+        ValueError: a label outside ``0..C-1`` other than -1 (named).
     """
     t0 = time.time()
     train, test = load_features(features_dir / "train.pt"), load_features(features_dir / "test.pt")
-    res = knn_classify(train.features, train.labels, test.features, test.labels, k=knn.k,
-                       T=knn.T, chunk_size=knn.chunk_size, device=pick_device())
     names = read_manifest(manifest_dir)["class_names"]
+    res = knn_classify(train.features, train.labels, test.features, test.labels, k=knn.k,
+                       T=knn.T, num_classes=len(names), chunk_size=knn.chunk_size,
+                       device=pick_device())
     write_json_atomic(details_path, _details(res, names))
     return {"top1": res.top1, "top5": res.top5, "k": knn.k, "T": knn.T,
             "num_train": len(train), "num_test": len(test), "wall_time_s": time.time() - t0}
@@ -156,7 +168,7 @@ def baselines(*, shards_dir: Path, model: ModelParams, seed: int,
     built with ``seed``, BN in eval mode (initial running statistics), avgpool features.
     The protocol is fixed at the InstDisc / MoCo CIFAR demo values, independent of the ``knn``
     params, so the baselines are computed once per dataset and architecture (changing ``knn.k``
-    does not recompute them).
+    does not recompute them). Labels as in :func:`knn_eval` (-1 ignored, ``0..C-1`` otherwise).
     """
     device = pick_device()
     m, size, mean, std = _spec(shards_dir / "train")
@@ -178,7 +190,7 @@ def baselines(*, shards_dir: Path, model: ModelParams, seed: int,
                                    device=device, desc=f"{name} {s}",
                                    progress=sys.stderr.isatty()) for s in ("train", "test"))
         res = knn_classify(tr.features, tr.labels, te.features, te.labels, k=DEFAULT_K,
-                           T=DEFAULT_T, device=device)
+                           T=DEFAULT_T, num_classes=len(m["class_names"]), device=device)
         out[f"{name}_top1"], out[f"{name}_top5"] = res.top1, res.top5
         log.info("baseline %s: kNN top-1 %.2f%% (%.1fs)", name, res.top1, time.time() - t0)
     out["k"], out["T"] = DEFAULT_K, DEFAULT_T
@@ -190,7 +202,8 @@ def linear_probe(*, features_dir: Path, shards_dir: Path, encoder_path: Path,
                  plots_path: Path) -> dict[str, float]:
     """Linear probe (MoCo protocol); ``linear.mode`` picks precomputed features or augmentation.
 
-    The reported top-1/top-5 are the FINAL epoch's on the test set.
+    The reported top-1/top-5 are the FINAL epoch's on the test set. Labels as in
+    :func:`knn_eval`: -1 ignored (logged), otherwise ``0..C-1`` with C from the test manifest.
     """
     t0 = time.time()
     device = pick_device()
@@ -200,7 +213,8 @@ def linear_probe(*, features_dir: Path, shards_dir: Path, encoder_path: Path,
                     weight_decay=linear.weight_decay, seed=seed, device=device)
     if linear.mode == "features":
         train, test = (load_features(features_dir / f"{s}.pt") for s in ("train", "test"))
-        res = train_linear_on_features(train, test, val_fraction=linear.val_fraction, **settings)
+        res = train_linear_on_features(train, test, val_fraction=linear.val_fraction,
+                                       num_classes=len(names), **settings)
     else:
         res = _linear_augment(shards_dir=shards_dir, encoder_path=encoder_path, linear=linear,
                               num_classes=len(names), settings=settings, seed=seed)

@@ -1,8 +1,8 @@
 """Report figures: each function draws one PNG, writes it to ``path`` and returns ``path``.
 
 Functions take plain data (columns of a TSV as arrays, feature matrices, images), never file
-paths of inputs, so they can be tested on synthetic values; reading the pipeline's outputs is
-:mod:`pipeline.report.render`'s job.
+paths of inputs, so they can be tested on synthetic values. Reading the pipeline's outputs is
+the job of :mod:`pipeline.report.inputs`; :mod:`pipeline.report.sections` calls these functions.
 
 matplotlib is imported inside the functions and only :class:`matplotlib.figure.Figure` is used
 (the Agg canvas, no pyplot global state), so importing this module has no side effects and

@@ -77,7 +77,7 @@ def test_pipeline__all_stages_run_with_sane_metrics(repo):
         assert 10 < top1 <= 100
     assert m["pretrain"]["steps"] == 2 * (2048 // 64)
     assert (dst / "reports/report.html").stat().st_size > 10_000
-    from pipeline.report.render import check_html
+    from pipeline.report.check import check_html
 
     assert check_html(dst / "reports/report.html") == []
 

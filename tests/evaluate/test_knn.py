@@ -171,7 +171,62 @@ def test_knn_predict__empty_test_set_and_invalid_inputs():
         knn_predict(HAND_TRAIN, HAND_LABELS, torch.ones(1, 3))
     with pytest.raises(ValueError, match="empty"):
         knn_predict(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), HAND_QUERY)
-    with pytest.raises(ValueError, match="knn_classify"):
-        knn_predict(HAND_TRAIN, torch.tensor([0, 1, 5, -1]), HAND_QUERY)
+    with pytest.raises(ValueError, match=r"label 5 at row 2 .*0\.\.2 \(num_classes = 3\)"):
+        knn_predict(HAND_TRAIN, torch.tensor([0, 1, 5, -1]), HAND_QUERY, num_classes=3)
     with pytest.raises(ValueError, match="NaN"):
         knn_predict(HAND_TRAIN, HAND_LABELS, torch.tensor([[float("nan"), 0.0]]))
+
+
+# The instance of issue #16: bank b0 = (1, 0) label 0, b1 = (0, 1) label 3, b2 = (1, .1) label -1
+# (unlabelled), query q = (1, .05). Cosines: s0 = 1 / sqrt(1.0025) = 0.998752,
+# s1 = .05 / sqrt(1.0025) = 0.049938, s2 = 1.005 / (sqrt(1.0025) sqrt(1.01)) = 0.998772: the
+# unlabelled row is the NEAREST one, so a kNN that let it vote would give it the largest share.
+# Ignored, the vote is class 0 vs 3 only: share of 0 = 1 / (1 + e^((s1 - s0) / 0.1))
+# = 1 / (1 + e^-9.48815) = 0.999924.
+ISSUE_BANK = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.1]])
+ISSUE_LABELS = torch.tensor([0, 3, -1])
+ISSUE_QUERY = torch.tensor([[1.0, 0.05]])
+
+
+def test_knn_classify__unlabelled_bank_row_never_votes(caplog):
+    with caplog.at_level("WARNING", logger="pipeline.evaluate.metrics"):
+        r = knn_classify(ISSUE_BANK, ISSUE_LABELS, ISSUE_QUERY, torch.tensor([0]))
+    assert r.predictions.tolist() == [0]
+    assert r.classes == [0, 3] and r.top1 == 100.0 and r.k_used == 2
+    assert "knn: train_labels: ignoring 1 of 3 rows labelled -1" in caplog.text
+
+
+def test_knn_predict__unlabelled_bank_row_ignored_hand_computed():
+    s = knn_predict(ISSUE_BANK, ISSUE_LABELS, ISSUE_QUERY, T=0.1)
+    assert s.shape == (1, 4)  # classes 0..3: the largest label 3 + 1
+    torch.testing.assert_close(
+        s[0], torch.tensor([0.999924, 0.0, 0.0, 0.000076]), atol=1e-6, rtol=0
+    )
+
+
+def test_knn_classify__unlabelled_test_rows_not_scored(caplog):
+    x_tr, y_tr, x_te, y_te = _random_problem(5, m=30)
+    ref = knn_classify(x_tr, y_tr, x_te, y_te, k=20)
+    y_te_partly = y_te.clone()
+    y_te_partly[[0, 7, 29]] = -1  # 3 queries without a class
+    keep = y_te_partly != -1
+    with caplog.at_level("WARNING", logger="pipeline.evaluate.metrics"):
+        got = knn_classify(x_tr, y_tr, x_te, y_te_partly, k=20)
+    sub = knn_classify(x_tr, y_tr, x_te[keep], y_te[keep], k=20)
+    assert (got.top1, got.top5, got.classes) == (sub.top1, sub.top5, sub.classes)
+    assert torch.equal(got.predictions, sub.predictions) and len(got.predictions) == 27
+    assert torch.equal(got.predictions, ref.predictions[keep])
+    assert "knn: test_labels: ignoring 3 of 30 rows labelled -1" in caplog.text
+
+
+def test_knn_classify__labels_out_of_range_are_named():
+    with pytest.raises(ValueError, match=r"knn: train_labels: label 3 at row 1 is invalid"):
+        knn_classify(ISSUE_BANK, ISSUE_LABELS, ISSUE_QUERY, torch.tensor([0]), num_classes=3)
+    with pytest.raises(ValueError, match=r"knn: test_labels: label 7 at row 0 .*0\.\.3"):
+        knn_classify(ISSUE_BANK, ISSUE_LABELS, ISSUE_QUERY, torch.tensor([7]), num_classes=4)
+    with pytest.raises(ValueError, match=r"knn: train_labels: label -2 at row 2 .* >= 0"):
+        knn_classify(ISSUE_BANK, torch.tensor([0, 3, -2]), ISSUE_QUERY, torch.tensor([0]))
+    with pytest.raises(ValueError, match="no labelled row"):
+        knn_classify(ISSUE_BANK, torch.full((3,), -1), ISSUE_QUERY, torch.tensor([0]))
+    with pytest.raises(ValueError, match="empty test set"):
+        knn_classify(ISSUE_BANK, ISSUE_LABELS, ISSUE_QUERY, torch.tensor([-1]))

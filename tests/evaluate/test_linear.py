@@ -198,11 +198,94 @@ def test_train_linear_augment__raises_if_a_buffer_changes():
 
 
 def test_train_linear_augment__labels_out_of_range_raise():
-    with pytest.raises(ValueError, match=r"labels must lie in \[0, 2\)"):
+    with pytest.raises(ValueError, match=r"linear: train batch labels: label 2 at row 1 .*0\.\.1"):
         train_linear_augment(
             _TinyBackbone(), lambda e: [(torch.zeros(2, 3, 8, 8), torch.tensor([0, 2]))],
             [], num_features=4, num_classes=2, batch_size=2, epochs=1,
         )
+    with pytest.raises(ValueError, match=r"linear: test batch labels: label -3 at row 0"):
+        train_linear_augment(
+            _TinyBackbone(), lambda e: [(torch.zeros(2, 3, 8, 8), torch.tensor([0, 1]))],
+            [(torch.zeros(1, 3, 8, 8), torch.tensor([-3]))], num_features=4, num_classes=2,
+            batch_size=2, epochs=1,
+        )
+
+
+def _with_unlabelled(batches, seed):
+    """The same batches with 3 extra rows labelled -1 (random images) inserted in each."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for x, y in batches:
+        pos = torch.tensor([0, len(y) // 2, len(y) + 2])  # start, middle, end of the new batch
+        keep = torch.ones(len(y) + 3, dtype=torch.bool)
+        keep[pos] = False
+        xx = torch.randn(len(y) + 3, *x.shape[1:], generator=g)
+        yy = torch.full((len(y) + 3,), -1)
+        xx[keep], yy[keep] = x, y
+        out.append((xx, yy))
+    return out
+
+
+def test_train_linear_augment__unlabelled_rows_ignored(caplog):
+    train = {e: _image_batches(e, 3) for e in range(2)}
+    test = _image_batches(99, 2)
+    kw = dict(num_features=4, num_classes=2, batch_size=8, epochs=2, milestones=(1,))
+    torch.manual_seed(0)
+    a = train_linear_augment(_TinyBackbone(), lambda e: train[e], test, **kw)
+    noisy = {e: _with_unlabelled(b, e) for e, b in train.items()}
+    noisy[0].append((torch.randn(2, 3, 8, 8), torch.tensor([-1, -1])))  # all unlabelled: skipped
+    torch.manual_seed(0)
+    with caplog.at_level("WARNING", logger="pipeline.evaluate.linear"):
+        b = train_linear_augment(_TinyBackbone(), lambda e: noisy[e], _with_unlabelled(test, 9),
+                                 **kw)
+    assert a.history == b.history
+    assert torch.equal(a.predictions, b.predictions) and len(b.predictions) == 16
+    assert torch.equal(a.classifier_state["weight"], b.classifier_state["weight"])
+    # 3 per batch: 2 epochs x 3 batches x 3 + the all-unlabelled batch's 2; test 2 x 3
+    assert "20 train (all 2 epochs), 0 validation (all epochs), 6 test" in caplog.text
+
+
+def _insert_unlabelled(fs, where, seed):
+    """``fs`` with rows labelled -1 inserted before the rows ``where`` (random features)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, labels, keys = [], [], []
+    for i in range(len(fs)):
+        if i in where:
+            rows.append(torch.randn(fs.features.shape[1], generator=g) * 5)
+            labels.append(-1)
+            keys.append(f"u{i}")
+        rows.append(fs.features[i])
+        labels.append(int(fs.labels[i]))
+        keys.append(fs.keys[i])
+    return FeatureSet(torch.stack(rows), torch.tensor(labels), keys)
+
+
+def test_train_linear_on_features__unlabelled_rows_ignored(caplog):
+    train, test = _blobs(0, 120, 2.0), _blobs(1, 40, 2.0, prefix="t")
+    kw = dict(epochs=3, batch_size=16, milestones=(2,), val_fraction=0.25, seed=4)
+    a = train_linear_on_features(train, test, **kw)
+    with caplog.at_level("WARNING", logger="pipeline.evaluate.metrics"):
+        b = train_linear_on_features(_insert_unlabelled(train, {0, 5, 119}, 1),
+                                     _insert_unlabelled(test, {3, 39}, 2), **kw)
+    assert a.history == b.history and a.val_keys == b.val_keys
+    assert (a.top1, a.top5, a.classes) == (b.top1, b.top5, b.classes) and -1 not in b.classes
+    assert torch.equal(a.predictions, b.predictions) and len(b.predictions) == 40
+    assert "linear: train labels: ignoring 3 of 123 rows labelled -1" in caplog.text
+    assert "linear: test labels: ignoring 2 of 42 rows labelled -1" in caplog.text
+
+
+def test_train_linear_on_features__labels_out_of_range_are_named():
+    train, test = _blobs(0, 30, 2.0), _blobs(1, 10, 2.0, prefix="t")
+    with pytest.raises(ValueError, match=r"linear: train labels: label 2 at row \d+ .*0\.\.1"):
+        train_linear_on_features(train, test, epochs=1, batch_size=8, num_classes=2)
+    labels = test.labels.clone()
+    labels[4] = -2
+    bad = FeatureSet(test.features, labels, test.keys)
+    with pytest.raises(ValueError, match=r"linear: test labels: label -2 at row 4"):
+        train_linear_on_features(train, bad, epochs=1, batch_size=8)
+    with pytest.raises(ValueError, match="must not be empty"):
+        unl = FeatureSet(train.features, torch.full((30,), -1), train.keys)
+        train_linear_on_features(unl, test, epochs=1, batch_size=8)
 
 
 def test_lr_per_epoch__milestones_beyond_epochs_never_fire():

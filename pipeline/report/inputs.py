@@ -1,0 +1,365 @@
+"""Read the pipeline's outputs into one typed structure, :class:`RunOutputs`.
+
+Every input of the report is optional: a file that is missing (or cannot be parsed) becomes
+``None`` and the report says "not available" for it. Nothing here draws or formats; the
+sections (:mod:`pipeline.report.sections`) only look at the fields of :class:`RunOutputs`,
+except for the few shard images that the retrieval figure picks, which they load with
+:func:`load_shard_images`.
+
+Inputs, all relative to the repo root::
+
+    metrics/{pretrain,embed,baselines,knn,linear}.json   Metrics
+    plots/{pretrain,knn_monitor,linear}.tsv              columns of floats
+    eval/{knn,linear}_details.json                       EvalDetails
+    features/{train,test}.pt                             Embeddings
+    runs/<stage>.json                                    RunRecord
+    dvc.lock                                             LockRow list
+    <data.shards_dir>/test/manifest.json                 class names
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import math
+import tarfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+TRACKED_STAGES = ("build_shards", "pretrain", "embed", "baselines", "knn", "linear")
+METRICS_FILES = {  # metric-name prefix -> metrics file (relative to the repo root)
+    "pretrain": "metrics/pretrain.json",
+    "embed": "metrics/embed.json",
+    "baselines": "metrics/baselines.json",
+    "knn": "metrics/knn.json",
+    "linear": "metrics/linear.json",
+}
+PLOT_FILES = {  # curve name -> TSV (relative to the repo root)
+    "pretrain": "plots/pretrain.tsv",
+    "knn_monitor": "plots/knn_monitor.tsv",
+    "linear": "plots/linear.tsv",
+}
+EVALUATIONS = ("knn", "linear")  # eval/<name>_details.json
+
+Columns = Mapping[str, np.ndarray]  # TSV column name -> (R,) float64 values
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """The finite numbers of one stage's metrics JSON (top level only).
+
+    Attributes:
+        values: metric name -> value; booleans, strings, nested objects, NaN and Inf are left
+            out, so every value can be formatted as a number.
+    """
+
+    values: Mapping[str, float]
+
+    def get(self, key: str) -> float | None:
+        """The value of ``key``, or None when the file does not hold a finite number for it."""
+        return self.values.get(key)
+
+
+@dataclass(frozen=True)
+class EvalDetails:
+    """``eval/<name>_details.json`` of an evaluation stage (kNN or linear probe).
+
+    Attributes:
+        confusion: (C, C) int64 counts, rows = true class, columns = predicted class.
+        class_names: (C,) names in class-index order (the indices as text when not recorded).
+        per_class_accuracy: (C,) top-1 accuracy in percent (NaN for a class absent from the
+            test set), or None when the file does not hold one value per class.
+    """
+
+    confusion: np.ndarray
+    class_names: list[str]
+    per_class_accuracy: list[float] | None
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """A features file of the embed stage.
+
+    Attributes:
+        features: (N, D) float frozen features.
+        labels: (N,) int64 class indices.
+        keys: (N,) sample keys, the names of the images in the shards.
+    """
+
+    features: Tensor
+    labels: Tensor
+    keys: list[str]
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """``runs/<stage>.json``: the MLflow run of the stage's last execution.
+
+    Attributes:
+        run_id: the MLflow run id, None when the stage ran with MLflow disabled.
+        experiment_id: the MLflow experiment id ("" when not recorded).
+        tracking_uri: where the run was logged (may hold credentials: redact before showing).
+    """
+
+    run_id: str | None
+    experiment_id: str
+    tracking_uri: str | None
+
+
+@dataclass(frozen=True)
+class LockRow:
+    """One output recorded in ``dvc.lock``."""
+
+    stage: str
+    path: str
+    md5: str
+
+
+@dataclass(frozen=True)
+class RunOutputs:
+    """Everything the report shows, read once from the repo root. ``None`` = not available.
+
+    Attributes:
+        metrics: stage (:data:`METRICS_FILES`) -> its metrics.
+        plots: curve name (:data:`PLOT_FILES`) -> TSV columns.
+        details: evaluation (:data:`EVALUATIONS`) -> its details.
+        features: ``"train"`` / ``"test"`` -> embeddings.
+        test_class_names: class names of the test-shard manifest.
+        runs: stage (:data:`TRACKED_STAGES`) -> its run record.
+        dvc_lock: the outputs recorded in ``dvc.lock``, in file order.
+        shards_dir: the shard directory (``<root>/<data.shards_dir>``); retrieval images are
+            read from its ``train`` and ``test`` splits.
+    """
+
+    metrics: Mapping[str, Metrics | None]
+    plots: Mapping[str, Columns | None]
+    details: Mapping[str, EvalDetails | None]
+    features: Mapping[str, Embeddings | None]
+    test_class_names: list[str] | None
+    runs: Mapping[str, RunRecord | None]
+    dvc_lock: list[LockRow] | None
+    shards_dir: Path
+
+
+def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
+    """Read every report input below ``root``.
+
+    Args:
+        root: the repo root every input path is relative to.
+        shards_dir: ``data.shards_dir``, relative to ``root``.
+
+    Returns:
+        The :class:`RunOutputs`; missing or unreadable files are None.
+    """
+    root = Path(root)
+    manifest = read_json(root / shards_dir / "test" / "manifest.json") or {}
+    names = manifest.get("class_names")
+    return RunOutputs(
+        metrics={s: read_metrics(root / rel) for s, rel in METRICS_FILES.items()},
+        plots={name: read_tsv(root / rel) for name, rel in PLOT_FILES.items()},
+        details={e: read_details(root / f"eval/{e}_details.json") for e in EVALUATIONS},
+        features={s: load_features(root / f"features/{s}.pt") for s in ("train", "test")},
+        test_class_names=[str(n) for n in names] if isinstance(names, list) else None,
+        runs={s: read_run(root / "runs" / f"{s}.json") for s in TRACKED_STAGES},
+        dvc_lock=read_dvc_lock(root / "dvc.lock"),
+        shards_dir=root / shards_dir,
+    )
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from ``path``, or None when the file is missing or not a JSON object."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("report: cannot read %s (%s); treated as not available", path, e)
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def read_metrics(path: Path) -> Metrics | None:
+    """A stage's metrics file, or None when it is missing, unreadable or an empty object."""
+    obj = read_json(path)
+    if not obj:
+        return None
+    return Metrics({k: float(v) for k, v in obj.items() if _finite(v)})
+
+
+def read_tsv(path: Path) -> dict[str, np.ndarray] | None:
+    """Columns of a TSV with a header row, as float arrays (empty / non-numeric cells = nan).
+
+    Args:
+        path: the TSV file.
+
+    Returns:
+        column name -> (R,) float64 values, or None when the file is missing or has no header.
+    """
+    try:
+        lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
+    except FileNotFoundError:
+        return None
+    if not lines:
+        return None
+    header = lines[0].split("\t")
+    values = np.full((len(lines) - 1, len(header)), np.nan)  # (R, columns)
+    for r, line in enumerate(lines[1:]):
+        for c, cell in enumerate(line.split("\t")[: len(header)]):
+            with contextlib.suppress(ValueError):
+                values[r, c] = float(cell)
+    return {name: values[:, c] for c, name in enumerate(header)}
+
+
+def read_details(path: Path) -> EvalDetails | None:
+    """``eval/<name>_details.json``, or None when missing or without a confusion matrix."""
+    det = read_json(path)
+    if det is None or "confusion_matrix" not in det:
+        return None
+    cm = np.asarray(det["confusion_matrix"], dtype=np.int64)  # (C, C)
+    names = [str(n) for n in det.get("class_names") or range(len(cm))]
+    acc = det.get("per_class_accuracy")
+    per_class = None
+    if isinstance(acc, list) and len(acc) == len(names):
+        per_class = [math.nan if a is None else float(a) for a in acc]
+    return EvalDetails(confusion=cm, class_names=names, per_class_accuracy=per_class)
+
+
+def read_run(path: Path) -> RunRecord | None:
+    """``runs/<stage>.json``, or None when missing."""
+    run = read_json(path)
+    if run is None:
+        return None
+    rid, uri = run.get("run_id"), run.get("tracking_uri")
+    return RunRecord(
+        run_id=str(rid) if rid else None,
+        experiment_id=str(run.get("experiment_id") or ""),
+        tracking_uri=str(uri) if uri else None,
+    )
+
+
+def read_dvc_lock(path: Path) -> list[LockRow] | None:
+    """The outputs recorded in ``dvc.lock``, in file order.
+
+    Returns:
+        The rows (md5 "not available" when an output has none), or None when the file is
+        missing or not a DVC lock file.
+    """
+    import yaml
+
+    try:
+        lock = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, yaml.YAMLError) as e:
+        log.warning("report: cannot read %s (%s)", path, e)
+        return None
+    stages = lock.get("stages") if isinstance(lock, dict) else None
+    if not isinstance(stages, dict):
+        return None
+    rows = []
+    for stage, entry in stages.items():
+        for out in (entry or {}).get("outs") or []:
+            if isinstance(out, dict) and "path" in out:
+                md5 = str(out.get("md5", "not available"))
+                rows.append(LockRow(str(stage), str(out["path"]), md5))
+    return rows
+
+
+def load_features(path: Path) -> Embeddings | None:
+    """A features file written by the embed stage, or None when missing."""
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        return None
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    return Embeddings(features=obj["features"], labels=obj["labels"], keys=list(obj["keys"]))
+
+
+def _shard_paths(shard_dir: Path) -> list[Path]:
+    """The shards of one split: in manifest order when there is a manifest, else sorted."""
+    manifest = read_json(shard_dir / "manifest.json")
+    if manifest and isinstance(manifest.get("shards"), list):
+        return [shard_dir / s["name"] for s in manifest["shards"] if "name" in s]
+    return sorted(shard_dir.glob("*.tar"))
+
+
+def load_shard_images(shard_dir: Path, keys: Iterable[str]) -> dict[str, Any]:
+    """Decode the ``<key>.png`` members of the requested keys from a split's tar shards.
+
+    Only PNG members are decoded (with PIL); nothing is unpickled. Reading stops as soon as every
+    key is found.
+
+    Args:
+        shard_dir: a split directory (``data/shards/test``) holding ``*.tar`` shards.
+        keys: the sample keys wanted.
+
+    Returns:
+        key -> PIL image (mode ``L`` or ``RGB``) for the keys found; missing keys are absent.
+    """
+    wanted: set[str] = set(keys)
+    found: dict[str, Any] = {}
+    for shard in _shard_paths(Path(shard_dir)):
+        if len(found) == len(wanted):
+            break
+        if shard.is_file():
+            found.update(_png_members(shard, wanted - set(found)))
+    return found
+
+
+def _png_members(shard: Path, wanted: set[str]) -> dict[str, Any]:
+    """The decoded images of the wanted keys' PNG members in one tar shard, by key."""
+    from PIL import Image
+
+    found: dict[str, Any] = {}
+    with tarfile.open(shard, "r") as tar:
+        for member in tar:
+            key = member.name[: -len(".png")]
+            if member.isfile() and member.name.endswith(".png") and key in wanted:
+                data = tar.extractfile(member).read()  # type: ignore[union-attr]
+                image = Image.open(io.BytesIO(data))
+                image.load()
+                found[key] = image if image.mode in ("L", "RGB") else image.convert("RGB")
+                if len(found) == len(wanted):
+                    break
+    return found
+
+
+def collect_final_metrics(root: Path) -> dict[str, float]:
+    """The union of all stages' final metrics, named ``<stage>.<metric>``.
+
+    Reads the metrics files of :data:`METRICS_FILES` that exist; nested objects flatten with
+    dots; only numbers are kept (booleans and strings are dropped).
+
+    Args:
+        root: the repo root the metrics paths are relative to.
+
+    Returns:
+        e.g. ``{"pretrain.loss": 5.1, "knn.top1": 71.2, "baselines.raw_pixels_top1": 80.1}``,
+        sorted by name.
+    """
+    out: dict[str, float] = {}
+
+    def add(prefix: str, obj: Any) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                add(f"{prefix}.{k}", v)
+        elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+            out[prefix] = float(obj)
+
+    for prefix, rel in METRICS_FILES.items():
+        add(prefix, read_json(Path(root) / rel) or {})
+    return dict(sorted(out.items()))

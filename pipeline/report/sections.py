@@ -1,0 +1,528 @@
+"""Build the report's sections from :class:`~pipeline.report.inputs.RunOutputs`.
+
+A report is a :class:`Document`: a title, a subtitle and :class:`Section` s made of three kinds
+of blocks, :class:`Table` (cells already formatted as text), :class:`Paragraph` and
+:class:`FigureRef` (a PNG drawn into ``fig_dir`` by :mod:`pipeline.report.figures`). Nothing
+here knows HTML or Markdown: :mod:`pipeline.report.render` turns a document into both.
+
+A number that is missing from the inputs is shown as :data:`NOT_AVAILABLE`.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from pipeline.config import Params
+from pipeline.report import figures as fg
+from pipeline.report.inputs import Embeddings, Metrics, RunOutputs, load_shard_images
+from pipeline.report.references import PROTOCOL_NAMES, published_reference, reference_note
+
+NOT_AVAILABLE = "not available"
+COST_STAGES = ("pretrain", "embed", "baselines", "knn", "linear")
+
+
+# --------------------------------------------------------------------------- document model
+
+
+@dataclass
+class Table:
+    """A table: ``headers`` and rows of already-formatted cells."""
+
+    headers: list[str]
+    rows: list[list[str]]
+    kind: ClassVar[str] = "table"
+
+
+@dataclass
+class Paragraph:
+    """A paragraph of plain text."""
+
+    text: str
+    kind: ClassVar[str] = "paragraph"
+
+
+@dataclass
+class FigureRef:
+    """A figure file (name inside ``figures/``) and its caption."""
+
+    name: str
+    caption: str
+    kind: ClassVar[str] = "figure"
+
+
+Block = Table | Paragraph | FigureRef
+
+
+@dataclass
+class Section:
+    """A titled section of the report."""
+
+    title: str
+    blocks: list[Block] = field(default_factory=list)
+
+    @property
+    def anchor(self) -> str:
+        """The HTML id of the section."""
+        return "".join(ch if ch.isalnum() else "-" for ch in self.title.lower()).strip("-")
+
+
+@dataclass
+class Document:
+    """The whole report: what the HTML and Markdown templates render."""
+
+    title: str
+    subtitle: str
+    sections: list[Section]
+
+
+def build_document(
+    params: Params, outputs: RunOutputs, fig_dir: Path, git_commit: str | None = None
+) -> Document:
+    """Every section of the report; the figures are drawn into ``fig_dir`` on the way.
+
+    Args:
+        params: the validated run params (settings, t-SNE / retrieval sizes, seed, published
+            reference lookup).
+        outputs: the pipeline's outputs (:func:`pipeline.report.inputs.read_outputs`).
+        fig_dir: an existing directory; each :class:`FigureRef` names a PNG written there.
+        git_commit: shown in the subtitle when given.
+
+    Returns:
+        The :class:`Document`.
+    """
+    m = outputs.metrics
+    sections = [
+        settings_section(params),
+        results_section(params, m),
+        pretrain_section(params, outputs, fig_dir),
+        evaluation_section(outputs, fig_dir),
+        embedding_section(params, outputs, fig_dir),
+        cost_section(m),
+        runs_section(outputs),
+        lock_section(outputs),
+    ]
+    title = f"MoCo report: {params.data.source} / {params.model.backbone}"
+    subtitle = (
+        f"MoCo {'v2' if params.model.head == 'mlp' else 'v1'}-style pretraining, "
+        f"{params.pretrain.epochs} epochs; git commit {git_commit or NOT_AVAILABLE}."
+    )
+    return Document(title, subtitle, sections)
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _num(m: Metrics | None, key: str) -> float | None:
+    """``m[key]`` as a finite float, else None."""
+    return None if m is None else m.get(key)
+
+
+def _fmt(v: float | None, spec: str = ".2f", unit: str = "") -> str:
+    """Format a number, or say it is not available."""
+    return NOT_AVAILABLE if v is None else f"{v:{spec}}{unit}"
+
+
+def _pct(m: Metrics | None, key: str) -> str:
+    """A percentage with two decimals (the unit is in the column header)."""
+    return _fmt(_num(m, key))
+
+
+def redact_uri(uri: str) -> str:
+    """A tracking URI without user name / password."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.username or parts.password:
+        host = parts.hostname or ""
+        netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    return uri
+
+
+# --------------------------------------------------------------------------- settings, results
+
+
+def settings_section(p: Params) -> Section:
+    """The params that define the run, one row per concern."""
+    lr_eff = p.pretrain.lr * p.pretrain.batch_size / 256
+    lin_eff = p.linear.lr * p.linear.batch_size / 256
+    dataset = (
+        f"{p.data.source}"
+        + (f" ({p.data.root})" if p.data.root else "")
+        + (f", resized to {p.data.image_size} px" if p.data.image_size else ", native size")
+    )
+    rows = [
+        ["dataset", dataset],
+        [
+            "backbone",
+            f"{p.model.backbone}, width {p.model.width}, small stem "
+            f"{p.model.small_stem}; {p.model.head} head -> dim {p.model.dim}",
+        ],
+        [
+            "MoCo",
+            f"K={p.moco.K}, m={p.moco.m:g} ({p.moco.m_schedule}), T={p.moco.T:g}, "
+            f"BN {p.moco.bn}, symmetric {p.moco.symmetric}",
+        ],
+        [
+            "pretraining",
+            f"{p.pretrain.epochs} epochs, batch {p.pretrain.batch_size}, lr "
+            f"{p.pretrain.lr:g} per 256 (effective {lr_eff:g}), "
+            f"{p.pretrain.lr_schedule}, wd {p.pretrain.weight_decay:g}, "
+            f"precision {p.pretrain.precision}",
+        ],
+        ["augmentation", f"preset {p.augment.preset}, crop scale >= {p.augment.crop_min_scale:g}"],
+        ["features", "after the projection head" if p.embed.use_head else "backbone (pre-head)"],
+        ["kNN", f"k={p.knn.k}, T={p.knn.T:g}"],
+        [
+            "linear probe",
+            f"mode {p.linear.mode}, {p.linear.epochs} epochs, batch "
+            f"{p.linear.batch_size}, lr {p.linear.lr:g} per 256 (effective "
+            f"{lin_eff:g}), {p.linear.lr_schedule} {list(p.linear.lr_milestones)}",
+        ],
+        ["seed", str(p.seed)],
+    ]
+    return Section("Settings", [Table(["setting", "value"], rows)])
+
+
+def _results_rows(p: Params, m: Mapping[str, Metrics | None]) -> list[list[str]]:
+    knn, lin, base = m["knn"], m["linear"], m["baselines"]
+    k = int(_num(knn, "k") or p.knn.k)
+    temp = _num(knn, "T") or p.knn.T
+    augment = _num(lin, "mode_augment")  # what the probe actually ran, else the params
+    lin_mode = p.linear.mode if augment is None else ("augment" if augment else "features")
+    lin_epochs = int(_num(lin, "epochs") or p.linear.epochs)
+    rows = [
+        ["MoCo encoder + kNN", f"k={k}, T={temp:g}", _pct(knn, "top1"), _pct(knn, "top5")],
+        [
+            "MoCo encoder + linear probe",
+            f"{lin_mode}, {lin_epochs} epochs",
+            _pct(lin, "top1"),
+            _pct(lin, "top5"),
+        ],
+        ["raw pixels (baseline)", "kNN", _pct(base, "raw_pixels_top1"),
+         _pct(base, "raw_pixels_top5")],
+        ["random-init encoder (baseline)", "kNN", _pct(base, "random_encoder_top1"),
+         _pct(base, "random_encoder_top5")],
+    ]
+    ref = published_reference(p)
+    if ref is not None:
+        rows.append([f"published ({ref.epochs} epochs)", PROTOCOL_NAMES[ref.protocol],
+                     f"{ref.top1:.2f}", NOT_AVAILABLE])
+    return rows
+
+
+def _results_notes(p: Params, m: Mapping[str, Metrics | None]) -> list[Paragraph]:
+    knn, lin, base = m["knn"], m["linear"], m["baselines"]
+    notes = []
+    if _num(lin, "val_top1") is not None:
+        notes.append(Paragraph(f"Linear probe validation top-1 (held out of the train set): "
+                               f"{_pct(lin, 'val_top1')} %."))
+    gains = []
+    for name, res in (("kNN", knn), ("linear", lin)):
+        top1 = _num(res, "top1")
+        for bname, bkey in (("raw pixels", "raw_pixels_top1"),
+                            ("the random encoder", "random_encoder_top1")):
+            b = _num(base, bkey)
+            if top1 is not None and b is not None:
+                gains.append(f"{name} {top1 - b:+.2f} points vs {bname}")
+    if gains:
+        notes.append(Paragraph("Top-1 gains: " + "; ".join(gains) + "."))
+    notes.append(Paragraph(reference_note(p)))
+    ref = published_reference(p)
+    ours = None if ref is None else _num(knn if ref.protocol == "knn" else lin, "top1")
+    if ref is not None and ours is not None:
+        notes.append(Paragraph(f"This run's {PROTOCOL_NAMES[ref.protocol]} top-1 is "
+                               f"{ours - ref.top1:+.2f} points from the published number."))
+    return notes
+
+
+def results_section(p: Params, m: Mapping[str, Metrics | None]) -> Section:
+    """The results table (MoCo kNN / linear, baselines, published number) and the gains."""
+    table = Table(["method", "protocol", "top-1 (%)", "top-5 (%)"], _results_rows(p, m))
+    return Section("Results", [table, *_results_notes(p, m)])
+
+
+# --------------------------------------------------------------------------- pretraining
+
+
+def _pretrain_table(pre: Metrics | None) -> Table:
+    steps = _fmt(_num(pre, "steps"), ".0f")
+    epochs = _fmt(_num(pre, "epochs"), ".0f")
+    return Table(
+        ["metric", "value"],
+        [
+            ["final InfoNCE loss", _fmt(_num(pre, "loss"), ".4f")],
+            ["instance discrimination top-1 / top-5 (%)",
+             f"{_pct(pre, 'inst_top1')} / {_pct(pre, 'inst_top5')}"],
+            ["steps / epochs", f"{steps} / {epochs}"],
+            ["kNN monitor top-1 at init -> end (%)",
+             f"{_pct(pre, 'knn_top1_init')} -> {_pct(pre, 'knn_top1')}"],
+        ],
+    )
+
+
+def _training_curves(p: Params, table: fg.Columns | None, fig_dir: Path) -> list[Block]:
+    if table is None:
+        return [Paragraph(f"Training curves: {NOT_AVAILABLE} (plots/pretrain.tsv).")]
+    fg.plot_pretrain_curves(table, fig_dir / "pretrain_curves.png")
+    fg.plot_instance_accuracy(table, fig_dir / "instance_accuracy.png")
+    steady = None if p.moco.symmetric else p.moco.K / (2 * p.pretrain.batch_size)
+    fg.plot_queue_age(table, fig_dir / "queue_age.png", steady_state=steady)
+    fg.plot_throughput(table, fig_dir / "throughput.png")
+    return [
+        FigureRef("pretrain_curves.png", "InfoNCE loss; learning rate and key-encoder momentum m."),
+        FigureRef(
+            "instance_accuracy.png",
+            "Instance-discrimination accuracy: the positive key ranked first (top-1) or in the "
+            "top 5 of 1 + K logits.",
+        ),
+        FigureRef(
+            "queue_age.png",
+            "Mean age (training steps) of the negative keys in the queue; the key encoder "
+            "drifts during that time.",
+        ),
+        FigureRef(
+            "throughput.png",
+            "Images per second and the share of step time spent waiting for the data loader.",
+        ),
+    ]
+
+
+def _knn_monitor(monitor: fg.Columns | None, base: Metrics | None, fig_dir: Path) -> Block:
+    if monitor is None:
+        return Paragraph(f"kNN monitor: {NOT_AVAILABLE} (plots/knn_monitor.tsv).")
+    fg.plot_knn_monitor(
+        monitor,
+        fig_dir / "knn_monitor.png",
+        random_encoder_top1=_num(base, "random_encoder_top1"),
+        raw_pixels_top1=_num(base, "raw_pixels_top1"),
+    )
+    return FigureRef(
+        "knn_monitor.png",
+        "kNN top-1 of the monitor (on pretrain.knn_monitor_* images) per epoch, epoch 0 = "
+        "random init; dashed: kNN top-1 of the baselines stage.",
+    )
+
+
+def pretrain_section(p: Params, outputs: RunOutputs, fig_dir: Path) -> Section:
+    """Final pretraining metrics, the training curves and the kNN monitor."""
+    m = outputs.metrics
+    return Section(
+        "Pretraining",
+        [
+            _pretrain_table(m["pretrain"]),
+            *_training_curves(p, outputs.plots["pretrain"], fig_dir),
+            _knn_monitor(outputs.plots["knn_monitor"], m["baselines"], fig_dir),
+        ],
+    )
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def evaluation_section(outputs: RunOutputs, fig_dir: Path) -> Section:
+    """Linear-probe curves, both confusion matrices and the per-class accuracy bars."""
+    sec = Section("Evaluation")
+    lin_table = outputs.plots["linear"]
+    if lin_table is None:
+        sec.blocks.append(Paragraph(f"Linear-probe curves: {NOT_AVAILABLE} (plots/linear.tsv)."))
+    else:
+        fg.plot_linear_curves(lin_table, fig_dir / "linear_curves.png")
+        sec.blocks.append(FigureRef(
+            "linear_curves.png",
+            "Linear probe on frozen features: loss, lr schedule and accuracy per epoch.",
+        ))
+    per_class: dict[str, list[float]] = {}
+    names: list[str] | None = None
+    for label, stem in (("kNN", "knn"), ("linear", "linear")):
+        det = outputs.details[stem]
+        if det is None:
+            sec.blocks.append(
+                Paragraph(f"{label} confusion matrix: {NOT_AVAILABLE} (eval/{stem}_details.json).")
+            )
+            continue
+        fg.plot_confusion(det.confusion, det.class_names, fig_dir / f"confusion_{stem}.png",
+                          title=f"{label} confusion matrix (test set)")
+        sec.blocks.append(FigureRef(
+            f"confusion_{stem}.png",
+            f"{label}: rows = true class, colour = % of the true class, numbers = counts.",
+        ))
+        if det.per_class_accuracy is not None and names in (None, det.class_names):
+            names = det.class_names
+            per_class[label] = det.per_class_accuracy
+    if names is not None:
+        fg.plot_per_class_accuracy(names, per_class, fig_dir / "per_class_accuracy.png")
+        sec.blocks.append(FigureRef("per_class_accuracy.png", "Per-class top-1 accuracy."))
+    return sec
+
+
+# --------------------------------------------------------------------------- embeddings
+
+
+def _class_names(outputs: RunOutputs, num_classes: int) -> list[str]:
+    """Class names from the test-shard manifest, else the details files, else the indices."""
+    candidates = [outputs.test_class_names]
+    candidates += [d.class_names if d else None for d in outputs.details.values()]
+    for names in candidates:
+        if names is not None and len(names) >= num_classes:
+            return names
+    return [str(i) for i in range(num_classes)]
+
+
+def _tsne_block(p: Params, test: Embeddings | None, names: list[str], fig_dir: Path) -> Block:
+    if test is None:
+        return Paragraph(f"t-SNE: {NOT_AVAILABLE} (features/test.pt).")
+    n = p.report.tsne_points
+    drawn = fg.plot_tsne(test.features, test.labels, names, fig_dir / "tsne.png",
+                         num_points=n, seed=p.seed)
+    if drawn is None:
+        return Paragraph(
+            f"t-SNE: skipped (report.tsne_points = {n}, {len(test.labels)} test embeddings; "
+            f"at least {fg.MIN_TSNE_POINTS} needed)."
+        )
+    return FigureRef(
+        "tsne.png",
+        f"t-SNE of up to {n} test embeddings (L2-normalised), coloured by class.",
+    )
+
+
+def _retrieval_block(
+    p: Params, outputs: RunOutputs, names: list[str], fig_dir: Path
+) -> Block:
+    test, train = outputs.features["test"], outputs.features["train"]
+    if p.report.retrieval_queries == 0:
+        return Paragraph("Retrieval: skipped (report.retrieval_queries = 0).")
+    if test is None or train is None:
+        return Paragraph(f"Retrieval: {NOT_AVAILABLE} (features/test.pt, features/train.pt).")
+    shards = outputs.shards_dir
+    if not (shards / "test").is_dir() or not (shards / "train").is_dir():
+        return Paragraph(f"Retrieval: {NOT_AVAILABLE} (shards in {p.data.shards_dir}).")
+    q_idx = fg.seeded_subsample(len(test.labels), p.report.retrieval_queries, p.seed)
+    nn_idx, nn_sim = fg.nearest_neighbours(
+        test.features[q_idx], train.features, p.report.retrieval_neighbours
+    )  # (Q, k) each
+    q_keys = [test.keys[i] for i in q_idx]
+    n_keys = [[train.keys[j] for j in row] for row in nn_idx.tolist()]
+    q_img = load_shard_images(shards / "test", q_keys)
+    n_img = load_shard_images(shards / "train", [k for row in n_keys for k in row])
+    if not q_img and not n_img:
+        return Paragraph(f"Retrieval: {NOT_AVAILABLE} (no images of the keys in the shards).")
+    fg.plot_retrieval(
+        [q_img.get(k) for k in q_keys],
+        test.labels[q_idx].tolist(),
+        [[n_img.get(k) for k in row] for row in n_keys],
+        train.labels[nn_idx].tolist(),
+        nn_sim.tolist(),
+        names,
+        fig_dir / "retrieval.png",
+    )
+    return FigureRef(
+        "retrieval.png",
+        f"{len(q_keys)} random test images (left) and their {nn_idx.shape[1]} nearest training "
+        "images by cosine similarity of the frozen features; green = same class, red = "
+        "different class.",
+    )
+
+
+def embedding_section(p: Params, outputs: RunOutputs, fig_dir: Path) -> Section:
+    """The t-SNE map of the test embeddings and the nearest-neighbour retrieval figure."""
+    present = [f for f in (outputs.features["test"], outputs.features["train"]) if f is not None]
+    num_classes = max((int(f.labels.max()) + 1 for f in present if len(f.labels)), default=0)
+    names = _class_names(outputs, num_classes)
+    return Section(
+        "Embeddings",
+        [
+            _tsne_block(p, outputs.features["test"], names, fig_dir),
+            _retrieval_block(p, outputs, names, fig_dir),
+        ],
+    )
+
+
+# --------------------------------------------------------------------------- cost, provenance
+
+
+def _cost_notes(m: Mapping[str, Metrics | None]) -> dict[str, str]:
+    pre, knn, lin = m["pretrain"], m["knn"], m["linear"]
+    wait, peak, world = (_num(pre, k) for k in
+                         ("data_wait_fraction", "peak_memory_bytes", "world_size"))
+    pre_notes = [
+        f"data wait {100 * wait:.1f} %" if wait is not None else "",
+        f"peak memory {peak / 2**20:.0f} MiB" if peak is not None else "",
+        f"{world:.0f} process(es)" if world is not None else "",
+    ]
+    n_train, n_test = _num(knn, "num_train"), _num(knn, "num_test")
+    batch, lr_eff = _num(lin, "batch_size"), _num(lin, "lr_effective")
+    return {
+        "pretrain": ", ".join(x for x in pre_notes if x),
+        "knn": (f"{n_train:.0f} train / {n_test:.0f} test"
+                if n_train is not None and n_test is not None else ""),
+        "linear": (f"batch {batch:.0f}, effective lr {lr_eff:g}"
+                   if batch is not None and lr_eff is not None else ""),
+    }
+
+
+def cost_section(m: Mapping[str, Metrics | None]) -> Section:
+    """Wall time and throughput per stage, with the total of the available wall times."""
+    notes = _cost_notes(m)
+    rows, total = [], 0.0
+    for stage in COST_STAGES:
+        d = m[stage]
+        wall = _num(d, "wall_time_s")
+        total += wall or 0.0
+        ips = _num(d, "images_per_s")
+        rows.append([
+            stage,
+            _fmt(wall, ".1f"),
+            "" if d and ips is None else _fmt(ips, ".1f"),
+            notes.get(stage, "") if d else NOT_AVAILABLE,
+        ])
+    rows.append(["total (available)", f"{total:.1f}", "", ""])
+    return Section(
+        "Throughput and wall time", [Table(["stage", "wall time (s)", "images / s", "notes"], rows)]
+    )
+
+
+def runs_section(outputs: RunOutputs) -> Section:
+    """The MLflow run of every tracked stage and the (redacted) tracking URIs."""
+    rows, uris = [], []
+    for stage, run in outputs.runs.items():
+        if run is None:
+            rows.append([stage, NOT_AVAILABLE, ""])
+            continue
+        rows.append([stage, run.run_id or "not logged (MLflow disabled)", run.experiment_id])
+        if run.tracking_uri and redact_uri(run.tracking_uri) not in uris:
+            uris.append(redact_uri(run.tracking_uri))
+    return Section(
+        "MLflow runs",
+        [
+            Table(["stage", "MLflow run id", "experiment id"], rows),
+            Paragraph("Tracking URI: " + (", ".join(uris) if uris else NOT_AVAILABLE) + "."),
+        ],
+    )
+
+
+def lock_section(outputs: RunOutputs) -> Section:
+    """The output hashes recorded in ``dvc.lock``."""
+    if outputs.dvc_lock is None:
+        return Section("DVC outputs", [Paragraph(f"dvc.lock: {NOT_AVAILABLE}.")])
+    return Section(
+        "DVC outputs",
+        [
+            Paragraph("Output hashes recorded in dvc.lock (md5; '.dir' = a directory listing)."),
+            Table(["stage", "output", "md5"], [[r.stage, r.path, r.md5] for r in outputs.dvc_lock]),
+        ],
+    )
+
+
+__all__ = [
+    "NOT_AVAILABLE",
+    "Block",
+    "Document",
+    "FigureRef",
+    "Paragraph",
+    "Section",
+    "Table",
+    "build_document",
+]

@@ -1,0 +1,195 @@
+"""Inputs of the report for tests: a tiny but complete run (every file the report reads)."""
+
+import io
+import json
+
+import numpy as np
+import torch
+import webdataset as wds
+from PIL import Image
+
+CLASS_NAMES = ["shirt", "shoe", "bag"]
+PRETRAIN = {
+    "loss": 5.4321,
+    "inst_top1": 41.5,
+    "inst_top5": 70.25,
+    "steps": 20,
+    "epochs": 2,
+    "images_per_s": 812.5,
+    "data_wait_fraction": 0.125,
+    "wall_time_s": 31.5,
+    "peak_memory_bytes": 104857600,
+    "world_size": 1,
+    "knn_top1": 66.5,
+    "knn_top5": 98.0,
+    "knn_top1_init": 40.25,
+}
+KNN = {
+    "top1": 71.23,
+    "top5": 99.5,
+    "k": 20,
+    "T": 0.1,
+    "num_train": 60,
+    "num_test": 24,
+    "wall_time_s": 0.5,
+}
+LINEAR = {
+    "top1": 73.87,
+    "top5": 100.0,
+    "epochs": 5,
+    "lr": 30.0,
+    "lr_effective": 3.75,
+    "batch_size": 32,
+    "mode_augment": 0,
+    "wall_time_s": 2.5,
+}
+BASELINES = {
+    "raw_pixels_top1": 62.41,
+    "raw_pixels_top5": 97.0,
+    "random_encoder_top1": 48.09,
+    "random_encoder_top5": 90.5,
+}
+EMBED = {"images_per_s": 2000.0, "wall_time_s": 1.5}
+DVC_LOCK = """\
+schema: '2.0'
+stages:
+  build_shards:
+    cmd: python stages/build_shards.py
+    deps:
+    - path: stages/build_shards.py
+      hash: md5
+      md5: 0123456789abcdef0123456789abcdef
+    outs:
+    - path: data/shards
+      hash: md5
+      md5: aaaabbbbccccddddeeeeffff00001111.dir
+  pretrain:
+    cmd: python stages/pretrain.py
+    outs:
+    - path: models/encoder.pt
+      hash: md5
+      md5: 99998888777766665555444433332222
+"""
+PARAMS = {
+    "seed": 3,
+    "knn": {"k": 20},
+    "report": {"tsne_points": 40, "retrieval_queries": 3, "retrieval_neighbours": 4},
+}
+
+
+def image(key_index: int) -> Image.Image:
+    """A 28x28 grey image whose pixels encode its index (to check decoding)."""
+    arr = np.full((28, 28), 3 * key_index % 256, dtype=np.uint8)
+    arr[10:18, 10:18] = 255 - 3 * key_index % 256
+    return Image.fromarray(arr, mode="L")
+
+
+def png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_json(path, obj):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj))
+
+
+def write_shards(split_dir, keys, labels, per_shard, *, manifest):
+    split_dir.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for s, start in enumerate(range(0, len(keys), per_shard)):
+        name = f"shard-{s:06d}.tar"
+        with wds.TarWriter(str(split_dir / name)) as sink:
+            for i in range(start, min(start + per_shard, len(keys))):
+                sink.write({"__key__": keys[i], "png": png(image(i)), "cls": int(labels[i])})
+        shards.append(
+            {"name": name, "num_samples": min(per_shard, len(keys) - start), "sha256": "0" * 64}
+        )
+    if manifest:
+        write_json(
+            split_dir / "manifest.json",
+            {"shards": shards, "class_names": CLASS_NAMES, "mode": "L", "shape": [1, 28, 28]},
+        )
+
+
+def features(n, seed):
+    """(n, 8) features around 3 fixed class centres (shared by train and test), noise by seed."""
+    centres = torch.randn(3, 8, generator=torch.Generator().manual_seed(123)) * 3
+    labels = torch.arange(n) % 3
+    feats = centres[labels] + torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+    return feats, labels
+
+
+def make_run(root):
+    """Every input of the report, tiny: 60 train / 24 test embeddings of 3 classes."""
+    for name, obj in (
+        ("pretrain", PRETRAIN),
+        ("knn", KNN),
+        ("linear", LINEAR),
+        ("baselines", BASELINES),
+        ("embed", EMBED),
+    ):
+        write_json(root / f"metrics/{name}.json", obj)
+    (root / "plots").mkdir()
+    rows = [
+        "step\tepoch\tloss\tlr\tm\tinst_top1\tinst_top5\tqueue_mean_age\t"
+        "data_wait_fraction\timages_per_s"
+    ]
+    for s in range(1, 6):
+        rows.append(
+            f"{s * 4}\t{s // 3}\t{6 - s * 0.2}\t{0.06 / s}\t0.99\t{10 * s}\t{15 * s}\t"
+            f"{'nan' if s == 1 else s * 1.5}\t0.1\t{800 + s}"
+        )
+    (root / "plots/pretrain.tsv").write_text("\n".join(rows) + "\n")
+    (root / "plots/knn_monitor.tsv").write_text(
+        "epoch\tstep\tknn_top1\tknn_top5\n0\t0\t40.25\t90\n1\t10\t55\t95\n2\t20\t66.5\t98\n"
+    )
+    (root / "plots/linear.tsv").write_text(
+        "epoch\tloss\ttrain_acc\tlr\tval_acc\n"
+        + "".join(f"{e}\t{2 - e * 0.3}\t{50 + 5 * e}\t3.75\t{48 + 5 * e}\n" for e in range(1, 6))
+    )
+    for stem, acc in (("knn", [70.0, 80.0, 63.7]), ("linear", [75.0, 77.5, 69.1])):
+        write_json(
+            root / f"eval/{stem}_details.json",
+            {
+                "class_names": CLASS_NAMES,
+                "per_class_accuracy": acc,
+                "confusion_matrix": [[6, 1, 1], [1, 6, 1], [2, 1, 5]],
+            },
+        )
+    train_x, train_y = features(60, 0)
+    test_x, test_y = features(24, 1)
+    train_keys = [f"train{i:05d}" for i in range(60)]
+    test_keys = [f"test{i:05d}" for i in range(24)]
+    (root / "features").mkdir()
+    torch.save(
+        {"features": train_x, "labels": train_y, "keys": train_keys}, root / "features/train.pt"
+    )
+    torch.save({"features": test_x, "labels": test_y, "keys": test_keys}, root / "features/test.pt")
+    write_shards(root / "data/shards/train", train_keys, train_y, 30, manifest=False)
+    write_shards(root / "data/shards/test", test_keys, test_y, 24, manifest=True)
+    (root / "dvc.lock").write_text(DVC_LOCK)
+    for i, stage in enumerate(("build_shards", "pretrain", "embed", "baselines", "knn", "linear")):
+        write_json(
+            root / f"runs/{stage}.json",
+            {
+                "stage": stage,
+                "run_id": None if stage == "embed" else f"run{i:02d}abc",
+                "tracking_uri": "https://alice:s3cret@mlflow.example.org",
+                "experiment_id": "7",
+            },
+        )
+    return root
+
+
+def md_section(md, title):
+    """The Markdown of one ``## title`` section."""
+    return md.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def md_row(md, first_cell):
+    """The cells of the one Markdown table row whose first cell is ``first_cell``."""
+    rows = [ln for ln in md.splitlines() if ln.startswith(f"| {first_cell} |")]
+    assert len(rows) == 1, (first_cell, rows)
+    return [c.strip() for c in rows[0].strip("|").split("|")]

@@ -1,0 +1,186 @@
+"""build_report end to end: the files it writes and what they say (HTML + its Markdown twin)."""
+
+import json
+import re
+
+import pytest
+from reporthelpers import KNN, make_run, md_row, md_section, write_json
+
+from pipeline.config import from_dict
+from pipeline.report.build import build_report
+from pipeline.report.check import check_html
+from pipeline.report.sections import NOT_AVAILABLE
+
+FIGURES = {
+    "pretrain_curves",
+    "instance_accuracy",
+    "queue_age",
+    "throughput",
+    "knn_monitor",
+    "linear_curves",
+    "confusion_knn",
+    "confusion_linear",
+    "per_class_accuracy",
+    "tsne",
+    "retrieval",
+}
+
+
+def test_build_report__writes_html_md_and_figures(full_report):
+    root, report = full_report
+    out = root / "reports"
+    assert (report.html, report.markdown) == (out / "report.html", out / "report.md")
+    assert report.markdown.is_file()
+    assert {p.stem for p in (out / "figures").glob("*.png")} == FIGURES
+    assert check_html(report.html) == []
+    html = report.html.read_text()
+    assert html.count('<img src="data:image/png;base64,') == len(FIGURES)
+    assert "<script" not in html  # self-contained and inert
+    md = report.markdown.read_text()
+    links = re.findall(r"!\[[^\]]*\]\((figures/[^)]+)\)", md)
+    assert sorted(links) == sorted(f"figures/{n}.png" for n in FIGURES)
+    assert all((out / link).is_file() for link in links)
+    assert [p.name for p in root.iterdir() if p.name.startswith(".reports")] == []
+
+
+def test_build_report__html_and_markdown_are_twins(full_report):
+    root, report = full_report
+    html, md = report.html.read_text(), report.markdown.read_text()
+    titles = re.findall(r"^## (.+)$", md, flags=re.M)
+    assert re.findall(r"<h2>(.+?)</h2>", html) == titles
+    assert titles == ["Settings", "Results", "Pretraining", "Evaluation", "Embeddings",
+                      "Throughput and wall time", "MLflow runs", "DVC outputs"]
+    md_rows = [ln for ln in md.splitlines() if ln.startswith("| ")]  # header rows included
+    assert html.count("<tr>") == len(md_rows)
+    assert md.count("\n|---") == html.count("<table>")
+
+
+def test_build_report__final_metrics(full_report):
+    _, report = full_report
+    assert report.final_metrics["knn.top1"] == 71.23
+    assert report.final_metrics["pretrain.loss"] == 5.4321
+
+
+def test_build_report__results_table_has_exact_numbers(full_report):
+    root, report = full_report
+    md = report.markdown.read_text()
+    assert md_row(md, "MoCo encoder + kNN")[2:] == ["71.23", "99.50"]
+    assert md_row(md, "MoCo encoder + linear probe")[2:] == ["73.87", "100.00"]
+    assert md_row(md, "raw pixels (baseline)")[2:] == ["62.41", "97.00"]
+    assert md_row(md, "random-init encoder (baseline)")[2:] == ["48.09", "90.50"]
+    assert "k=20, T=0.1" in md_row(md, "MoCo encoder + kNN")[1]
+    assert "kNN +8.82 points vs raw pixels" in md  # 71.23 - 62.41
+    assert "Fashion-MNIST" in md
+    html = report.html.read_text()
+    for v in ("71.23", "73.87", "62.41", "48.09"):
+        assert f'<td class="num">{v}</td>' in html
+
+
+def test_build_report__provenance_sections(full_report):
+    root, report = full_report
+    md = report.markdown.read_text()
+    runs = md_section(md, "MLflow runs")
+    assert md_row(runs, "pretrain") == ["pretrain", "run01abc", "7"]
+    assert md_row(runs, "embed")[1] == "not logged (MLflow disabled)"
+    assert "https://***@mlflow.example.org" in runs
+    assert "s3cret" not in md and "s3cret" not in report.html.read_text()
+    lock = md_section(md, "DVC outputs")
+    assert "| build_shards | data/shards | aaaabbbbccccddddeeeeffff00001111.dir |" in lock
+    assert "| pretrain | models/encoder.pt | 99998888777766665555444433332222 |" in lock
+    assert "git commit abc1234" in md
+    cost = md_section(md, "Throughput and wall time")
+    assert md_row(cost, "pretrain")[1:3] == ["31.5", "812.5"]
+    assert md_row(cost, "embed")[1:3] == ["1.5", "2000.0"]
+    # total of the five metrics files' wall times: 31.5 + 1.5 + 0.5 + 2.5 = 36.0
+    assert md_row(cost, "total (available)")[1] == "36.0"
+
+
+def test_build_report__missing_inputs_say_not_available(tmp_path):
+    root = tmp_path / "empty"
+    root.mkdir()
+    report = build_report(params=from_dict({}), root=root, out_dir=tmp_path / "out")
+    md = report.markdown.read_text()
+    assert md_row(md, "MoCo encoder + kNN")[2:] == [NOT_AVAILABLE, NOT_AVAILABLE]
+    assert md_row(md, "raw pixels (baseline)")[2:] == [NOT_AVAILABLE, NOT_AVAILABLE]
+    assert "dvc.lock: not available." in md
+    assert "t-SNE: not available" in md
+    assert check_html(report.html) == []
+    assert '<td class="na">not available</td>' in report.html.read_text()
+    assert list((tmp_path / "out/figures").iterdir()) == []
+    assert report.final_metrics == {}
+
+
+def test_build_report__one_metrics_file_missing(tmp_path):
+    root = make_run(tmp_path / "run")
+    (root / "metrics/knn.json").unlink()
+    (root / "eval/knn_details.json").unlink()
+    params = from_dict({"report": {"tsne_points": 0, "retrieval_queries": 0}})
+    report = build_report(params=params, root=root, out_dir=root / "reports")
+    md = report.markdown.read_text()
+    assert md_row(md, "MoCo encoder + kNN")[2:] == [NOT_AVAILABLE, NOT_AVAILABLE]
+    assert md_row(md, "MoCo encoder + linear probe")[2:] == ["73.87", "100.00"]
+    assert "kNN confusion matrix: not available" in md
+    assert (root / "reports/figures/confusion_linear.png").is_file()
+    assert "t-SNE: skipped (report.tsne_points = 0" in md
+    assert "Retrieval: skipped (report.retrieval_queries = 0)." in md
+
+
+def test_build_report__replaces_previous_report(tmp_path):
+    out = tmp_path / "reports"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    build_report(params=from_dict({}), root=tmp_path, out_dir=out)
+    assert not (out / "stale.txt").exists()
+    assert (out / "report.html").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reports"]
+
+
+def test_build_report__broken_figure_keeps_previous_report(tmp_path, monkeypatch):
+    out = tmp_path / "reports"
+    out.mkdir()
+    (out / "report.html").write_text("previous")
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots/linear.tsv").write_text("epoch\tloss\n1\t2\n")
+    import pipeline.report.figures as fg
+
+    def empty_png(table, path):  # a figure function that writes a file that is not a PNG
+        path.write_bytes(b"")
+        return path
+
+    monkeypatch.setattr(fg, "plot_linear_curves", empty_png)
+    with pytest.raises(RuntimeError, match="img #1: data URI is empty"):
+        build_report(params=from_dict({}), root=tmp_path, out_dir=out)
+    assert (out / "report.html").read_text() == "previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "reports"]
+
+
+def test_build_report__same_inputs_same_bytes(tmp_path):
+    root = tmp_path / "empty"
+    root.mkdir()
+    (root / "metrics").mkdir()
+    (root / "metrics/knn.json").write_text(json.dumps(KNN))
+    a = build_report(params=from_dict({}), root=root, out_dir=tmp_path / "a")
+    b = build_report(params=from_dict({}), root=root, out_dir=tmp_path / "b")
+    assert a.html.read_bytes() == b.html.read_bytes()
+    assert a.markdown.read_bytes() == b.markdown.read_bytes()
+
+
+
+def test_build_report__hostile_inputs_shown_as_text(tmp_path):
+    root = make_run(tmp_path / "run")
+    evil = '<img src=x onerror="alert(1)">'
+    write_json(root / "runs/knn.json", {"run_id": evil, "experiment_id": "<b>7</b>|x"})
+    lock = (root / "dvc.lock").read_text().replace("models/encoder.pt", f"models/{evil}.pt")
+    (root / "dvc.lock").write_text(lock)
+    params = from_dict({"data": {"source": "imagefolder", "root": f"/data/<script>{evil}"},
+                        "report": {"tsne_points": 0, "retrieval_queries": 0}})
+    report = build_report(params=params, root=root, out_dir=root / "reports")
+    html = report.html.read_text()
+    assert "<script" not in html and "onerror=" not in html.replace("onerror=&#34;", "")
+    assert "&lt;img src=x onerror=&#34;alert(1)&#34;&gt;" in html
+    assert check_html(report.html) == []  # no image smuggled in: all 9 are the real figures
+    assert html.count("<img ") == 9
+    md = report.markdown.read_text()
+    runs = md_section(md, "MLflow runs")
+    assert '| knn | &lt;img src=x onerror="alert(1)"> | &lt;b>7&lt;/b>\\|x |' in runs
+    assert "<script" not in md and "<img" not in md

@@ -1,0 +1,75 @@
+from reporthelpers import PARAMS, make_run
+
+from pipeline.config import from_dict
+from pipeline.report.inputs import Metrics, read_outputs
+from pipeline.report.sections import (
+    NOT_AVAILABLE,
+    FigureRef,
+    Paragraph,
+    Table,
+    build_document,
+    cost_section,
+    redact_uri,
+    results_section,
+)
+
+
+def _metrics(**stages):
+    names = ("pretrain", "embed", "baselines", "knn", "linear")
+    return {s: Metrics(stages[s]) if s in stages else None for s in names}
+
+
+def test_build_document__sections_and_figures(tmp_path):
+    root = make_run(tmp_path / "run")
+    fig_dir = tmp_path / "figs"
+    fig_dir.mkdir()
+    params = from_dict({**PARAMS, "report": {"tsne_points": 0, "retrieval_queries": 0}})
+    doc = build_document(params, read_outputs(root, "data/shards"), fig_dir, "c0ffee")
+    assert [s.title for s in doc.sections] == [
+        "Settings", "Results", "Pretraining", "Evaluation", "Embeddings",
+        "Throughput and wall time", "MLflow runs", "DVC outputs",
+    ]
+    assert doc.title == "MoCo report: fashion_mnist / resnet18"
+    assert doc.subtitle.endswith("git commit c0ffee.")
+    refs = [b.name for s in doc.sections for b in s.blocks if isinstance(b, FigureRef)]
+    assert sorted(refs) == sorted(p.name for p in fig_dir.iterdir())
+    assert len(refs) == 9  # all but t-SNE and retrieval
+    assert doc.sections[5].anchor == "throughput-and-wall-time"
+    assert doc.sections[4].blocks[0] == Paragraph(
+        "t-SNE: skipped (report.tsne_points = 0, 24 test embeddings; at least 10 needed)."
+    )
+
+
+def test_results_section__published_reference_row_and_distance():
+    p = from_dict({"data": {"source": "cifar10"}, "pretrain": {"epochs": 200}})
+    m = _metrics(knn={"top1": 80.1, "top5": 99.0, "k": 200.0, "T": 0.1},
+                 baselines={"raw_pixels_top1": 40.0})
+    sec = results_section(p, m)
+    table = sec.blocks[0]
+    assert isinstance(table, Table)
+    assert table.rows[0] == ["MoCo encoder + kNN", "k=200, T=0.1", "80.10", "99.00"]
+    assert table.rows[-1] == ["published (200 epochs)", "kNN", "82.60", NOT_AVAILABLE]
+    texts = [b.text for b in sec.blocks if isinstance(b, Paragraph)]
+    assert "Top-1 gains: kNN +40.10 points vs raw pixels." in texts
+    assert texts[-1] == "This run's kNN top-1 is -2.50 points from the published number."
+
+
+def test_cost_section__notes_and_total():
+    m = _metrics(
+        pretrain={"wall_time_s": 10.0, "images_per_s": 5.0, "data_wait_fraction": 0.25,
+                  "peak_memory_bytes": 3 * 2**20, "world_size": 2},
+        knn={"wall_time_s": 0.5, "num_train": 60, "num_test": 24},
+        linear={},
+    )
+    rows = cost_section(m).blocks[0].rows
+    assert rows[0] == ["pretrain", "10.0", "5.0",
+                       "data wait 25.0 %, peak memory 3 MiB, 2 process(es)"]
+    assert rows[1] == ["embed", NOT_AVAILABLE, NOT_AVAILABLE, NOT_AVAILABLE]
+    assert rows[3] == ["knn", "0.5", "", "60 train / 24 test"]
+    assert rows[4] == ["linear", NOT_AVAILABLE, "", ""]  # file present, no numbers
+    assert rows[-1] == ["total (available)", "10.5", "", ""]
+
+
+def test_redact_uri__credentials_removed():
+    assert redact_uri("https://alice:s3cret@host.org:5000/x") == "https://***@host.org:5000/x"
+    assert redact_uri("sqlite:///repo/mlflow.db") == "sqlite:///repo/mlflow.db"
