@@ -184,6 +184,95 @@ def _check(ok: bool, key: str, allowed: str, value: Any) -> None:
         raise ParamsError(f"params: '{key}' = {value!r} is invalid; allowed: {allowed}")
 
 
+def _pos(key: str, v: float, strict: bool = True) -> None:
+    ok = math.isfinite(v) and (v > 0 if strict else v >= 0)
+    _check(ok, key, "> 0" if strict else ">= 0", v)
+
+
+def _one_of(key: str, v: str, names: tuple[str, ...]) -> None:
+    _check(v in names, key, "one of " + ", ".join(names), v)
+
+
+def _milestones(key: str, v: list[int]) -> None:
+    _check(all(m > 0 for m in v) and list(v) == sorted(v), key, "increasing positive epochs", v)
+
+
+def _switch(key: str, obj: Any, attr: str, names: tuple[str, ...]) -> None:
+    """Lower-case a YAML true/false that arrived as "True"/"False", then check the name."""
+    v = str(getattr(obj, attr)).lower()
+    setattr(obj, attr, v)
+    _one_of(key, v, names)
+
+
+def _validate_data(p: Params) -> None:
+    _pos("seed", p.seed, strict=False)
+    _one_of("data.source", p.data.source, SOURCES)
+    _pos("data.image_size", p.data.image_size, strict=False)
+    for k in ("max_pretrain_images", "max_train_images", "max_test_images"):
+        _pos(f"data.{k}", getattr(p.data, k), strict=False)
+    _pos("data.samples_per_shard", p.data.samples_per_shard)
+    _check(0 < p.data.test_fraction < 1, "data.test_fraction", "0 < x < 1", p.data.test_fraction)
+    _check(bool(p.data.shards_dir), "data.shards_dir", "a non-empty path", p.data.shards_dir)
+    _one_of("augment.preset", p.augment.preset, AUG_PRESETS)
+    _check(0 < p.augment.crop_min_scale <= 1, "augment.crop_min_scale", "0 < x <= 1",
+           p.augment.crop_min_scale)
+
+
+def _validate_model(p: Params) -> None:
+    _one_of("model.backbone", p.model.backbone, BACKBONES)
+    _pos("model.width", p.model.width)
+    _switch("model.small_stem", p.model, "small_stem", ("auto", "true", "false"))
+    _one_of("model.head", p.model.head, HEADS)
+    _pos("model.head_hidden", p.model.head_hidden)
+    _pos("model.dim", p.model.dim)
+    _check(p.moco.K >= 1, "moco.K", ">= 1", p.moco.K)
+    _check(0.0 <= p.moco.m <= 1.0, "moco.m", "0 <= m <= 1", p.moco.m)
+    _one_of("moco.m_schedule", p.moco.m_schedule, M_SCHEDULES)
+    _pos("moco.T", p.moco.T)
+    _one_of("moco.bn", p.moco.bn, BN_MODES)
+    _pos("moco.bn_splits", p.moco.bn_splits)
+
+
+def _validate_pretrain(p: Params) -> None:
+    t = p.pretrain
+    for k in ("epochs", "batch_size", "lr", "checkpoint_every_epochs", "knn_monitor_train_images",
+              "knn_monitor_test_images", "log_every_steps"):
+        _pos(f"pretrain.{k}", getattr(t, k))
+    for k in ("steps_per_epoch", "warmup_epochs", "weight_decay", "num_threads", "num_workers",
+              "checkpoint_every_steps", "knn_every_epochs"):
+        _pos(f"pretrain.{k}", getattr(t, k), strict=False)
+    _one_of("pretrain.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    _milestones("pretrain.lr_milestones", t.lr_milestones)
+    _check(t.warmup_epochs < t.epochs, "pretrain.warmup_epochs", "< pretrain.epochs",
+           t.warmup_epochs)
+    _check(0 <= t.sgd_momentum < 1, "pretrain.sgd_momentum", "0 <= x < 1", t.sgd_momentum)
+    _one_of("pretrain.precision", t.precision, PRECISIONS)
+    for k in ("channels_last", "compile"):
+        _switch(f"pretrain.{k}", t, k, ("auto", "true", "false"))
+    if p.moco.bn == "split":
+        _check(t.batch_size % p.moco.bn_splits == 0, "moco.bn_splits",
+               f"a divisor of pretrain.batch_size ({t.batch_size})", p.moco.bn_splits)
+
+
+def _validate_evaluation(p: Params) -> None:
+    _pos("embed.batch_size", p.embed.batch_size)
+    _pos("knn.k", p.knn.k)
+    _pos("knn.T", p.knn.T)
+    _pos("knn.chunk_size", p.knn.chunk_size)
+    lp = p.linear
+    _one_of("linear.mode", lp.mode, LINEAR_MODES)
+    _pos("linear.epochs", lp.epochs)
+    _pos("linear.batch_size", lp.batch_size)
+    _pos("linear.lr", lp.lr)
+    _one_of("linear.lr_schedule", lp.lr_schedule, LR_SCHEDULES)
+    _milestones("linear.lr_milestones", lp.lr_milestones)
+    _pos("linear.weight_decay", lp.weight_decay, strict=False)
+    _check(0 <= lp.val_fraction < 1, "linear.val_fraction", "0 <= x < 1", lp.val_fraction)
+    _pos("report.tsne_points", p.report.tsne_points, strict=False)
+    _pos("report.retrieval_queries", p.report.retrieval_queries, strict=False)
+    _pos("report.retrieval_neighbours", p.report.retrieval_neighbours)
+
+
 def validate(p: Params) -> Params:
     """Check every range and name constraint of a loaded :class:`Params`.
 
@@ -191,98 +280,13 @@ def validate(p: Params) -> Params:
         p: a structurally valid params object.
 
     Returns:
-        ``p`` unchanged.
+        ``p`` unchanged (except YAML booleans of auto/true/false switches, lower-cased).
 
     Raises:
         ParamsError: the first violated constraint, naming the dotted key.
     """
-
-    def pos(key: str, v: float, strict: bool = True) -> None:
-        ok = math.isfinite(v) and (v > 0 if strict else v >= 0)
-        _check(ok, key, "> 0" if strict else ">= 0", v)
-
-    def one_of(key: str, v: str, names: tuple[str, ...]) -> None:
-        _check(v in names, key, "one of " + ", ".join(names), v)
-
-    def milestones(key: str, v: list[int]) -> None:
-        _check(all(m > 0 for m in v) and list(v) == sorted(v), key, "increasing positive epochs",
-               v)
-
-    pos("seed", p.seed, strict=False)
-    one_of("data.source", p.data.source, SOURCES)
-    pos("data.image_size", p.data.image_size, strict=False)
-    for k in ("max_pretrain_images", "max_train_images", "max_test_images"):
-        pos(f"data.{k}", getattr(p.data, k), strict=False)
-    pos("data.samples_per_shard", p.data.samples_per_shard)
-    _check(0 < p.data.test_fraction < 1, "data.test_fraction", "0 < x < 1", p.data.test_fraction)
-    _check(bool(p.data.shards_dir), "data.shards_dir", "a non-empty path", p.data.shards_dir)
-
-    one_of("augment.preset", p.augment.preset, AUG_PRESETS)
-    _check(0 < p.augment.crop_min_scale <= 1, "augment.crop_min_scale", "0 < x <= 1",
-           p.augment.crop_min_scale)
-
-    one_of("model.backbone", p.model.backbone, BACKBONES)
-    pos("model.width", p.model.width)
-    p.model.small_stem = str(p.model.small_stem).lower()  # YAML true/false arrive as "True"
-    one_of("model.small_stem", p.model.small_stem, ("auto", "true", "false"))
-    one_of("model.head", p.model.head, HEADS)
-    pos("model.head_hidden", p.model.head_hidden)
-    pos("model.dim", p.model.dim)
-
-    _check(p.moco.K >= 1, "moco.K", ">= 1", p.moco.K)
-    _check(0.0 <= p.moco.m <= 1.0, "moco.m", "0 <= m <= 1", p.moco.m)
-    one_of("moco.m_schedule", p.moco.m_schedule, M_SCHEDULES)
-    pos("moco.T", p.moco.T)
-    one_of("moco.bn", p.moco.bn, BN_MODES)
-    pos("moco.bn_splits", p.moco.bn_splits)
-
-    t = p.pretrain
-    pos("pretrain.epochs", t.epochs)
-    pos("pretrain.steps_per_epoch", t.steps_per_epoch, strict=False)
-    pos("pretrain.batch_size", t.batch_size)
-    pos("pretrain.lr", t.lr)
-    one_of("pretrain.lr_schedule", t.lr_schedule, LR_SCHEDULES)
-    milestones("pretrain.lr_milestones", t.lr_milestones)
-    pos("pretrain.warmup_epochs", t.warmup_epochs, strict=False)
-    _check(t.warmup_epochs < t.epochs, "pretrain.warmup_epochs", "< pretrain.epochs",
-           t.warmup_epochs)
-    pos("pretrain.weight_decay", t.weight_decay, strict=False)
-    _check(0 <= t.sgd_momentum < 1, "pretrain.sgd_momentum", "0 <= x < 1", t.sgd_momentum)
-    one_of("pretrain.precision", t.precision, PRECISIONS)
-    for k in ("channels_last", "compile"):
-        v = str(getattr(t, k)).lower()  # YAML true/false arrive as "True"/"False"
-        setattr(t, k, v)
-        one_of(f"pretrain.{k}", v, ("auto", "true", "false"))
-    pos("pretrain.num_threads", t.num_threads, strict=False)
-    pos("pretrain.num_workers", t.num_workers, strict=False)
-    pos("pretrain.checkpoint_every_epochs", t.checkpoint_every_epochs)
-    pos("pretrain.checkpoint_every_steps", t.checkpoint_every_steps, strict=False)
-    pos("pretrain.knn_every_epochs", t.knn_every_epochs, strict=False)
-    pos("pretrain.knn_monitor_train_images", t.knn_monitor_train_images)
-    pos("pretrain.knn_monitor_test_images", t.knn_monitor_test_images)
-    pos("pretrain.log_every_steps", t.log_every_steps)
-    if p.moco.bn == "split":
-        _check(t.batch_size % p.moco.bn_splits == 0, "moco.bn_splits",
-               f"a divisor of pretrain.batch_size ({t.batch_size})", p.moco.bn_splits)
-
-    pos("embed.batch_size", p.embed.batch_size)
-    pos("knn.k", p.knn.k)
-    pos("knn.T", p.knn.T)
-    pos("knn.chunk_size", p.knn.chunk_size)
-
-    lp = p.linear
-    one_of("linear.mode", lp.mode, LINEAR_MODES)
-    pos("linear.epochs", lp.epochs)
-    pos("linear.batch_size", lp.batch_size)
-    pos("linear.lr", lp.lr)
-    one_of("linear.lr_schedule", lp.lr_schedule, LR_SCHEDULES)
-    milestones("linear.lr_milestones", lp.lr_milestones)
-    pos("linear.weight_decay", lp.weight_decay, strict=False)
-    _check(0 <= lp.val_fraction < 1, "linear.val_fraction", "0 <= x < 1", lp.val_fraction)
-
-    pos("report.tsne_points", p.report.tsne_points, strict=False)
-    pos("report.retrieval_queries", p.report.retrieval_queries, strict=False)
-    pos("report.retrieval_neighbours", p.report.retrieval_neighbours)
+    for section in (_validate_data, _validate_model, _validate_pretrain, _validate_evaluation):
+        section(p)
     return p
 
 

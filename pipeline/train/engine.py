@@ -314,6 +314,22 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
         NonFiniteLossError: the loss became NaN/inf (the last good checkpoint is kept).
         Terminated: SIGTERM or SIGINT was received (a checkpoint was written first).
     """
+    threads_before = torch.get_num_threads()
+    try:
+        return _pretrain(model=model, moco=moco, opt=opt, augment=augment, seed=seed,
+                         shards_dir=shards_dir, encoder_path=encoder_path,
+                         checkpoint_dir=checkpoint_dir, metrics_path=metrics_path,
+                         plots_path=plots_path, knn_plots_path=knn_plots_path, run=run,
+                         max_steps=max_steps)
+    finally:
+        torch.set_num_threads(threads_before)  # the probe's choice is this run's only
+
+
+def _pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
+              augment: AugmentParams, seed: int, shards_dir: Path, encoder_path: Path,
+              checkpoint_dir: Path, metrics_path: Path, plots_path: Path, knn_plots_path: Path,
+              run: StageRun | None, max_steps: int | None) -> dict[str, float]:
+    """:func:`pretrain`'s body: wire the parts, run the epochs, finish."""
     rt = setup_device()
     manifest = read_manifest(shards_dir / "pretrain")
     plan = plan_run(manifest, shards_dir / "pretrain", opt=opt, moco=moco, rt=rt)
