@@ -206,57 +206,90 @@ def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, 
     return manifest
 
 
-def _write(first: Sample, rest: Iterator[Sample], tmp: Path, *, split: str, source: str,
-           class_names: Sequence[str], mode: str, samples_per_shard: int,
-           mean: Sequence[float] | None, std: Sequence[float] | None,
-           expected_count: int | None, build: dict[str, Any] | None, progress: bool,
-           out_dir: Path) -> dict[str, Any]:
-    channels = _MODES[mode]
-    num_classes = len(class_names)
-    keys: set[str] = set()
-    label_counts: Counter[int] = Counter()
-    sizes: set[tuple[int, int]] = set()
-    pix_sum = np.zeros(channels, dtype=np.uint64)  # exact integer sums -> reproducible stats
-    pix_sq = np.zeros(channels, dtype=np.uint64)
-    n_pix = 0
+class _SplitStats:
+    """Checks each sample as it is written and accumulates what the manifest reports.
+
+    Pixel sums are exact integers, so the statistics are reproducible bit for bit.
+    """
+
+    def __init__(self, mode: str, num_classes: int, out_dir: Path) -> None:
+        self.mode, self.channels = mode, _MODES[mode]
+        self.num_classes, self.out_dir = num_classes, out_dir
+        self.keys: set[str] = set()
+        self.label_counts: Counter[int] = Counter()
+        self.sizes: set[tuple[int, int]] = set()
+        self.pix_sum = np.zeros(self.channels, dtype=np.uint64)
+        self.pix_sq = np.zeros(self.channels, dtype=np.uint64)
+        self.n_pix = 0
+
+    def add(self, n: int, s: Sample) -> None:
+        """Check sample ``n`` (key, mode, label) and add it to the statistics.
+
+        Raises:
+            ShardError: a bad or duplicate key, another image mode, a label out of range.
+        """
+        where = f"{self.out_dir} sample {n} (key {s.key!r})"
+        if not isinstance(s.key, str) or not _KEY_RE.match(s.key):
+            raise ShardError(f"{where}: key must match {_KEY_RE.pattern}")
+        if s.key in self.keys:
+            raise ShardError(f"{where}: duplicate key")
+        self.keys.add(s.key)
+        if s.image.mode != self.mode:
+            raise ShardError(f"{where}: image mode {s.image.mode}, expected {self.mode}")
+        if not -1 <= int(s.label) < self.num_classes:
+            raise ShardError(f"{where}: label {s.label} outside -1..{self.num_classes - 1}")
+        arr = np.asarray(s.image).reshape(-1, self.channels)
+        self.pix_sum += arr.sum(axis=0, dtype=np.uint64)
+        self.pix_sq += np.square(arr, dtype=np.uint64).sum(axis=0, dtype=np.uint64)
+        self.n_pix += arr.shape[0]
+        self.sizes.add(s.image.size)
+        self.label_counts[int(s.label)] += 1
+
+    def fields(self, mean: Sequence[float] | None, std: Sequence[float] | None) -> dict[str, Any]:
+        """The manifest's statistics fields (shape, mean/std, pixel stats, label counts)."""
+        pixel_mean = self.pix_sum / (255.0 * self.n_pix)
+        pixel_var = self.pix_sq / (255.0**2 * self.n_pix) - pixel_mean**2
+        pixel_std = np.sqrt(np.maximum(pixel_var, 0.0))
+        (w, h), = self.sizes if len(self.sizes) == 1 else [(None, None)]
+
+        def r6(xs: Any) -> list[float]:
+            return [round(float(x), 6) for x in xs]
+
+        return {
+            "image_shape": [self.channels, h, w] if h is not None else None,  # None = mixed
+            "mean": r6(pixel_mean if mean is None else mean),
+            "std": r6(pixel_std if std is None else std),
+            "pixel_mean": r6(pixel_mean), "pixel_std": r6(pixel_std),
+            "label_counts": {str(k): self.label_counts[k] for k in sorted(self.label_counts)},
+        }
+
+
+def _write_tars(samples: Iterator[Sample], tmp: Path, *, stats: _SplitStats,
+                samples_per_shard: int, bar: _Progress) -> list[int]:
+    """Write the samples into ``tmp/shard-NNNNNN.tar``; returns the count per shard."""
     counts: list[int] = []
-    bar = _Progress(split, expected_count, progress)
-    pattern = str(tmp / SHARD_PATTERN)
-    try:
-        with wds.ShardWriter(pattern, maxcount=samples_per_shard, maxsize=float("inf"),
-                             verbose=0, encoder=False, **_TAR_OPTIONS) as writer:
-            for n, s in enumerate(_chain(first, rest)):
-                where = f"{out_dir} sample {n} (key {s.key!r})"
-                if not isinstance(s.key, str) or not _KEY_RE.match(s.key):
-                    raise ShardError(f"{where}: key must match {_KEY_RE.pattern}")
-                if s.key in keys:
-                    raise ShardError(f"{where}: duplicate key")
-                keys.add(s.key)
-                if s.image.mode != mode:
-                    raise ShardError(f"{where}: image mode {s.image.mode}, expected {mode}")
-                if not -1 <= int(s.label) < num_classes:
-                    raise ShardError(f"{where}: label {s.label} outside -1..{num_classes - 1}")
-                arr = np.asarray(s.image).reshape(-1, channels)
-                pix_sum += arr.sum(axis=0, dtype=np.uint64)
-                pix_sq += np.square(arr, dtype=np.uint64).sum(axis=0, dtype=np.uint64)
-                n_pix += arr.shape[0]
-                sizes.add(s.image.size)
-                label_counts[int(s.label)] += 1
-                if n % samples_per_shard == 0:
-                    if counts:
-                        bar.shard_done(SHARD_PATTERN % (len(counts) - 1), n)
-                    counts.append(0)
-                writer.write({"__key__": s.key, "png": encode_png(s.image),
-                              LABEL_EXT: str(int(s.label)).encode("ascii")})
-                counts[-1] += 1
-                bar.update(1)
-        total = sum(counts)
-        bar.shard_done(SHARD_PATTERN % (len(counts) - 1), total)
-    finally:
-        bar.close()
-    if expected_count is not None and total != expected_count:
-        raise ShardError(f"{out_dir}: wrote {total} samples for split '{split}', expected "
-                         f"{expected_count}")
+    with wds.ShardWriter(str(tmp / SHARD_PATTERN), maxcount=samples_per_shard,
+                         maxsize=float("inf"), verbose=0, encoder=False, **_TAR_OPTIONS) as writer:
+        for n, s in enumerate(samples):
+            stats.add(n, s)
+            if n % samples_per_shard == 0:
+                if counts:
+                    bar.shard_done(SHARD_PATTERN % (len(counts) - 1), n)
+                counts.append(0)
+            writer.write({"__key__": s.key, "png": encode_png(s.image),
+                          LABEL_EXT: str(int(s.label)).encode("ascii")})
+            counts[-1] += 1
+            bar.update(1)
+    bar.shard_done(SHARD_PATTERN % (len(counts) - 1), sum(counts))
+    return counts
+
+
+def _shard_table(tmp: Path, counts: list[int], out_dir: Path) -> list[dict[str, Any]]:
+    """Name, sample count, bytes and sha256 of every written shard.
+
+    Raises:
+        ShardError: the files on disk are not exactly the shards written.
+    """
     shards = []
     for i, count in enumerate(counts):
         path = tmp / (SHARD_PATTERN % i)
@@ -265,27 +298,29 @@ def _write(first: Sample, rest: Iterator[Sample], tmp: Path, *, split: str, sour
     on_disk = sorted(p.name for p in tmp.glob("*.tar"))
     if on_disk != [s["name"] for s in shards]:  # ShardWriter opened a shard it never filled
         raise ShardError(f"{out_dir}: shard files {on_disk} differ from those written")
-    pixel_mean = pix_sum / (255.0 * n_pix)
-    pixel_var = pix_sq / (255.0**2 * n_pix) - pixel_mean**2
-    pixel_std = np.sqrt(np.maximum(pixel_var, 0.0))
-    (w, h), = sizes if len(sizes) == 1 else [(None, None)]
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "source": source,
-        "split": split,
-        "num_samples": total,
-        "samples_per_shard": samples_per_shard,
-        "class_names": list(class_names),
-        "mode": mode,
-        "image_shape": [channels, h, w] if h is not None else None,  # (C, H, W); None = mixed
-        "mean": [round(float(x), 6) for x in (pixel_mean if mean is None else mean)],
-        "std": [round(float(x), 6) for x in (pixel_std if std is None else std)],
-        "pixel_mean": [round(float(x), 6) for x in pixel_mean],
-        "pixel_std": [round(float(x), 6) for x in pixel_std],
-        "label_counts": {str(k): label_counts[k] for k in sorted(label_counts)},
-        "build": build or {},
-        "shards": shards,
-    }
+    return shards
+
+
+def _write(first: Sample, rest: Iterator[Sample], tmp: Path, *, split: str, source: str,
+           class_names: Sequence[str], mode: str, samples_per_shard: int,
+           mean: Sequence[float] | None, std: Sequence[float] | None,
+           expected_count: int | None, build: dict[str, Any] | None, progress: bool,
+           out_dir: Path) -> dict[str, Any]:
+    stats = _SplitStats(mode, len(class_names), out_dir)
+    bar = _Progress(split, expected_count, progress)
+    try:
+        counts = _write_tars(_chain(first, rest), tmp, stats=stats,
+                             samples_per_shard=samples_per_shard, bar=bar)
+    finally:
+        bar.close()
+    total = sum(counts)
+    if expected_count is not None and total != expected_count:
+        raise ShardError(f"{out_dir}: wrote {total} samples for split '{split}', expected "
+                         f"{expected_count}")
+    manifest = {"format": MANIFEST_FORMAT, "source": source, "split": split,
+                "num_samples": total, "samples_per_shard": samples_per_shard,
+                "class_names": list(class_names), "mode": mode, **stats.fields(mean, std),
+                "build": build or {}, "shards": _shard_table(tmp, counts, out_dir)}
     (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
 
