@@ -104,8 +104,20 @@ def test_pretrain__resume_after_interruption_is_bit_identical(tiny_shards, tmp_p
 def test_pretrain__changed_params_ignore_checkpoint(tiny_shards, tmp_path, caplog):
     run_pretrain(tiny_shards, tmp_path, max_steps=4)
     caplog.set_level("INFO")
-    run_pretrain(tiny_shards, tmp_path, {"moco": {"T": 0.2}}, max_steps=2)
+    run_pretrain(tiny_shards, tmp_path, {"moco": {"T": 0.2}, "pretrain": {"num_workers": 1}},
+                 max_steps=2)
     assert "ignoring checkpoint" in caplog.text and "starting fresh" in caplog.text
+    # the log line names exactly the params that changed, old -> new
+    assert "changed params: moco.T: 0.1 -> 0.2, pretrain.num_workers: 0 -> 1" in caplog.text
+
+
+def test_pretrain__same_params_other_shards_explained(tmp_path, caplog):
+    a = build_tiny_shards(tmp_path / "a")
+    b = build_tiny_shards(tmp_path / "b", n_pretrain=208)
+    run_pretrain(a, tmp_path / "out", max_steps=2)
+    caplog.set_level("INFO")
+    run_pretrain(b, tmp_path / "out", max_steps=2)
+    assert "same params, so the shards or the training code changed" in caplog.text
 
 
 KILL_SCRIPT = textwrap.dedent("""
