@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -398,6 +398,62 @@ def _same_bits(a: Tensor, b: Tensor) -> bool:
                        b.detach().reshape(-1).view(torch.uint8))
 
 
+def _frozen_encoder(backbone: nn.Module, num_features: int) -> Callable[[Tensor], Tensor]:
+    """``images (B, C, H, W) -> features (B, D)`` in fp32, checking the backbone's output width."""
+
+    def encode(images: Tensor) -> Tensor:
+        feats = backbone(images)  # B x D
+        if feats.ndim != 2 or feats.shape[1] != num_features:
+            raise ValueError(f"linear: the backbone returned {tuple(feats.shape)}, expected "
+                             f"(B, num_features = {num_features})")
+        return feats.float()
+
+    return encode
+
+
+class _LabelledOnly:
+    """Drops rows labelled -1 from ``(images, labels)`` batches and counts them per split.
+
+    Labels other than -1 outside ``[0, num_classes)`` raise (named); an all-unlabelled batch is
+    skipped.
+    """
+
+    def __init__(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+        self.ignored = {"train": 0, "val": 0, "test": 0}
+
+    def __call__(self, batches: Iterable[Batch], split: str) -> Iterator[Batch]:
+        for batch in batches:
+            x, y = batch[0], torch.as_tensor(batch[1], dtype=torch.long)
+            keep = _batch_labels(y, split, self.num_classes)
+            if not bool(keep.all()):
+                self.ignored[split] += len(y) - int(keep.sum())
+                x, y = x[keep.to(x.device)], y[keep]
+            if len(y):
+                yield x, y
+
+    def log_ignored(self, epochs: int) -> None:
+        if any(self.ignored.values()):
+            log.warning("linear: ignored rows labelled -1 (unlabelled): %d train (all %d "
+                        "epochs), %d validation (all epochs), %d test", self.ignored["train"],
+                        epochs, self.ignored["val"], self.ignored["test"])
+
+
+def _assert_unchanged(snapshot: dict[str, Tensor], backbone: nn.Module) -> None:
+    """Raise if any backbone parameter or buffer differs bit for bit from ``snapshot``.
+
+    Raises:
+        RuntimeError: names every changed, added or removed tensor.
+    """
+    now = _tensors(backbone)
+    changed = sorted(set(snapshot) ^ set(now))
+    changed += [n for n in snapshot if n in now and not _same_bits(snapshot[n], now[n])]
+    if changed:
+        raise RuntimeError(
+            "linear probe: the frozen backbone changed during training: " + ", ".join(changed)
+        )
+
+
 def train_linear_augment(
     backbone: nn.Module,
     train_batches: Callable[[int], Iterable[Batch]],
@@ -474,53 +530,24 @@ def train_linear_augment(
                        milestones=milestones)
     snapshot = {n: t.detach().clone() for n, t in _tensors(backbone).items()}
     modes = [(m, m.training) for m in backbone.modules()]
-
-    def encode(images: Tensor) -> Tensor:
-        feats = backbone(images)  # B x D
-        if feats.ndim != 2 or feats.shape[1] != num_features:
-            raise ValueError(f"linear: the backbone returned {tuple(feats.shape)}, expected "
-                             f"(B, num_features = {num_features})")
-        return feats.float()
-
-    ignored = {"train": 0, "val": 0, "test": 0}  # unlabelled rows dropped, over all passes
-
-    def checked(batches: Iterable[Batch], split: str) -> Iterable[Batch]:
-        for batch in batches:
-            x, y = batch[0], torch.as_tensor(batch[1], dtype=torch.long)
-            keep = _batch_labels(y, split, num_classes)
-            if not bool(keep.all()):
-                ignored[split] += len(y) - int(keep.sum())
-                x, y = x[keep.to(x.device)], y[keep]
-            if len(y):
-                yield x, y
-
+    encode = _frozen_encoder(backbone, num_features)
+    keep = _LabelledOnly(num_classes)
     clf = _make_classifier(num_features, num_classes, seed, device)
     try:
         backbone.eval()
         history = _fit(
-            clf, encode, lambda e: checked(train_batches(e), "train"), lrs=lrs,
+            clf, encode, lambda e: keep(train_batches(e), "train"), lrs=lrs,
             momentum=momentum, weight_decay=weight_decay, feature_norm=feature_norm,
             device=device, test_batches_each_epoch=None, progress=progress,
-            val_batches=(lambda: checked(val_batches(), "val")) if val_batches is not None
+            val_batches=(lambda: keep(val_batches(), "val")) if val_batches is not None
             else None,
         )
-        scores, targets = _scores(clf, encode, checked(test_batches, "test"), feature_norm,
-                                  device)
+        scores, targets = _scores(clf, encode, keep(test_batches, "test"), feature_norm, device)
     finally:
         for mod, was_training in modes:
             mod.training = was_training
-    if any(ignored.values()):
-        log.warning("linear: ignored rows labelled -1 (unlabelled): %d train (all %d epochs), "
-                    "%d validation (all epochs), %d test", ignored["train"], epochs,
-                    ignored["val"], ignored["test"])
-
-    now = _tensors(backbone)
-    changed = sorted(set(snapshot) ^ set(now))
-    changed += [n for n in snapshot if n in now and not _same_bits(snapshot[n], now[n])]
-    if changed:
-        raise RuntimeError(
-            "linear probe: the frozen backbone changed during training: " + ", ".join(changed)
-        )
+    keep.log_ignored(epochs)
+    _assert_unchanged(snapshot, backbone)
     history[-1]["test_top1"] = _top1(scores, targets)
     return _result(clf, history, scores, targets, torch.arange(num_classes), lrs[0],
                    feature_norm, [])
