@@ -51,13 +51,15 @@ def cached_uint8(p, size: int, channels: int) -> tuple[torch.Tensor, list[str]]:
     return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8), [""] * shape[0]
 
 
-def engine_rate(p, shards: Path, batch, steps: int, real_loader: bool = False) -> dict:
+def engine_rate(p, shards: Path, batch, steps: int, real_loader: bool = False,
+                compile_: str = "auto") -> dict:
     """images/s (median of logged windows after the first) of pipeline.train.pretrain."""
     p.pretrain.steps_per_epoch = steps
     p.pretrain.epochs = 1
     p.pretrain.knn_every_epochs = 0
     p.pretrain.checkpoint_every_steps = 0
     p.pretrain.log_every_steps = 1  # one row per step: per-step rates, like the reference
+    p.pretrain.compile = compile_
     original = engine.train_loader
     if not real_loader:
         engine.train_loader = lambda *a, steps, skip_batches=0, **k: (
@@ -65,17 +67,21 @@ def engine_rate(p, shards: Path, batch, steps: int, real_loader: bool = False) -
     try:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp)
+            t0 = time.perf_counter()
             engine.pretrain(model=p.model, moco=p.moco, opt=p.pretrain, augment=p.augment,
                             seed=p.seed, shards_dir=shards, encoder_path=out / "e.pt",
                             checkpoint_dir=out / "ck", metrics_path=out / "m.json",
                             plots_path=out / "p.tsv", knn_plots_path=out / "k.tsv")
+            wall = time.perf_counter() - t0
             rows = [line.split("\t") for line in (out / "p.tsv").read_text().splitlines()]
     finally:
         engine.train_loader = original
     head = rows[0]
     vals = [dict(zip(head, r)) for r in rows[6:]]  # drop the header and 5 warm-up steps
     torch.set_num_threads(THREADS)
-    return {"images_per_s": statistics.median(float(v["images_per_s"]) for v in vals),
+    rate = statistics.median(float(v["images_per_s"]) for v in vals)
+    return {"images_per_s": rate, "wall_s": wall,
+            "overhead_s": wall - steps * p.pretrain.batch_size / rate,
             "data_wait_fraction": statistics.median(float(v["data_wait_fraction"])
                                                     for v in vals)}
 
@@ -125,6 +131,8 @@ def main() -> None:
     ap.add_argument("--shards", default=None, help="default: data.shards_dir of the params")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compile", action="store_true",
+                    help="also measure torch.compile on CPU (rate and compile overhead)")
     args = ap.parse_args()
     p = load_params(args.params)
     shards = Path(args.shards or p.data.shards_dir)
@@ -146,6 +154,10 @@ def main() -> None:
         spin.kill()
         spin.wait()
     e, r = statistics.median(eng), statistics.median(ref)
+    compiled = None
+    if args.compile:
+        compiled = engine_rate(load_params(args.params), shards, cached_uint8(p, size, channels),
+                               args.steps, compile_="true")
     q = statistics.median(x["images_per_s"] for x in real)
     wait = statistics.median(x["data_wait_fraction"] for x in real)
     print(json.dumps({
@@ -159,6 +171,9 @@ def main() -> None:
         "real_loader_data_wait_fraction": round(wait, 3),
         "contended_images_per_s": round(busy["images_per_s"], 1),
         "contended_over_quiet": round(busy["images_per_s"] / q, 3),
+        **({"compiled_images_per_s": round(compiled["images_per_s"], 1),
+            "compiled_over_engine": round(compiled["images_per_s"] / e, 3),
+            "compile_overhead_s": round(compiled["overhead_s"], 1)} if compiled else {}),
     }, indent=2))
 
 
