@@ -37,6 +37,7 @@ import webdataset as wds
 from PIL import Image
 from tqdm import tqdm
 
+from pipeline.data.remote import RemoteError, ShardURL, open_stream, read_url, shards_location
 from pipeline.data.sources import SPLITS, Sample, open_source
 
 if TYPE_CHECKING:
@@ -99,6 +100,30 @@ def resize_samples(samples: Iterable[Sample], image_size: int) -> Iterator[Sampl
         img = F.resize(s.image, image_size, interpolation=InterpolationMode.BICUBIC,
                        antialias=True)
         yield Sample(s.key, F.center_crop(img, [image_size, image_size]), s.label)
+
+
+def limit_short_side(samples: Iterable[Sample], max_side: int) -> Iterator[Sample]:
+    """Shrink images whose shorter side exceeds ``max_side`` so it equals it; no crop.
+
+    The aspect ratio is kept (the longer side is rounded as torchvision's ``Resize(int)`` does),
+    so RandomResizedCrop later samples from the whole photo as in the official MoCo code.
+    Images already within ``max_side`` are stored unchanged (never upsampled).
+
+    Args:
+        samples: source samples.
+        max_side: the largest shorter side in pixels (``data.max_side``); must be > 0.
+
+    Yields:
+        Samples with ``min(W, H) <= max_side``, same key, label and mode.
+    """
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as F
+
+    for s in samples:
+        img = s.image
+        if min(img.size) > max_side:
+            img = F.resize(img, max_side, interpolation=InterpolationMode.BICUBIC, antialias=True)
+        yield Sample(s.key, img, s.label)
 
 
 def sha256_file(path: str | Path) -> str:
@@ -319,6 +344,11 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
         SourceError: raw data missing or invalid.
         ShardError: a split without samples.
     """
+    if isinstance(shards_location(params.shards_dir), ShardURL):
+        raise ShardError(f"data.shards_dir = {params.shards_dir}: build_shards writes a local "
+                         "directory; a URL is for reading shards published elsewhere (build "
+                         "into a local shards_dir, then copy or `dvc push` them there)")
+    max_side = getattr(params, "max_side", 0)
     src = open_source(params.source, params.root, download=params.download,
                       test_fraction=params.test_fraction, seed=seed)
     caps = {"pretrain": params.max_pretrain_images, "train": params.max_train_images,
@@ -333,7 +363,9 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
         for split in SPLITS:
             samples: Iterable[Sample] = src.iter(split, max_images=caps[split], seed=seed,
                                                  shuffle=True)
-            if params.image_size:
+            if max_side:
+                samples = limit_short_side(samples, max_side)
+            elif params.image_size:
                 samples = resize_samples(samples, params.image_size)
             n = src.count(split)
             m = write_shards(samples, tmp / split, split=split, source=src.name,
@@ -342,6 +374,7 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
                              expected_count=min(caps[split], n) if caps[split] else n,
                              build={"seed": seed, "max_images": caps[split],
                                     "image_size": params.image_size,
+                                    **({"max_side": max_side} if max_side else {}),
                                     "test_fraction": params.test_fraction},
                              progress=progress)
             if mean is None:  # no published stats: use the pretrain split's pixel stats
@@ -357,23 +390,32 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
 # --- reading and verification ----------------------------------------------------------------
 
 
-def read_manifest(directory: str | Path) -> dict[str, Any]:
+def read_manifest(directory: str | Path | ShardURL) -> dict[str, Any]:
     """Load and validate a split's ``manifest.json``.
 
     Args:
-        directory: the split directory.
+        directory: the split directory, or its URL (``https://…/pretrain``, ``s3://…``).
 
     Returns:
         The manifest dict; ``shards`` in storage order.
 
     Raises:
-        ShardError: missing file, invalid JSON, or a missing/inconsistent field (names the file).
+        ShardError: missing file, invalid JSON, or a missing/inconsistent field (names the file
+            or URL).
     """
-    path = Path(directory) / MANIFEST_NAME
-    if not path.is_file():
-        raise ShardError(f"{path}: manifest not found (build the shards first)")
+    location = shards_location(directory)
+    path = location / MANIFEST_NAME
+    if isinstance(path, ShardURL):
+        try:
+            text = read_url(path)
+        except RemoteError as e:
+            raise ShardError(f"{e} (manifest not found or unreadable)") from None
+    else:
+        if not path.is_file():
+            raise ShardError(f"{path}: manifest not found (build the shards first)")
+        text = None
     try:
-        m = json.loads(path.read_text())
+        m = json.loads(path.read_text() if text is None else text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ShardError(f"{path}: not a readable JSON manifest ({e})") from None
 
@@ -404,16 +446,63 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     return m
 
 
-def iter_shard(path: str | Path) -> Iterator[dict[str, Any]]:
+def iter_shard(path: str | Path | ShardURL, *, expect: tuple[int, str] | None = None
+               ) -> Iterator[dict[str, Any]]:
     """Yield the raw samples (``{"__key__", "__url__", ext: bytes}``) of one shard.
 
+    A URL is streamed (:func:`pipeline.data.remote.open_stream`: retries with backoff) and
+    hashed as it is read; with ``expect`` the byte count and sha256 are compared with the
+    manifest once the stream is exhausted, so the error comes after the shard's samples (a
+    caller that stops early skips the check). Local files are read as they are (callers check
+    them beforehand, see ``pipeline.data.loader``).
+
+    Args:
+        path: a local shard file or a shard URL.
+        expect: ``(bytes, sha256)`` from the manifest, checked at the end of a URL.
+
     Raises:
-        ShardError: the tar cannot be read (names the shard).
+        ShardError: the tar cannot be read, the URL failed, or ``expect`` differs (names the
+            shard).
     """
+    if isinstance(path, ShardURL) or (isinstance(path, str) and isinstance(
+            shards_location(path), ShardURL)):
+        yield from _iter_url_shard(str(path), expect)
+        return
     try:
         yield from wds.tarfile_samples([{"url": str(path)}])
     except Exception as e:  # tarfile / gopen errors
         raise ShardError(f"{path}: unreadable shard ({type(e).__name__}: {e})") from None
+
+
+def _iter_url_shard(url: str, expect: tuple[int, str] | None) -> Iterator[dict[str, Any]]:
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    try:
+        raw = open_stream(url)
+    except RemoteError as e:
+        raise ShardError(str(e)) from None
+    with raw, io.BufferedReader(raw, buffer_size=1 << 20) as stream:
+        try:
+            yield from group_by_keys(tar_file_expander([{"url": url, "stream": stream}]))
+            while stream.read(1 << 20):  # tar end padding: hash every byte
+                pass
+        except RemoteError as e:
+            raise ShardError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 (tarfile errors, wrapped by webdataset)
+            if isinstance(e.__context__, RemoteError):
+                raise ShardError(str(e.__context__)) from None
+            why = str(e.args[0]).split(" @ ")[0] if e.args else ""
+            raise ShardError(f"{url}: unreadable shard at byte {raw.pos} "
+                             f"({type(e).__name__}: {why}); truncated or corrupt") from None
+    if expect is not None:
+        nbytes, sha = expect
+        if raw.pos != nbytes:
+            raise ShardError(f"{url}: {raw.pos} bytes, manifest says {nbytes} (truncated or "
+                             "altered)")
+        digest = raw.sha256.hexdigest()
+        if digest != sha:
+            raise ShardError(f"{url}: sha256 {digest[:16]}... != manifest {sha[:16]}... "
+                             "(altered)")
 
 
 def check_members(record: dict[str, Any]) -> dict[str, Any]:
