@@ -42,6 +42,8 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import Params
+from pipeline.data.remote import is_url, shards_location
+from pipeline.data.shards import ShardError, read_manifest
 from pipeline.report import figures as fg
 
 log = logging.getLogger(__name__)
@@ -556,7 +558,13 @@ def _class_names(
     root: Path, p: Params, details: Sequence[dict[str, Any] | None], num_classes: int
 ) -> list[str]:
     """Class names from the test-shard manifest, else the details files, else the indices."""
-    manifest = read_json(root / p.data.shards_dir / "test" / "manifest.json")
+    if is_url(p.data.shards_dir):
+        try:
+            manifest = read_manifest(shards_location(p.data.shards_dir) / "test")
+        except ShardError:
+            manifest = None
+    else:
+        manifest = read_json(root / p.data.shards_dir / "test" / "manifest.json")
     for src in [manifest, *details]:
         names = (src or {}).get("class_names")
         if isinstance(names, list) and len(names) >= num_classes:
@@ -664,6 +672,9 @@ def _retrieval_block(
         return Paragraph("Retrieval: skipped (report.retrieval_queries = 0).")
     if test is None or train is None:
         return Paragraph(f"Retrieval: {NOT_AVAILABLE} (features/test.pt, features/train.pt).")
+    if is_url(p.data.shards_dir):
+        return Paragraph(f"Retrieval: {NOT_AVAILABLE} (it reads local shards; data.shards_dir "
+                         f"is the URL {p.data.shards_dir}).")
     shards = root / p.data.shards_dir
     if not (shards / "test").is_dir() or not (shards / "train").is_dir():
         return Paragraph(f"Retrieval: {NOT_AVAILABLE} (shards in {p.data.shards_dir}).")
