@@ -45,6 +45,8 @@ __all__ = ["ShardError", "eval_loader", "read_manifest", "train_loader"]
 
 SHUFFLE_BUDGET_BYTES = 512 * 2**20  # raw sample bytes each train reader may buffer (auto size)
 EvalTransform = Callable[[Image.Image], torch.Tensor]
+# crop(image, rng) -> a fixed-size image, e.g. pipeline.data.crop.RandomResizedCrop
+Crop = Callable[[Image.Image, random.Random], Image.Image]
 
 
 def _seed_int(*parts: Any) -> int:
@@ -176,9 +178,9 @@ class _TrainStream(IterableDataset):
 
     def __init__(self, shards: list[Shard], mode: str, *, batch_size: int, steps: int,
                  epoch: int, seed: int, rank: int, world_size: int, skip_batches: int,
-                 shuffle_buffer: int):
+                 shuffle_buffer: int, crop: Crop | None = None, views: int = 2):
         super().__init__()
-        self.shards, self.mode = shards, mode
+        self.shards, self.mode, self.crop, self.views = shards, mode, crop, views
         self.batch_size, self.steps, self.epoch, self.seed = batch_size, steps, epoch, seed
         self.rank, self.world_size = rank, world_size
         self.skip_batches, self.shuffle_buffer = skip_batches, shuffle_buffer
@@ -208,6 +210,7 @@ class _TrainStream(IterableDataset):
         counts = [c for _, c, _ in self.shards]
         perm, offset = epoch_order(counts, seed=self.seed, epoch=self.epoch)
         start, length = self._slice(logical)
+        position = start  # in the rotated epoch sequence: seeds per-image crops
         for shard, first, end in reader_runs(counts, perm, offset, start, length):
             url, count, expect = self.shards[shard]
             got = 0
@@ -218,6 +221,8 @@ class _TrainStream(IterableDataset):
                            if first <= i < end)
             for record in records:
                 got += 1
+                record["__pos__"] = position
+                position += 1
                 yield check_members(record)
             if got != end - first:
                 raise ShardError(f"{url}: fewer samples than the manifest's {count}")
@@ -239,7 +244,13 @@ class _TrainStream(IterableDataset):
         def decode(src: Iterator[dict[str, Any]]) -> Iterator[tuple[np.ndarray, str]]:
             for record in src:
                 key, image, _ = decode_record(record, self.mode)
-                yield _to_uint8(image), key
+                if self.crop is None:
+                    yield _to_uint8(image), key
+                else:  # (V, C, S, S): the views' crops, a pure function of (seed, epoch, pos)
+                    crop_rng = random.Random(_seed_int("crop", self.seed, self.epoch,
+                                                       record["__pos__"]))
+                    yield np.stack([_to_uint8(self.crop(image, crop_rng))
+                                    for _ in range(self.views)]), key
 
         pipeline = wds.DataPipeline(
             lambda: self._raw(logical),
@@ -283,7 +294,8 @@ def auto_shuffle_buffer(manifest: dict[str, Any], budget_bytes: int = SHUFFLE_BU
 def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps: int, epoch: int,
                  seed: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
                  skip_batches: int = 0, shuffle_buffer: int = 0,
-                 pin_memory: bool = False) -> DataLoader:
+                 pin_memory: bool = False, crop: Crop | None = None,
+                 views: int = 2) -> DataLoader:
     """One rank's batches of one epoch, as uint8 images (augmentation happens on the device).
 
     Every image of the split is yielded at most once per epoch across all ranks and workers:
@@ -322,10 +334,17 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
         shuffle_buffer: samples in each reader's shuffle buffer (raw bytes); 0 = auto
             (:func:`auto_shuffle_buffer`, a 512 MiB budget per reader).
         pin_memory: DataLoader ``pin_memory``.
+        crop: for shards of variable image size (``data.max_side``): ``crop(image, rng)``
+            returns a fixed-size image (:class:`pipeline.data.crop.RandomResizedCrop`). It runs
+            in the workers, ``views`` times per image, with ``rng`` seeded by ``(seed, epoch,
+            position of the sample in the epoch sequence)``: the crops do not depend on the
+            number of ranks or workers, and a resumed epoch repeats them.
+        views: crops per image when ``crop`` is given (2: MoCo's query and key).
 
     Returns:
         A DataLoader (``len() == steps - skip_batches``) yielding ``(images, keys)``: images
-        ``(B, C, H, W)`` uint8, keys the ``B`` sample keys.
+        ``(B, C, H, W)`` uint8 (``(B, views, C, S, S)`` with ``crop``), keys the ``B`` sample
+        keys.
 
     Raises:
         ValueError: an argument out of range, or ``steps * batch_size * world_size`` exceeds the
@@ -335,7 +354,8 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
     """
     _check_args(batch_size=(batch_size, 1), steps=(steps, 1), epoch=(epoch, 0), seed=(seed, 0),
                 world_size=(world_size, 1), rank=(rank, 0), num_workers=(num_workers, 0),
-                skip_batches=(skip_batches, 0), shuffle_buffer=(shuffle_buffer, 0))
+                skip_batches=(skip_batches, 0), shuffle_buffer=(shuffle_buffer, 0),
+                views=(views, 1))
     if rank >= world_size:
         raise ValueError(f"rank must be < world_size ({world_size}), got {rank}")
     if skip_batches > steps:
@@ -351,7 +371,8 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
                           batch_size=batch_size, steps=steps,
                           epoch=epoch, seed=seed, rank=rank, world_size=world_size,
                           skip_batches=skip_batches,
-                          shuffle_buffer=shuffle_buffer or auto_shuffle_buffer(manifest))
+                          shuffle_buffer=shuffle_buffer or auto_shuffle_buffer(manifest),
+                          crop=crop, views=views)
     return _SizedLoader(stream, steps - skip_batches, num_workers, pin_memory)
 
 
