@@ -393,6 +393,31 @@ class _SizedLoader(DataLoader):
     def __len__(self) -> int:
         return self._length
 
+    def __iter__(self) -> Iterator[Any]:
+        """Batches; a :class:`ShardError` from a worker keeps its one-line message."""
+        batches = super().__iter__()
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except ShardError as e:
+                raise ShardError(_worker_message(str(e))) from None
+            yield batch
+
+
+def _worker_message(text: str) -> str:
+    """The original message of an exception re-raised from a DataLoader worker.
+
+    PyTorch re-raises a multi-line text: ``Caught ShardError in DataLoader worker process 0.``,
+    the worker's traceback, and last ``pipeline.data.shards.ShardError: <message>``; the stage
+    should print only ``<message>`` (one line naming the shard or URL).
+    """
+    if not text.startswith("Caught ") or "\n" not in text:
+        return text
+    last = text.rstrip().splitlines()[-1]
+    return last.split("ShardError: ", 1)[1] if "ShardError: " in last else last
+
 
 def _check_args(**values: tuple[int, int]) -> None:
     for name, (v, low) in values.items():
