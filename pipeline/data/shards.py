@@ -559,15 +559,16 @@ def decode_record(record: dict[str, Any], mode: str) -> tuple[str, Image.Image, 
     return record["__key__"], image, label
 
 
-def verify_shards(directory: str | Path) -> dict[str, Any]:
+def verify_shards(directory: str | Path | ShardURL) -> dict[str, Any]:
     """Check a split directory against its manifest, decoding every image.
 
-    Checks: the ``*.tar`` files present equal the manifest's list; each shard's byte size and
-    sha256; each sample has one decodable image and an integer label in ``-1..C-1``; keys are
-    unique; per-shard counts match.
+    Checks: the ``*.tar`` files present equal the manifest's list (local directories only: a
+    URL cannot be listed); each shard's byte size and sha256 (for a URL while it streams); each
+    sample has one decodable image and an integer label in ``-1..C-1``; keys are unique;
+    per-shard counts match.
 
     Args:
-        directory: the split directory.
+        directory: the split directory, or its URL.
 
     Returns:
         ``{"dir", "split", "source", "num_shards", "num_samples", "bytes"}``.
@@ -575,9 +576,11 @@ def verify_shards(directory: str | Path) -> dict[str, Any]:
     Raises:
         ShardError: the first problem found, naming the shard (or manifest) path.
     """
-    directory = Path(directory)
+    directory = shards_location(directory)
     m = read_manifest(directory)
     listed = [s["name"] for s in m["shards"]]
+    if isinstance(directory, ShardURL):
+        return _verify_url(directory, m)
     present = sorted(p.name for p in directory.glob("*.tar"))
     for name in listed:
         if name not in present:
@@ -585,7 +588,6 @@ def verify_shards(directory: str | Path) -> dict[str, Any]:
     for name in present:
         if name not in listed:
             raise ShardError(f"{directory / name}: shard not listed in {MANIFEST_NAME}")
-    num_classes = len(m["class_names"])
     keys: set[str] = set()
     for s in m["shards"]:
         path = directory / s["name"]
@@ -596,20 +598,38 @@ def verify_shards(directory: str | Path) -> dict[str, Any]:
         digest = sha256_file(path)
         if digest != s["sha256"]:
             raise ShardError(f"{path}: sha256 {digest} != manifest {s['sha256']} (altered)")
-        count = 0
-        for record in iter_shard(path):
-            key, image, label = decode_record(record, m["mode"])
-            if not -1 <= label < num_classes:
-                raise ShardError(f"{path}: sample '{key}' label {label} outside "
-                                 f"-1..{num_classes - 1}")
-            if key in keys:
-                raise ShardError(f"{path}: duplicate key '{key}'")
-            keys.add(key)
-            count += 1
-        if count != s["num_samples"]:
-            raise ShardError(f"{path}: {count} samples, manifest says {s['num_samples']}")
+        _verify_samples(iter_shard(path), path, s["num_samples"], m, keys)
     return {"dir": str(directory), "split": m["split"], "source": m["source"],
             "num_shards": len(listed), "num_samples": m["num_samples"],
+            "bytes": sum(s["bytes"] for s in m["shards"])}
+
+
+def _verify_samples(records: Iterator[dict[str, Any]], where: Path | ShardURL, expected: int,
+                    m: dict[str, Any], keys: set[str]) -> None:
+    """Decode every sample of one shard; labels in range, keys unique, count as listed."""
+    num_classes = len(m["class_names"])
+    count = 0
+    for record in records:
+        key, image, label = decode_record(record, m["mode"])
+        if not -1 <= label < num_classes:
+            raise ShardError(f"{where}: sample '{key}' label {label} outside "
+                             f"-1..{num_classes - 1}")
+        if key in keys:
+            raise ShardError(f"{where}: duplicate key '{key}'")
+        keys.add(key)
+        count += 1
+    if count != expected:
+        raise ShardError(f"{where}: {count} samples, manifest says {expected}")
+
+
+def _verify_url(directory: ShardURL, m: dict[str, Any]) -> dict[str, Any]:
+    keys: set[str] = set()
+    for s in m["shards"]:
+        url = directory / s["name"]
+        _verify_samples(iter_shard(url, expect=(s["bytes"], s["sha256"])), url,
+                        s["num_samples"], m, keys)
+    return {"dir": str(directory), "split": m["split"], "source": m["source"],
+            "num_shards": len(m["shards"]), "num_samples": m["num_samples"],
             "bytes": sum(s["bytes"] for s in m["shards"])}
 
 
@@ -625,6 +645,8 @@ def verify_main(directory: str | Path) -> int:
     Returns:
         Exit code: 0 all good, 1 a problem (printed to stderr).
     """
+    if isinstance(shards_location(directory), ShardURL):
+        return _verify_url_main(shards_location(directory))
     directory = Path(directory)
     if (directory / MANIFEST_NAME).is_file():
         dirs = [directory]
@@ -643,5 +665,23 @@ def verify_main(directory: str | Path) -> int:
     except (ShardError, OSError) as e:
         print(f"error: verify-shards: {e}; rebuild with `dvc repro -f build_shards`",
               file=sys.stderr)
+        return 1
+    return 0
+
+
+def _verify_url_main(base: ShardURL) -> int:
+    """``verify-shards URL``: the URL of a split, else of a shards root with the three splits."""
+    try:
+        try:
+            read_manifest(base)
+            dirs = [base]
+        except ShardError:
+            dirs = [base / split for split in SPLITS]
+        for d in dirs:
+            r = verify_shards(d)
+            print(f"ok  {r['dir']}: {r['split']} ({r['source']}), {r['num_samples']} samples "
+                  f"in {r['num_shards']} shard(s), {r['bytes'] / 1e6:.1f} MB")
+    except ShardError as e:
+        print(f"error: verify-shards: {e}", file=sys.stderr)
         return 1
     return 0

@@ -189,3 +189,21 @@ def test_eval_loader__altered_url_shard_fails_on_sha256(broken):
     with pytest.raises(ShardError) as e:
         list(eval_loader(f"{server.url}/test", transform=tf, batch_size=16))
     assert str(e.value).startswith(f"{server.url}/test/shard-000000.tar: sha256 ")
+
+
+def test_verify_shards__url_root_and_altered_shard(served, broken, capsys):
+    from helpers import relabel_first_sample
+
+    from pipeline.data.shards import verify_main
+
+    _, server = served
+    assert verify_main(server.url) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(": ")[0] for line in out] == [
+        f"ok  {server.url}/{split}" for split in ("pretrain", "train", "test")]
+    assert "160 samples in 3 shard(s)" in out[0]
+    root, bad = broken
+    relabel_first_sample(root / "train/shard-000000.tar")
+    assert verify_main(f"{bad.url}/train") == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: verify-shards: {bad.url}/train/shard-000000.tar: sha256 ")
