@@ -22,6 +22,7 @@ import http.client
 import io
 import re
 import socket
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -152,19 +153,27 @@ class _Stream(io.RawIOBase):
             if e.code in TRANSIENT_HTTP:
                 raise _Transient(f"HTTP {e.code} {e.reason}") from None
             raise RemoteError(f"{self.url}: HTTP {e.code} {e.reason}") from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, ssl.SSLCertVerificationError):  # not going to get better
+                raise RemoteError(f"{self.url}: {_why(e)}") from None
+            raise _Transient(_why(e)) from None
+        except (OSError, http.client.HTTPException) as e:
             raise _Transient(_why(e)) from None
         length = f.headers.get("Content-Length")
-        if self.pos and f.status == 206:
-            start = self.pos
-        else:  # the whole body again: skip what was already delivered
-            start = 0
-            left = self.pos
-            while left:
-                got = f.read(min(left, _CHUNK))
-                if not got:
-                    raise _Transient("body shorter than before on reconnect")
-                left -= len(got)
+        try:
+            if self.pos and f.status == 206:
+                start = self.pos
+            else:  # the whole body again: skip what was already delivered
+                start = 0
+                left = self.pos
+                while left:
+                    got = f.read(min(left, _CHUNK))
+                    if not got:
+                        raise _Transient("body shorter than before on reconnect")
+                    left -= len(got)
+        except (OSError, http.client.HTTPException) as e:
+            f.close()
+            raise _Transient(_why(e)) from None
         self._end = start + int(length) if length and length.isdigit() else None
         self._f = f
 
@@ -178,7 +187,11 @@ class _Stream(io.RawIOBase):
         except OSError as e:
             raise _Transient(_why(e)) from None
         if self.pos:
-            f.seek(self.pos)
+            try:
+                f.seek(self.pos)
+            except OSError as e:
+                f.close()
+                raise _Transient(_why(e)) from None
         self._f, self._end = f, None
 
     # --- reading -------------------------------------------------------------------------

@@ -20,12 +20,14 @@ class _Server:
     """``http.server`` on 127.0.0.1 (ephemeral port) over a directory, in a thread.
 
     ``fail`` maps a URL path to a list of HTTP status codes answered (and consumed) before the
-    file is served.
+    file is served; ``drop`` maps a URL path to a number of responses that announce the whole
+    file but close the connection halfway.
     """
 
     def __init__(self, directory: Path):
         fail: dict[str, list[int]] = {}
-        self.fail, self.requests = fail, []
+        drop: dict[str, int] = {}
+        self.fail, self.drop, self.requests = fail, drop, []
         requests = self.requests
 
         class Handler(http.server.SimpleHTTPRequestHandler):
@@ -37,6 +39,15 @@ class _Server:
                 codes = fail.get(self.path)
                 if codes:
                     self.send_error(codes.pop(0))
+                    return
+                if drop.get(self.path):
+                    drop[self.path] -= 1
+                    data = (directory / self.path.lstrip("/")).read_bytes()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data[:len(data) // 2])
+                    self.close_connection = True
                     return
                 super().do_GET()
 
@@ -122,6 +133,17 @@ def test_open_stream__retries_transient_errors_then_succeeds(served, fast_retrie
     server.fail["/test/manifest.json"] = [503, 502]
     data = read_url(f"{server.url}/test/manifest.json")
     assert data == (root / "test/manifest.json").read_bytes()
+
+
+def test_train_loader__connection_dropped_mid_shard_resumes(served, fast_retries):
+    root, server = served
+    kw = dict(batch_size=16, steps=10, epoch=0, seed=1)
+    server.drop["/pretrain/shard-000000.tar"] = 2  # two cut transfers, then a whole one
+    got = _batches(train_loader(f"{server.url}/pretrain", **kw))
+    assert server.drop["/pretrain/shard-000000.tar"] == 0
+    local = _batches(train_loader(root / "pretrain", **kw))
+    assert all(ka == kb and torch.equal(a, b)
+               for (a, ka), (b, kb) in zip(local, got, strict=True)) and len(got) == 10
 
 
 def test_open_stream__gives_up_after_the_last_retry(served, fast_retries):
