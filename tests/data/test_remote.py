@@ -229,3 +229,13 @@ def test_verify_shards__url_root_and_altered_shard(served, broken, capsys):
     assert verify_main(f"{bad.url}/train") == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: verify-shards: {bad.url}/train/shard-000000.tar: sha256 ")
+
+
+def test_build_all__refuses_a_url_shards_dir():
+    from pipeline.config import from_dict
+    from pipeline.data.shards import build_all
+
+    p = from_dict({"data": {"shards_dir": "https://example.org/shards"}})
+    with pytest.raises(ShardError, match=r"^data.shards_dir = https://example.org/shards: "
+                                         "build_shards writes a local directory"):
+        build_all(p.data, 0, progress=False)
