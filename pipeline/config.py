@@ -54,6 +54,9 @@ class DataParams:
     root: str = ""  # "" = the source's default location (see pipeline.data.sources)
     download: bool = False  # allow torchvision to download when the raw files are missing
     image_size: int = 0  # 0 = native; else resize (shorter side) + center crop, in px
+    # ImageFolder only: > 0 = shards keep the whole image, shorter side shrunk to max_side px
+    # (no crop); image_size is then the training crop / evaluation size. 0 = off.
+    max_side: int = 0
     max_pretrain_images: int = 0
     max_train_images: int = 0
     max_test_images: int = 0
@@ -211,8 +214,17 @@ def _validate_data(p: Params) -> None:
     for k in ("max_pretrain_images", "max_train_images", "max_test_images"):
         _pos(f"data.{k}", getattr(p.data, k), strict=False)
     _pos("data.samples_per_shard", p.data.samples_per_shard)
+    _pos("data.max_side", p.data.max_side, strict=False)
+    if p.data.max_side:
+        _check(p.data.source == "imagefolder", "data.max_side",
+               "0 unless data.source is imagefolder (fixed-size datasets keep image_size)",
+               p.data.max_side)
+        _check(0 < p.data.image_size <= p.data.max_side, "data.image_size",
+               f"between 1 and data.max_side ({p.data.max_side}) when max_side is set",
+               p.data.image_size)
     _check(0 < p.data.test_fraction < 1, "data.test_fraction", "0 < x < 1", p.data.test_fraction)
-    _check(bool(p.data.shards_dir), "data.shards_dir", "a non-empty path", p.data.shards_dir)
+    _check(bool(p.data.shards_dir), "data.shards_dir", "a non-empty path or URL",
+           p.data.shards_dir)
     _one_of("augment.preset", p.augment.preset, AUG_PRESETS)
     _check(0 < p.augment.crop_min_scale <= 1, "augment.crop_min_scale", "0 < x <= 1",
            p.augment.crop_min_scale)

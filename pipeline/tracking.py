@@ -27,6 +27,7 @@ from typing import Any
 
 from pipeline.atomic import write_json
 from pipeline.config import Params, flatten, to_dict
+from pipeline.data.remote import ShardURL
 
 log = logging.getLogger(__name__)
 
@@ -200,27 +201,46 @@ class StageRun:
         else:
             mlflow.log_artifact(str(path), artifact_path=artifact_path)
 
-    def log_shards(self, split_dir: str | Path, context: str) -> None:
+    def log_shards(self, split_dir: str | Path | ShardURL, context: str) -> None:
         """Record a shard split as an MLflow dataset input (digest = sha256 of its manifest).
 
         Args:
-            split_dir: a shard directory holding ``manifest.json``.
+            split_dir: a shard directory holding ``manifest.json``, or its URL (logged with an
+                HTTP dataset source for ``http(s)``, the URL as the source otherwise).
             context: ``training`` or ``evaluation``.
         """
-        manifest = Path(split_dir) / "manifest.json"
-        if self._run is None or not manifest.is_file():
+        if self._run is None:
             return
         import hashlib
 
         import mlflow
         from mlflow.data.meta_dataset import MetaDataset
-        from mlflow.data.sources import LocalArtifactDatasetSource
 
-        m = json.loads(manifest.read_text())
-        digest = hashlib.sha256(manifest.read_bytes()).hexdigest()[:36]  # MLflow caps at 36
-        ds = MetaDataset(source=LocalArtifactDatasetSource(str(Path(split_dir).resolve())),
-                         name=f"{m.get('source', 'data')}/{m.get('split', Path(split_dir).name)}",
-                         digest=digest)
+        from pipeline.data.remote import RemoteError, read_url, shards_location
+
+        where = shards_location(split_dir)
+        if isinstance(where, ShardURL):
+            from mlflow.data.http_dataset_source import HTTPDatasetSource
+            from mlflow.data.sources import LocalArtifactDatasetSource
+
+            try:
+                raw = read_url(where / "manifest.json")
+            except RemoteError:
+                return  # the stage itself reports the unreadable manifest
+            source: Any = (HTTPDatasetSource(str(where)) if where.scheme in ("http", "https")
+                           else LocalArtifactDatasetSource(str(where)))
+        else:
+            from mlflow.data.sources import LocalArtifactDatasetSource
+
+            manifest = where / "manifest.json"
+            if not manifest.is_file():
+                return
+            raw = manifest.read_bytes()
+            source = LocalArtifactDatasetSource(str(where.resolve()))
+        m = json.loads(raw)
+        digest = hashlib.sha256(raw).hexdigest()[:36]  # MLflow caps at 36
+        ds = MetaDataset(source=source, digest=digest,
+                         name=f"{m.get('source', 'data')}/{m.get('split', where.name)}")
         mlflow.log_input(ds, context=context)
 
     def set_tags(self, tags: dict[str, str]) -> None:

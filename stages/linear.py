@@ -5,14 +5,16 @@ from pathlib import Path
 
 from pipeline.cli import stage_main
 from pipeline.config import Params
+from pipeline.data.remote import shards_location
 from pipeline.tracking import stage_run, write_json_atomic
 
 
 def run(p: Params) -> None:
     from pipeline.evaluate.run import linear_probe
 
+    shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("linear", p, upstream=("embed", "pretrain")) as mlrun:
-        metrics = linear_probe(features_dir=Path("features"), shards_dir=Path(p.data.shards_dir),
+        metrics = linear_probe(features_dir=Path("features"), shards_dir=shards,
                                encoder_path=Path("models/encoder.pt"), linear=p.linear,
                                seed=p.seed, details_path=Path("eval/linear_details.json"),
                                plots_path=Path("plots/linear.tsv"))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeline.cli import stage_main
 from pipeline.config import Params
+from pipeline.data.remote import shards_location
 from pipeline.tracking import stage_run
 
 
@@ -17,11 +18,12 @@ def run(p: Params) -> None:
     from pipeline.train import pretrain
 
     rank = int(os.environ.get("RANK", "0"))
+    shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("pretrain", p, upstream=("build_shards",), rank=rank,
                    system_metrics=True) as mlrun:
-        mlrun.log_shards(Path(p.data.shards_dir) / "pretrain", context="training")
+        mlrun.log_shards(shards / "pretrain", context="training")
         pretrain(model=p.model, moco=p.moco, opt=p.pretrain, augment=p.augment, seed=p.seed,
-                 shards_dir=Path(p.data.shards_dir), encoder_path=Path("models/encoder.pt"),
+                 shards_dir=shards, encoder_path=Path("models/encoder.pt"),
                  checkpoint_dir=Path("models/checkpoints"),
                  metrics_path=Path("metrics/pretrain.json"),
                  plots_path=Path("plots/pretrain.tsv"),

@@ -60,7 +60,7 @@ def batch_seed(seed: int, epoch: int, step: int, rank: int) -> int:
 
 
 def build_batch_view(preset: str, image_size: int, mean: Sequence[float], std: Sequence[float],
-                     crop_min_scale: float = 0.2) -> nn.Sequential:
+                     crop_min_scale: float = 0.2, crop: bool = True) -> nn.Sequential:
     """One random view of a float batch in [0, 1], per-sample parameters.
 
     Args:
@@ -69,6 +69,8 @@ def build_batch_view(preset: str, image_size: int, mean: Sequence[float], std: S
         mean: per-channel dataset mean, in [0, 1] units.
         std: per-channel dataset standard deviation.
         crop_min_scale: RandomResizedCrop's lower area bound (0.2 in MoCo v1/v2).
+        crop: False for batches already cropped per image in the loader workers
+            (variable-size shards, ``train_loader(crop=...)``): every op but the crop.
 
     Returns:
         A module ``(B, C, H, W)`` float in [0, 1] → ``(B, C, image_size, image_size)`` normalised.
@@ -85,17 +87,19 @@ def build_batch_view(preset: str, image_size: int, mean: Sequence[float], std: S
         raise ValueError(f"image_size must be >= 1, got {image_size}")
     if len(mean) != len(std) or not mean:
         raise ValueError(f"mean and std must have one entry per channel, got {mean} and {std}")
-    crop = K.RandomResizedCrop((image_size, image_size), scale=(crop_min_scale, 1.0),
-                               ratio=(3 / 4, 4 / 3), cropping_mode="resample")
+    rrc = K.RandomResizedCrop((image_size, image_size), scale=(crop_min_scale, 1.0),
+                              ratio=(3 / 4, 4 / 3), cropping_mode="resample")
     if preset == "v1":
-        ops: list[nn.Module] = [crop, K.RandomGrayscale(p=0.2),
+        ops: list[nn.Module] = [rrc, K.RandomGrayscale(p=0.2),
                                 K.ColorJitter(0.4, 0.4, 0.4, 0.4, p=1.0)]
     elif preset in ("v2", "v2_small"):
-        ops = [crop, K.ColorJitter(0.4, 0.4, 0.4, 0.1, p=0.8), K.RandomGrayscale(p=0.2)]
+        ops = [rrc, K.ColorJitter(0.4, 0.4, 0.4, 0.1, p=0.8), K.RandomGrayscale(p=0.2)]
         if preset == "v2":
             ops.append(K.RandomGaussianBlur((BLUR_KERNEL, BLUR_KERNEL), (0.1, 2.0), p=0.5))
     else:  # v2_grey
-        ops = [crop, K.ColorJitter(brightness=0.4, contrast=0.4, p=0.8)]
+        ops = [rrc, K.ColorJitter(brightness=0.4, contrast=0.4, p=0.8)]
+    if not crop:
+        ops = ops[1:]
     ops += [K.RandomHorizontalFlip(p=0.5),
             K.Normalize(mean=torch.tensor(list(mean)), std=torch.tensor(list(std)))]
     return nn.Sequential(*ops)
@@ -119,7 +123,8 @@ class BatchTwoCrop:
         """Draw both views.
 
         Args:
-            images: ``(B, C, H, W)`` uint8 on the training device.
+            images: ``(B, C, H, W)`` uint8 on the training device, or ``(B, 2, C, S, S)``:
+                the two views already cropped per image (then ``view`` has no crop).
             seed: e.g. :func:`batch_seed` ``(seed, epoch, step, rank)``.
 
         Returns:
@@ -128,14 +133,16 @@ class BatchTwoCrop:
         Raises:
             ValueError: ``images`` is not a 4-d uint8 tensor.
         """
-        if images.dtype != torch.uint8 or images.dim() != 4:
-            raise ValueError(f"expected a (B, C, H, W) uint8 batch, got {images.dtype} "
-                             f"{tuple(images.shape)}")
+        two = images.dim() == 5 and images.shape[1] == 2
+        if images.dtype != torch.uint8 or not (images.dim() == 4 or two):
+            raise ValueError(f"expected a (B, C, H, W) or (B, 2, C, S, S) uint8 batch, got "
+                             f"{images.dtype} {tuple(images.shape)}")
         x = images.float().div_(255)
+        xq, xk = (x[:, 0], x[:, 1]) if two else (x, x)
         devices = [images.device] if images.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=images.device.type):
             torch.manual_seed(seed)
-            q = self.view(x)
-            k = self.view(x)
+            q = self.view(xq)
+            k = self.view(xk)
         return (q.contiguous(memory_format=self.memory_format),
                 k.contiguous(memory_format=self.memory_format))

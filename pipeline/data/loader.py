@@ -31,6 +31,7 @@ import webdataset as wds
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from pipeline.data.remote import ShardURL, shards_location
 from pipeline.data.shards import (
     ShardError,
     check_members,
@@ -44,6 +45,8 @@ __all__ = ["ShardError", "eval_loader", "read_manifest", "train_loader"]
 
 SHUFFLE_BUDGET_BYTES = 512 * 2**20  # raw sample bytes each train reader may buffer (auto size)
 EvalTransform = Callable[[Image.Image], torch.Tensor]
+# crop(image, rng) -> a fixed-size image, e.g. pipeline.data.crop.RandomResizedCrop
+Crop = Callable[[Image.Image, random.Random], Image.Image]
 
 
 def _seed_int(*parts: Any) -> int:
@@ -73,19 +76,30 @@ def _file_sha256(path: Path, size: int, mtime_ns: int) -> str:
     return _DIGESTS[key]
 
 
-def _shard_urls(directory: Path, manifest: dict[str, Any]) -> list[str]:
-    """The shard paths in manifest order, each present with the manifest's byte size and sha256.
+Shard = tuple[str, int, tuple[int, str] | None]  # (path or URL, samples, (bytes, sha256) to check)
 
-    A shard cut at a member boundary still reads as a valid, shorter tar, and a shard whose
-    bytes were altered may still decode: without these checks a stage would silently train or
-    evaluate on other data than the manifest (and DVC) describe. The sha256 of each file is
-    computed once per process (cached by path, size and mtime).
+
+def _shard_list(directory: Path | ShardURL, manifest: dict[str, Any]) -> list[Shard]:
+    """The shards in manifest order as ``(path or URL, samples, expect)``.
+
+    Local files are checked here, before any reading: each present with the manifest's byte
+    size and sha256 (``expect = None``). A shard cut at a member boundary still reads as a
+    valid, shorter tar, and a shard whose bytes were altered may still decode: without these
+    checks a stage would silently train or evaluate on other data than the manifest (and DVC)
+    describe. The sha256 of each file is computed once per process (cached by path, size and
+    mtime).
+
+    URLs are not fetched twice: ``expect = (bytes, sha256)`` travels with the URL and the
+    reader checks it while streaming (:func:`pipeline.data.shards.iter_shard`).
 
     Raises:
-        ShardError: a shard is missing, or its size or sha256 differs from the manifest (names
-            the file).
+        ShardError: a local shard is missing, or its size or sha256 differs from the manifest
+            (names the file).
     """
-    urls = []
+    if isinstance(directory, ShardURL):
+        return [(str(directory / s["name"]), s["num_samples"], (s["bytes"], s["sha256"]))
+                for s in manifest["shards"]]
+    out: list[Shard] = []
     for s in manifest["shards"]:
         path = directory / s["name"]
         if not path.is_file():
@@ -98,8 +112,8 @@ def _shard_urls(directory: Path, manifest: dict[str, Any]) -> list[str]:
         if digest != s["sha256"]:
             raise ShardError(f"{path}: sha256 {digest[:16]}... != manifest {s['sha256'][:16]}... "
                              "(altered; rebuild with `dvc repro -f build_shards`)")
-        urls.append(str(path))
-    return urls
+        out.append((str(path), s["num_samples"], None))
+    return out
 
 
 def epoch_order(counts: list[int], *, seed: int, epoch: int) -> tuple[list[int], int]:
@@ -162,11 +176,11 @@ def reader_runs(counts: list[int], perm: list[int], offset: int, start: int,
 class _TrainStream(IterableDataset):
     """One reader's share of one rank's epoch: raw samples → shuffle → uint8 batches."""
 
-    def __init__(self, shards: list[tuple[str, int]], mode: str, *, batch_size: int, steps: int,
+    def __init__(self, shards: list[Shard], mode: str, *, batch_size: int, steps: int,
                  epoch: int, seed: int, rank: int, world_size: int, skip_batches: int,
-                 shuffle_buffer: int):
+                 shuffle_buffer: int, crop: Crop | None = None, views: int = 2):
         super().__init__()
-        self.shards, self.mode = shards, mode
+        self.shards, self.mode, self.crop, self.views = shards, mode, crop, views
         self.batch_size, self.steps, self.epoch, self.seed = batch_size, steps, epoch, seed
         self.rank, self.world_size = rank, world_size
         self.skip_batches, self.shuffle_buffer = skip_batches, shuffle_buffer
@@ -193,18 +207,25 @@ class _TrainStream(IterableDataset):
         return start, per_worker[logical]
 
     def _raw(self, logical: int) -> Iterator[dict[str, Any]]:
-        counts = [c for _, c in self.shards]
+        counts = [c for _, c, _ in self.shards]
         perm, offset = epoch_order(counts, seed=self.seed, epoch=self.epoch)
         start, length = self._slice(logical)
+        position = start  # in the rotated epoch sequence: seeds per-image crops
         for shard, first, end in reader_runs(counts, perm, offset, start, length):
-            url = self.shards[shard][0]
+            url, count, expect = self.shards[shard]
             got = 0
-            for record in itertools.islice(iter_shard(url), first, end):
+            if expect is None:  # local, checked already: stop reading at the run's end
+                records = itertools.islice(iter_shard(url), first, end)
+            else:  # a URL: read to the end of the shard so its sha256 is checked
+                records = (r for i, r in enumerate(iter_shard(url, expect=expect))
+                           if first <= i < end)
+            for record in records:
                 got += 1
+                record["__pos__"] = position
+                position += 1
                 yield check_members(record)
             if got != end - first:
-                raise ShardError(f"{url}: fewer samples than the manifest's "
-                                 f"{self.shards[shard][1]}")
+                raise ShardError(f"{url}: fewer samples than the manifest's {count}")
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
         logical, dropped, batches = self._plan()
@@ -223,7 +244,13 @@ class _TrainStream(IterableDataset):
         def decode(src: Iterator[dict[str, Any]]) -> Iterator[tuple[np.ndarray, str]]:
             for record in src:
                 key, image, _ = decode_record(record, self.mode)
-                yield _to_uint8(image), key
+                if self.crop is None:
+                    yield _to_uint8(image), key
+                else:  # (V, C, S, S): the views' crops, a pure function of (seed, epoch, pos)
+                    crop_rng = random.Random(_seed_int("crop", self.seed, self.epoch,
+                                                       record["__pos__"]))
+                    yield np.stack([_to_uint8(self.crop(image, crop_rng))
+                                    for _ in range(self.views)]), key
 
         pipeline = wds.DataPipeline(
             lambda: self._raw(logical),
@@ -264,10 +291,11 @@ def auto_shuffle_buffer(manifest: dict[str, Any], budget_bytes: int = SHUFFLE_BU
     return max(1000, int(budget_bytes / per_sample))
 
 
-def train_loader(manifest_dir: str | Path, *, batch_size: int, steps: int, epoch: int,
+def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps: int, epoch: int,
                  seed: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
                  skip_batches: int = 0, shuffle_buffer: int = 0,
-                 pin_memory: bool = False) -> DataLoader:
+                 pin_memory: bool = False, crop: Crop | None = None,
+                 views: int = 2) -> DataLoader:
     """One rank's batches of one epoch, as uint8 images (augmentation happens on the device).
 
     Every image of the split is yielded at most once per epoch across all ranks and workers:
@@ -294,7 +322,7 @@ def train_loader(manifest_dir: str | Path, *, batch_size: int, steps: int, epoch
     resumed epoch yields exactly batches ``s..steps-1`` of the uninterrupted one.
 
     Args:
-        manifest_dir: the split directory (``<shards_dir>/pretrain``).
+        manifest_dir: the split directory (``<shards_dir>/pretrain``), or its URL.
         batch_size: images per batch on this rank (global batch / world size).
         steps: batches this epoch, per rank; every rank yields exactly this many.
         epoch: 0-based epoch (changes the order).
@@ -306,10 +334,17 @@ def train_loader(manifest_dir: str | Path, *, batch_size: int, steps: int, epoch
         shuffle_buffer: samples in each reader's shuffle buffer (raw bytes); 0 = auto
             (:func:`auto_shuffle_buffer`, a 512 MiB budget per reader).
         pin_memory: DataLoader ``pin_memory``.
+        crop: for shards of variable image size (``data.max_side``): ``crop(image, rng)``
+            returns a fixed-size image (:class:`pipeline.data.crop.RandomResizedCrop`). It runs
+            in the workers, ``views`` times per image, with ``rng`` seeded by ``(seed, epoch,
+            position of the sample in the epoch sequence)``: the crops do not depend on the
+            number of ranks or workers, and a resumed epoch repeats them.
+        views: crops per image when ``crop`` is given (2: MoCo's query and key).
 
     Returns:
         A DataLoader (``len() == steps - skip_batches``) yielding ``(images, keys)``: images
-        ``(B, C, H, W)`` uint8, keys the ``B`` sample keys.
+        ``(B, C, H, W)`` uint8 (``(B, views, C, S, S)`` with ``crop``), keys the ``B`` sample
+        keys.
 
     Raises:
         ValueError: an argument out of range, or ``steps * batch_size * world_size`` exceeds the
@@ -319,24 +354,25 @@ def train_loader(manifest_dir: str | Path, *, batch_size: int, steps: int, epoch
     """
     _check_args(batch_size=(batch_size, 1), steps=(steps, 1), epoch=(epoch, 0), seed=(seed, 0),
                 world_size=(world_size, 1), rank=(rank, 0), num_workers=(num_workers, 0),
-                skip_batches=(skip_batches, 0), shuffle_buffer=(shuffle_buffer, 0))
+                skip_batches=(skip_batches, 0), shuffle_buffer=(shuffle_buffer, 0),
+                views=(views, 1))
     if rank >= world_size:
         raise ValueError(f"rank must be < world_size ({world_size}), got {rank}")
     if skip_batches > steps:
         raise ValueError(f"skip_batches must be <= steps ({steps}), got {skip_batches}")
-    directory = Path(manifest_dir)
+    directory = shards_location(manifest_dir)
     manifest = read_manifest(directory)
     n = int(manifest["num_samples"])
     if steps * batch_size * world_size > n:
         raise ValueError(f"{directory}: an epoch of {steps} steps x {batch_size} images x "
                          f"{world_size} ranks needs {steps * batch_size * world_size} images, "
                          f"the split has {n} (lower pretrain.steps_per_epoch or batch_size)")
-    urls = _shard_urls(directory, manifest)
-    shards = [(url, s["num_samples"]) for url, s in zip(urls, manifest["shards"], strict=True)]
-    stream = _TrainStream(shards, manifest["mode"], batch_size=batch_size, steps=steps,
+    stream = _TrainStream(_shard_list(directory, manifest), manifest["mode"],
+                          batch_size=batch_size, steps=steps,
                           epoch=epoch, seed=seed, rank=rank, world_size=world_size,
                           skip_batches=skip_batches,
-                          shuffle_buffer=shuffle_buffer or auto_shuffle_buffer(manifest))
+                          shuffle_buffer=shuffle_buffer or auto_shuffle_buffer(manifest),
+                          crop=crop, views=views)
     return _SizedLoader(stream, steps - skip_batches, num_workers, pin_memory)
 
 
@@ -357,6 +393,31 @@ class _SizedLoader(DataLoader):
     def __len__(self) -> int:
         return self._length
 
+    def __iter__(self) -> Iterator[Any]:
+        """Batches; a :class:`ShardError` from a worker keeps its one-line message."""
+        batches = super().__iter__()
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except ShardError as e:
+                raise ShardError(_worker_message(str(e))) from None
+            yield batch
+
+
+def _worker_message(text: str) -> str:
+    """The original message of an exception re-raised from a DataLoader worker.
+
+    PyTorch re-raises a multi-line text: ``Caught ShardError in DataLoader worker process 0.``,
+    the worker's traceback, and last ``pipeline.data.shards.ShardError: <message>``; the stage
+    should print only ``<message>`` (one line naming the shard or URL).
+    """
+    if not text.startswith("Caught ") or "\n" not in text:
+        return text
+    last = text.rstrip().splitlines()[-1]
+    return last.split("ShardError: ", 1)[1] if "ShardError: " in last else last
+
 
 def _check_args(**values: tuple[int, int]) -> None:
     for name, (v, low) in values.items():
@@ -367,7 +428,7 @@ def _check_args(**values: tuple[int, int]) -> None:
 class _EvalStream(IterableDataset):
     """This worker's batches ``i % W == worker`` of the first ``total`` samples."""
 
-    def __init__(self, shards: list[tuple[str, int]], mode: str, transform: EvalTransform, *,
+    def __init__(self, shards: list[Shard], mode: str, transform: EvalTransform, *,
                  batch_size: int, total: int):
         super().__init__()
         self.shards, self.mode, self.transform = shards, mode, transform
@@ -378,7 +439,7 @@ class _EvalStream(IterableDataset):
         b = self.batch_size
         start = 0
         pending: list[tuple[torch.Tensor, int, str]] = []
-        for url, count in self.shards:
+        for url, count, expect in self.shards:
             end = min(start + count, self.total)
             if start >= end:
                 break
@@ -387,7 +448,7 @@ class _EvalStream(IterableDataset):
                 start += count
                 continue
             seen = 0
-            for record in iter_shard(url):
+            for record in iter_shard(url, expect=expect):
                 g = start + seen  # global position in manifest order
                 seen += 1
                 if g >= end:
@@ -414,7 +475,7 @@ def _collate_eval(items: list[tuple[torch.Tensor, int, str]]
     return images, labels, [k for _, _, k in items]
 
 
-def eval_loader(manifest_dir: str | Path, *, transform: EvalTransform, batch_size: int,
+def eval_loader(manifest_dir: str | Path | ShardURL, *, transform: EvalTransform, batch_size: int,
                 num_workers: int = 0, max_images: int = 0,
                 pin_memory: bool = False) -> DataLoader:
     """Every sample of a split exactly once, in manifest order.
@@ -424,7 +485,7 @@ def eval_loader(manifest_dir: str | Path, *, transform: EvalTransform, batch_siz
     align outputs with samples.
 
     Args:
-        manifest_dir: the split directory (``<shards_dir>/train`` or ``/test``).
+        manifest_dir: the split directory (``<shards_dir>/train`` or ``/test``), or its URL.
         transform: ``transform(img) -> (C, H, W)`` float tensor, deterministic.
         batch_size: images per batch; the last batch may be smaller.
         num_workers: DataLoader worker processes (0 = in-process).
@@ -442,10 +503,9 @@ def eval_loader(manifest_dir: str | Path, *, transform: EvalTransform, batch_siz
     """
     _check_args(batch_size=(batch_size, 1), num_workers=(num_workers, 0),
                 max_images=(max_images, 0))
-    directory = Path(manifest_dir)
+    directory = shards_location(manifest_dir)
     manifest = read_manifest(directory)
     total = min(max_images, manifest["num_samples"]) if max_images else manifest["num_samples"]
-    urls = _shard_urls(directory, manifest)
-    shards = [(url, s["num_samples"]) for url, s in zip(urls, manifest["shards"], strict=True)]
-    stream = _EvalStream(shards, manifest["mode"], transform, batch_size=batch_size, total=total)
+    stream = _EvalStream(_shard_list(directory, manifest), manifest["mode"], transform,
+                         batch_size=batch_size, total=total)
     return _SizedLoader(stream, math.ceil(total / batch_size), num_workers, pin_memory)

@@ -37,6 +37,7 @@ import webdataset as wds
 from PIL import Image
 from tqdm import tqdm
 
+from pipeline.data.remote import RemoteError, ShardURL, open_stream, read_url, shards_location
 from pipeline.data.sources import SPLITS, Sample, open_source
 
 if TYPE_CHECKING:
@@ -99,6 +100,30 @@ def resize_samples(samples: Iterable[Sample], image_size: int) -> Iterator[Sampl
         img = F.resize(s.image, image_size, interpolation=InterpolationMode.BICUBIC,
                        antialias=True)
         yield Sample(s.key, F.center_crop(img, [image_size, image_size]), s.label)
+
+
+def limit_short_side(samples: Iterable[Sample], max_side: int) -> Iterator[Sample]:
+    """Shrink images whose shorter side exceeds ``max_side`` so it equals it; no crop.
+
+    The aspect ratio is kept (the longer side is rounded as torchvision's ``Resize(int)`` does),
+    so RandomResizedCrop later samples from the whole photo as in the official MoCo code.
+    Images already within ``max_side`` are stored unchanged (never upsampled).
+
+    Args:
+        samples: source samples.
+        max_side: the largest shorter side in pixels (``data.max_side``); must be > 0.
+
+    Yields:
+        Samples with ``min(W, H) <= max_side``, same key, label and mode.
+    """
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as F
+
+    for s in samples:
+        img = s.image
+        if min(img.size) > max_side:
+            img = F.resize(img, max_side, interpolation=InterpolationMode.BICUBIC, antialias=True)
+        yield Sample(s.key, img, s.label)
 
 
 def sha256_file(path: str | Path) -> str:
@@ -354,6 +379,11 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
         SourceError: raw data missing or invalid.
         ShardError: a split without samples.
     """
+    if isinstance(shards_location(params.shards_dir), ShardURL):
+        raise ShardError(f"data.shards_dir = {params.shards_dir}: build_shards writes a local "
+                         "directory; a URL is for reading shards published elsewhere (build "
+                         "into a local shards_dir, then copy or `dvc push` them there)")
+    max_side = getattr(params, "max_side", 0)
     src = open_source(params.source, params.root, download=params.download,
                       test_fraction=params.test_fraction, seed=seed)
     caps = {"pretrain": params.max_pretrain_images, "train": params.max_train_images,
@@ -368,7 +398,9 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
         for split in SPLITS:
             samples: Iterable[Sample] = src.iter(split, max_images=caps[split], seed=seed,
                                                  shuffle=True)
-            if params.image_size:
+            if max_side:
+                samples = limit_short_side(samples, max_side)
+            elif params.image_size:
                 samples = resize_samples(samples, params.image_size)
             n = src.count(split)
             m = write_shards(samples, tmp / split, split=split, source=src.name,
@@ -377,6 +409,7 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
                              expected_count=min(caps[split], n) if caps[split] else n,
                              build={"seed": seed, "max_images": caps[split],
                                     "image_size": params.image_size,
+                                    **({"max_side": max_side} if max_side else {}),
                                     "test_fraction": params.test_fraction},
                              progress=progress)
             if mean is None:  # no published stats: use the pretrain split's pixel stats
@@ -392,23 +425,32 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
 # --- reading and verification ----------------------------------------------------------------
 
 
-def read_manifest(directory: str | Path) -> dict[str, Any]:
+def read_manifest(directory: str | Path | ShardURL) -> dict[str, Any]:
     """Load and validate a split's ``manifest.json``.
 
     Args:
-        directory: the split directory.
+        directory: the split directory, or its URL (``https://…/pretrain``, ``s3://…``).
 
     Returns:
         The manifest dict; ``shards`` in storage order.
 
     Raises:
-        ShardError: missing file, invalid JSON, or a missing/inconsistent field (names the file).
+        ShardError: missing file, invalid JSON, or a missing/inconsistent field (names the file
+            or URL).
     """
-    path = Path(directory) / MANIFEST_NAME
-    if not path.is_file():
-        raise ShardError(f"{path}: manifest not found (build the shards first)")
+    location = shards_location(directory)
+    path = location / MANIFEST_NAME
+    if isinstance(path, ShardURL):
+        try:
+            text = read_url(path)
+        except RemoteError as e:
+            raise ShardError(f"{e} (manifest not found or unreadable)") from None
+    else:
+        if not path.is_file():
+            raise ShardError(f"{path}: manifest not found (build the shards first)")
+        text = None
     try:
-        m = json.loads(path.read_text())
+        m = json.loads(path.read_text() if text is None else text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ShardError(f"{path}: not a readable JSON manifest ({e})") from None
 
@@ -439,16 +481,63 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     return m
 
 
-def iter_shard(path: str | Path) -> Iterator[dict[str, Any]]:
+def iter_shard(path: str | Path | ShardURL, *, expect: tuple[int, str] | None = None
+               ) -> Iterator[dict[str, Any]]:
     """Yield the raw samples (``{"__key__", "__url__", ext: bytes}``) of one shard.
 
+    A URL is streamed (:func:`pipeline.data.remote.open_stream`: retries with backoff) and
+    hashed as it is read; with ``expect`` the byte count and sha256 are compared with the
+    manifest once the stream is exhausted, so the error comes after the shard's samples (a
+    caller that stops early skips the check). Local files are read as they are (callers check
+    them beforehand, see ``pipeline.data.loader``).
+
+    Args:
+        path: a local shard file or a shard URL.
+        expect: ``(bytes, sha256)`` from the manifest, checked at the end of a URL.
+
     Raises:
-        ShardError: the tar cannot be read (names the shard).
+        ShardError: the tar cannot be read, the URL failed, or ``expect`` differs (names the
+            shard).
     """
+    if isinstance(path, ShardURL) or (isinstance(path, str) and isinstance(
+            shards_location(path), ShardURL)):
+        yield from _iter_url_shard(str(path), expect)
+        return
     try:
         yield from wds.tarfile_samples([{"url": str(path)}])
     except Exception as e:  # tarfile / gopen errors
         raise ShardError(f"{path}: unreadable shard ({type(e).__name__}: {e})") from None
+
+
+def _iter_url_shard(url: str, expect: tuple[int, str] | None) -> Iterator[dict[str, Any]]:
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    try:
+        raw = open_stream(url)
+    except RemoteError as e:
+        raise ShardError(str(e)) from None
+    with raw, io.BufferedReader(raw, buffer_size=1 << 20) as stream:
+        try:
+            yield from group_by_keys(tar_file_expander([{"url": url, "stream": stream}]))
+            while stream.read(1 << 20):  # tar end padding: hash every byte
+                pass
+        except RemoteError as e:
+            raise ShardError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 (tarfile errors, wrapped by webdataset)
+            if isinstance(e.__context__, RemoteError):
+                raise ShardError(str(e.__context__)) from None
+            why = str(e.args[0]).split(" @ ")[0] if e.args else ""
+            raise ShardError(f"{url}: unreadable shard at byte {raw.pos} "
+                             f"({type(e).__name__}: {why}); truncated or corrupt") from None
+    if expect is not None:
+        nbytes, sha = expect
+        if raw.pos != nbytes:
+            raise ShardError(f"{url}: {raw.pos} bytes, manifest says {nbytes} (truncated or "
+                             "altered)")
+        digest = raw.sha256.hexdigest()
+        if digest != sha:
+            raise ShardError(f"{url}: sha256 {digest[:16]}... != manifest {sha[:16]}... "
+                             "(altered)")
 
 
 def check_members(record: dict[str, Any]) -> dict[str, Any]:
@@ -505,15 +594,16 @@ def decode_record(record: dict[str, Any], mode: str) -> tuple[str, Image.Image, 
     return record["__key__"], image, label
 
 
-def verify_shards(directory: str | Path) -> dict[str, Any]:
+def verify_shards(directory: str | Path | ShardURL) -> dict[str, Any]:
     """Check a split directory against its manifest, decoding every image.
 
-    Checks: the ``*.tar`` files present equal the manifest's list; each shard's byte size and
-    sha256; each sample has one decodable image and an integer label in ``-1..C-1``; keys are
-    unique; per-shard counts match.
+    Checks: the ``*.tar`` files present equal the manifest's list (local directories only: a
+    URL cannot be listed); each shard's byte size and sha256 (for a URL while it streams); each
+    sample has one decodable image and an integer label in ``-1..C-1``; keys are unique;
+    per-shard counts match.
 
     Args:
-        directory: the split directory.
+        directory: the split directory, or its URL.
 
     Returns:
         ``{"dir", "split", "source", "num_shards", "num_samples", "bytes"}``.
@@ -521,9 +611,11 @@ def verify_shards(directory: str | Path) -> dict[str, Any]:
     Raises:
         ShardError: the first problem found, naming the shard (or manifest) path.
     """
-    directory = Path(directory)
+    directory = shards_location(directory)
     m = read_manifest(directory)
     listed = [s["name"] for s in m["shards"]]
+    if isinstance(directory, ShardURL):
+        return _verify_url(directory, m)
     present = sorted(p.name for p in directory.glob("*.tar"))
     for name in listed:
         if name not in present:
@@ -531,7 +623,6 @@ def verify_shards(directory: str | Path) -> dict[str, Any]:
     for name in present:
         if name not in listed:
             raise ShardError(f"{directory / name}: shard not listed in {MANIFEST_NAME}")
-    num_classes = len(m["class_names"])
     keys: set[str] = set()
     for s in m["shards"]:
         path = directory / s["name"]
@@ -542,20 +633,38 @@ def verify_shards(directory: str | Path) -> dict[str, Any]:
         digest = sha256_file(path)
         if digest != s["sha256"]:
             raise ShardError(f"{path}: sha256 {digest} != manifest {s['sha256']} (altered)")
-        count = 0
-        for record in iter_shard(path):
-            key, image, label = decode_record(record, m["mode"])
-            if not -1 <= label < num_classes:
-                raise ShardError(f"{path}: sample '{key}' label {label} outside "
-                                 f"-1..{num_classes - 1}")
-            if key in keys:
-                raise ShardError(f"{path}: duplicate key '{key}'")
-            keys.add(key)
-            count += 1
-        if count != s["num_samples"]:
-            raise ShardError(f"{path}: {count} samples, manifest says {s['num_samples']}")
+        _verify_samples(iter_shard(path), path, s["num_samples"], m, keys)
     return {"dir": str(directory), "split": m["split"], "source": m["source"],
             "num_shards": len(listed), "num_samples": m["num_samples"],
+            "bytes": sum(s["bytes"] for s in m["shards"])}
+
+
+def _verify_samples(records: Iterator[dict[str, Any]], where: Path | ShardURL, expected: int,
+                    m: dict[str, Any], keys: set[str]) -> None:
+    """Decode every sample of one shard; labels in range, keys unique, count as listed."""
+    num_classes = len(m["class_names"])
+    count = 0
+    for record in records:
+        key, image, label = decode_record(record, m["mode"])
+        if not -1 <= label < num_classes:
+            raise ShardError(f"{where}: sample '{key}' label {label} outside "
+                             f"-1..{num_classes - 1}")
+        if key in keys:
+            raise ShardError(f"{where}: duplicate key '{key}'")
+        keys.add(key)
+        count += 1
+    if count != expected:
+        raise ShardError(f"{where}: {count} samples, manifest says {expected}")
+
+
+def _verify_url(directory: ShardURL, m: dict[str, Any]) -> dict[str, Any]:
+    keys: set[str] = set()
+    for s in m["shards"]:
+        url = directory / s["name"]
+        _verify_samples(iter_shard(url, expect=(s["bytes"], s["sha256"])), url,
+                        s["num_samples"], m, keys)
+    return {"dir": str(directory), "split": m["split"], "source": m["source"],
+            "num_shards": len(m["shards"]), "num_samples": m["num_samples"],
             "bytes": sum(s["bytes"] for s in m["shards"])}
 
 
@@ -571,6 +680,8 @@ def verify_main(directory: str | Path) -> int:
     Returns:
         Exit code: 0 all good, 1 a problem (printed to stderr).
     """
+    if isinstance(shards_location(directory), ShardURL):
+        return _verify_url_main(shards_location(directory))
     directory = Path(directory)
     if (directory / MANIFEST_NAME).is_file():
         dirs = [directory]
@@ -589,5 +700,23 @@ def verify_main(directory: str | Path) -> int:
     except (ShardError, OSError) as e:
         print(f"error: verify-shards: {e}; rebuild with `dvc repro -f build_shards`",
               file=sys.stderr)
+        return 1
+    return 0
+
+
+def _verify_url_main(base: ShardURL) -> int:
+    """``verify-shards URL``: the URL of a split, else of a shards root with the three splits."""
+    try:
+        try:
+            read_manifest(base)
+            dirs = [base]
+        except ShardError:
+            dirs = [base / split for split in SPLITS]
+        for d in dirs:
+            r = verify_shards(d)
+            print(f"ok  {r['dir']}: {r['split']} ({r['source']}), {r['num_samples']} samples "
+                  f"in {r['num_shards']} shard(s), {r['bytes'] / 1e6:.1f} MB")
+    except ShardError as e:
+        print(f"error: verify-shards: {e}", file=sys.stderr)
         return 1
     return 0

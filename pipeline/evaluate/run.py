@@ -26,6 +26,7 @@ from pipeline.atomic import write_tsv
 from pipeline.config import KnnParams, LinearParams, ModelParams
 from pipeline.data.augment import build_eval_transform
 from pipeline.data.loader import eval_loader, read_manifest
+from pipeline.data.remote import ShardURL
 from pipeline.evaluate.features import FeatureSet, extract_features, load_features, save_features
 from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, knn_classify
 from pipeline.evaluate.linear import (
@@ -44,10 +45,19 @@ def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _spec(split_dir: Path) -> tuple[dict[str, Any], int, tuple, tuple]:
+def _spec(split_dir: Path | ShardURL) -> tuple[dict[str, Any], int, tuple, tuple]:
+    """(manifest, evaluation image size, mean, std) of a split.
+
+    Square shards of one size evaluate at that size. Shards built with ``data.max_side`` keep
+    whole images of varying size; they evaluate at the build's ``image_size`` (for 224: resize
+    the shorter side to 256, centre-crop 224, once, see ``build_eval_transform``).
+    """
     m = read_manifest(split_dir)
     shape = m.get("image_shape")
+    build = m.get("build") or {}
     if not shape:
+        if build.get("max_side") and build.get("image_size"):
+            return m, int(build["image_size"]), tuple(m["mean"]), tuple(m["std"])
         raise ValueError(f"{split_dir}/manifest.json: mixed image sizes; set data.image_size")
     return m, int(shape[1]), tuple(m["mean"]), tuple(m["std"])
 
@@ -76,7 +86,7 @@ def load_encoder(encoder_path: Path) -> tuple[nn.Module, dict[str, Any]]:
     return backbone, meta
 
 
-def embed(*, encoder_path: Path, shards_dir: Path, out_dir: Path, batch_size: int,
+def embed(*, encoder_path: Path, shards_dir: Path | ShardURL, out_dir: Path, batch_size: int,
           use_head: bool = False, head_path: Path | None = None,
           num_workers: int = 0) -> dict[str, float]:
     """Frozen features of the labelled train and test shards (eval transform, BN in eval mode).
@@ -135,8 +145,8 @@ def _details(res: ClassificationMetrics, class_names: list[str]) -> dict[str, An
     return {"class_names": class_names, "per_class_accuracy": per_class, "confusion_matrix": conf}
 
 
-def knn_eval(*, features_dir: Path, manifest_dir: Path, knn: KnnParams, details_path: Path
-             ) -> dict[str, float]:
+def knn_eval(*, features_dir: Path, manifest_dir: Path | ShardURL, knn: KnnParams,
+             details_path: Path) -> dict[str, float]:
     """Weighted kNN of test features against the train bank (InstDisc protocol).
 
     Rows labelled -1 are ignored (logged); other labels must lie in ``0..C-1``, C = the number
@@ -160,7 +170,7 @@ def knn_eval(*, features_dir: Path, manifest_dir: Path, knn: KnnParams, details_
             "num_train": len(train), "num_test": len(test), "wall_time_s": time.time() - t0}
 
 
-def baselines(*, shards_dir: Path, model: ModelParams, seed: int,
+def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
               batch_size: int = 512) -> dict[str, float]:
     """The reference kNN (k=200, T=0.1) on raw pixels and on a random-init encoder.
 
@@ -197,7 +207,7 @@ def baselines(*, shards_dir: Path, model: ModelParams, seed: int,
     return out
 
 
-def linear_probe(*, features_dir: Path, shards_dir: Path, encoder_path: Path,
+def linear_probe(*, features_dir: Path, shards_dir: Path | ShardURL, encoder_path: Path,
                  linear: LinearParams, seed: int, details_path: Path,
                  plots_path: Path) -> dict[str, float]:
     """Linear probe (MoCo protocol); ``linear.mode`` picks precomputed features or augmentation.
@@ -228,7 +238,7 @@ def linear_probe(*, features_dir: Path, shards_dir: Path, encoder_path: Path,
     return out
 
 
-def _linear_augment(*, shards_dir: Path, encoder_path: Path, linear: LinearParams,
+def _linear_augment(*, shards_dir: Path | ShardURL, encoder_path: Path, linear: LinearParams,
                     num_classes: int, settings: dict[str, Any], seed: int) -> Any:
     """Augment mode: RandomResizedCrop + flip through the frozen backbone every step.
 
@@ -269,7 +279,7 @@ def _linear_augment(*, shards_dir: Path, encoder_path: Path, linear: LinearParam
                                 num_classes=num_classes, val_batches=val, **settings)
 
 
-def _samples(split_dir: Path, transform: Any) -> Any:
+def _samples(split_dir: Path | ShardURL, transform: Any) -> Any:
     for xs, ys, keys in eval_loader(split_dir, transform=transform, batch_size=256):
         yield from zip(xs, ys.tolist(), keys)
 

@@ -33,6 +33,9 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
+from pipeline.data.remote import is_url, shards_location
+from pipeline.data.shards import ShardError, read_manifest
+
 log = logging.getLogger(__name__)
 
 TRACKED_STAGES = ("build_shards", "pretrain", "embed", "baselines", "knn", "linear")
@@ -136,6 +139,8 @@ class RunOutputs:
         test_class_names: class names of the test-shard manifest.
         runs: stage (:data:`TRACKED_STAGES`) -> its run record.
         dvc_lock: the outputs recorded in ``dvc.lock``, in file order.
+        shards_are_url: ``data.shards_dir`` is a URL (retrieval, which reads local shards, is
+            skipped).
         shards_dir: the shard directory (``<root>/<data.shards_dir>``); retrieval images are
             read from its ``train`` and ``test`` splits.
     """
@@ -148,6 +153,7 @@ class RunOutputs:
     runs: Mapping[str, RunRecord | None]
     dvc_lock: list[LockRow] | None
     shards_dir: Path
+    shards_are_url: bool = False
 
 
 def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
@@ -161,7 +167,13 @@ def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
         The :class:`RunOutputs`; missing or unreadable files are None.
     """
     root = Path(root)
-    manifest = read_json(root / shards_dir / "test" / "manifest.json") or {}
+    if is_url(shards_dir):  # published shards: class names from the URL manifest
+        try:
+            manifest = read_manifest(shards_location(shards_dir) / "test")
+        except ShardError:
+            manifest = {}
+    else:
+        manifest = read_json(root / shards_dir / "test" / "manifest.json") or {}
     names = manifest.get("class_names")
     return RunOutputs(
         metrics={s: read_metrics(root / rel) for s, rel in METRICS_FILES.items()},
@@ -172,6 +184,7 @@ def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
         runs={s: read_run(root / "runs" / f"{s}.json") for s in TRACKED_STAGES},
         dvc_lock=read_dvc_lock(root / "dvc.lock"),
         shards_dir=root / shards_dir,
+        shards_are_url=is_url(shards_dir),
     )
 
 

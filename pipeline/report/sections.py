@@ -396,6 +396,9 @@ def _retrieval_block(
         return Paragraph("Retrieval: skipped (report.retrieval_queries = 0).")
     if test is None or train is None:
         return Paragraph(f"Retrieval: {NOT_AVAILABLE} (features/test.pt, features/train.pt).")
+    if outputs.shards_are_url:
+        return Paragraph(f"Retrieval: {NOT_AVAILABLE} (it reads local shards; data.shards_dir "
+                         f"is the URL {p.data.shards_dir}).")
     shards = outputs.shards_dir
     if not (shards / "test").is_dir() or not (shards / "train").is_dir():
         return Paragraph(f"Retrieval: {NOT_AVAILABLE} (shards in {p.data.shards_dir}).")

@@ -24,6 +24,7 @@ from pipeline.checkpoint import fingerprint
 from pipeline.config import AugmentParams, MocoParams, ModelParams, PretrainParams
 from pipeline.data import augment as aug
 from pipeline.data.batch_augment import BatchTwoCrop, batch_seed, build_batch_view
+from pipeline.data.crop import RandomResizedCrop
 from pipeline.data.loader import read_manifest, train_loader
 from pipeline.moco.backbones import build_backbone, build_head, resolve_small_stem
 from pipeline.moco.batchnorm import check_bn_mode
@@ -106,15 +107,23 @@ class RunPlan:
     total_steps: int
     lrs: list[float]
     momenta: list[float]
+    crop_in_loader: bool = False  # variable-size (max_side) shards: RRC per image in workers
 
 
 def image_spec(manifest: dict[str, Any], where: Path) -> tuple[int, int, tuple, tuple]:
     """(channels, image size in px, mean, std) of a split from its manifest.
 
+    Shards built with ``data.max_side`` hold whole images of varying sizes; their training
+    size is the build's ``image_size`` (the crop then runs per image in the loader workers).
+
     Raises:
         ValueError: the split holds images of mixed sizes (set ``data.image_size``).
     """
     shape = manifest.get("image_shape")
+    build = manifest.get("build") or {}
+    if not shape and build.get("max_side"):
+        mean, std = tuple(manifest["mean"]), tuple(manifest["std"])
+        return len(mean), int(build["image_size"]), mean, std
     if not shape or shape[1] != shape[2]:
         raise ValueError(f"{where}/manifest.json: images are not all the same square size "
                          f"({shape}); set data.image_size to resize them when sharding")
@@ -156,7 +165,7 @@ def plan_run(manifest: dict[str, Any], where: Path, *, opt: PretrainParams, moco
     momenta = momentum_schedule(moco.m, total, moco.m_schedule)
     assert len(lrs) == len(momenta) == total
     return RunPlan(channels, image_size, mean, std, opt.batch_size // rt.world_size, spe, total,
-                   lrs, momenta)
+                   lrs, momenta, crop_in_loader=not manifest.get("image_shape"))
 
 
 def build_moco(model: ModelParams, moco: MocoParams, *, in_channels: int, image_size: int,
@@ -230,7 +239,7 @@ class _Run:
                               steps=spe, epoch=epoch, seed=self.seed, rank=self.rt.rank,
                               world_size=self.rt.world_size, num_workers=self.opt.num_workers,
                               skip_batches=state.step - epoch * spe,
-                              pin_memory=self.rt.device.type == "cuda")
+                              pin_memory=self.rt.device.type == "cuda", crop=self.crop)
         self.net.train()
         window = LogWindow(self.opt.batch_size)
         batches = iter(loader)
@@ -355,8 +364,11 @@ def _pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
     r = _Run(rt=rt, plan=plan, opt=opt, seed=seed, shards_dir=shards_dir, run=run, net=net,
              ddp_net=wrap_model(net, rt, channels_last=channels_last, compile_=compile_),
              precision=precision, optimizer=optimizer, ckpt=ckpt, state=state,
+             crop=RandomResizedCrop(plan.image_size, scale=(augment.crop_min_scale, 1.0))
+             if plan.crop_in_loader else None,
              views=BatchTwoCrop(build_batch_view(augment.preset, plan.image_size, plan.mean,
-                                                 plan.std, augment.crop_min_scale).to(rt.device),
+                                                 plan.std, augment.crop_min_scale,
+                                                 crop=not plan.crop_in_loader).to(rt.device),
                                 torch.channels_last if channels_last else torch.contiguous_format),
              monitor=KnnMonitor(shards_dir, transform=aug.build_eval_transform(
                  plan.image_size, plan.mean, plan.std), device=rt.device,
