@@ -17,7 +17,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 BENCHES = {
     "data": ["data_throughput.py"],
-    "pretrain_step": ["pretrain_step.py"],
+    "pretrain_step": ["pretrain_step.py", "--compile"],
     "queue": ["queue_bench.py"],
     "knn": ["knn_bench.py"],
     "gpu": ["gpu.py"],
@@ -54,6 +54,11 @@ def table(res: dict) -> str:
                  ("real loader beside one busy process (img/s)",
                   f"{s['contended_images_per_s']}"),
                  ("contended / quiet", f"{s['contended_over_quiet']}")]
+        if "compiled_images_per_s" in s:
+            rows += [("pretrain step, torch.compile on CPU (img/s)",
+                      f"{s['compiled_images_per_s']}"),
+                     ("compiled / eager engine", f"{s['compiled_over_engine']}"),
+                     ("compile overhead (s)", f"{s['compile_overhead_s']}")]
     g = res.get("gpu", {})
     for r in g.get("runs", []):
         rows.append((f"GPU {r['model']} {r['image_size']}px {r['dtype']} "
