@@ -179,12 +179,15 @@ def encoder_meta(model: ModelParams, *, in_channels: int, image_size: int,
 
 
 class _StopFlag:
-    """SIGTERM sets a flag; the loop checkpoints at the next step boundary, then stops."""
+    """SIGTERM or SIGINT sets a flag; the loop checkpoints at the next step boundary, then stops."""
 
     def __init__(self) -> None:
         self.raised = False
+        self.signum = signal.SIGTERM
 
     def __call__(self, signum: int, frame: Any) -> None:
+        if not self.raised:
+            self.signum = signum
         self.raised = True
 
 
@@ -329,7 +332,7 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
     if step == 0 and not knn_rows:
         monitor(0)  # the random-init encoder: the curve's starting point
     stop = _StopFlag()
-    prev_handler = signal.signal(signal.SIGTERM, stop)
+    prev_handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     use_bar = rt.is_main and sys.stderr.isatty()
     bar = None
     if use_bar:
@@ -406,14 +409,16 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
                     monitor(step // spe)
                 if stop.raised:
                     save(step)
-                    raise Terminated(f"SIGTERM: checkpoint written at step {step}")
+                    raise Terminated(f"{signal.Signals(stop.signum).name}: checkpoint written "
+                                     f"at step {step}", signum=stop.signum)
                 if ((epoch_end and (step // spe) % opt.checkpoint_every_epochs == 0)
                         or (opt.checkpoint_every_steps and step % opt.checkpoint_every_steps == 0)
                         or step == total):
                     save(step)
             del it, loader
     finally:
-        signal.signal(signal.SIGTERM, prev_handler)
+        for sig, h in prev_handlers.items():
+            signal.signal(sig, h)
         if bar is not None:
             bar.close()
 
