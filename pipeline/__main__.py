@@ -19,6 +19,14 @@ STAMP = {"stage": "check_params", "run_id": None, "params": "valid"}
 
 def main(argv: list[str] | None = None) -> int:
     """Dispatch a sub-command; returns the exit code (128 + signum on SIGTERM/SIGINT)."""
+    try:
+        return _main(argv)
+    except signals.Terminated as e:
+        print(f"error: Terminated: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline")
     sub = parser.add_subparsers(dest="cmd", required=True)
     cp = sub.add_parser("check-params", help="validate a params file, print the resolved config")
@@ -30,15 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     vs.add_argument("dir", nargs="+", help="shard directories (each with a manifest.json)")
     args = parser.parse_args(argv)
     setup_logging()
-    try:
-        if args.cmd == "check-params":
-            return _check_params(args.params, args.stamp)
-        from pipeline.data.shards import verify_main
+    if args.cmd == "check-params":
+        return _check_params(args.params, args.stamp)
+    from pipeline.data.shards import verify_main
 
-        return max(verify_main(d) for d in args.dir)
-    except signals.Terminated as e:
-        print(f"error: Terminated: {e}", file=sys.stderr)
-        return e.exit_code
+    return max(verify_main(d) for d in args.dir)
 
 
 def _check_params(path: str, stamp: str | None) -> int:
