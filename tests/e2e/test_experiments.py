@@ -71,18 +71,36 @@ def ran(output: str) -> list[str]:
     return re.findall(r"Running stage '(\w+)'", output)
 
 
-def runs(db: Path, stage: str | None = None) -> list:
-    """MLflow runs of every experiment in ``db`` (optionally of one stage), oldest first."""
-    from mlflow.tracking import MlflowClient
+READ_RUNS = """
+import json, sys
+from mlflow.tracking import MlflowClient
+c = MlflowClient(sys.argv[1])
+ids = [e.experiment_id for e in c.search_experiments()]
+print(json.dumps([{
+    "run_id": r.info.run_id, "status": r.info.status, "start": r.info.start_time,
+    "artifact_uri": r.info.artifact_uri, "stage": r.data.tags.get("stage"),
+    "exp_name": r.data.tags.get("dvc.exp_name"), "lr": r.data.params.get("pretrain.lr"),
+    "k": r.data.params.get("knn.k")} for r in c.search_runs(ids, max_results=1000)]))
+"""
 
+
+def runs(db: Path, stage: str | None = None) -> list[dict]:
+    """MLflow runs of every experiment in ``db`` (optionally of one stage), oldest first.
+
+    Read in a fresh process: MLflow keeps a connection per database URI open for the life of a
+    process, which would still read a database file that a test deleted.
+    """
     if not db.exists():
         return []
-    c = MlflowClient(f"sqlite:///{db}")
-    ids = [e.experiment_id for e in c.search_experiments()]
-    found = c.search_runs(ids, max_results=1000)
-    if stage:
-        found = [r for r in found if r.data.tags.get("stage") == stage]
-    return sorted(found, key=lambda r: r.info.start_time)
+    res = subprocess.run([sys.executable, "-c", READ_RUNS, f"sqlite:///{db}"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    found = sorted(json.loads(res.stdout), key=lambda r: r["start"])
+    return [r for r in found if stage is None or r["stage"] == stage]
+
+
+def describe(found: list[dict]) -> list[tuple]:
+    """(stage, status, DVC experiment, pretrain.lr, knn.k) of runs, for assertion messages."""
+    return [(r["stage"], r["status"], r["exp_name"], r["lr"], r["k"]) for r in found]
 
 
 def digest(root: Path, rel: list[str]) -> dict[str, str]:
@@ -146,10 +164,10 @@ def test_baseline__mlflow_runs_finished_in_repo_artifact_store_runs_view(repo):
     from mlflow.tracking import MlflowClient
 
     all_runs = runs(dst / "mlflow.db")
-    assert sorted(r.data.tags["stage"] for r in all_runs) == sorted(TRACKED)
-    assert all(r.info.status == "FINISHED" for r in all_runs)
+    assert sorted(r["stage"] for r in all_runs) == sorted(TRACKED)
+    assert all(r["status"] == "FINISHED" for r in all_runs)
     for r in all_runs:
-        assert r.info.artifact_uri.startswith((dst / "mlartifacts").as_uri() + "/"), r
+        assert r["artifact_uri"].startswith((dst / "mlartifacts").as_uri() + "/"), r
     exp = MlflowClient(f"sqlite:///{dst / 'mlflow.db'}").get_experiment_by_name("moco-pipeline")
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
 
@@ -181,15 +199,15 @@ def test_queue__three_parallel_from_no_db__all_finish_pretrain_not_rerun(repo):
             break
         time.sleep(5)
     assert status.count("Success") == 3, status
-    assert runs(db, "pretrain") == []  # restored from the cache in every experiment
+    assert runs(db, "pretrain") == [], describe(runs(db))  # restored from the cache
     knn = runs(db, "knn")
-    assert len(knn) == 3 and all(r.info.status == "FINISHED" for r in knn)
-    assert sorted(r.data.params["knn.k"] for r in knn) == ["3", "5", "7"]
+    assert len(knn) == 3 and all(r["status"] == "FINISHED" for r in knn)
+    assert sorted(r["k"] for r in knn) == ["3", "5", "7"]
     # the first run ever was a queued experiment: artifacts still land in the main repo
     for r in runs(db):
-        assert r.info.status == "FINISHED"
-        assert r.info.artifact_uri.startswith((dst / "mlartifacts").as_uri() + "/")
-        path = Path(r.info.artifact_uri.removeprefix("file://"))
+        assert r["status"] == "FINISHED"
+        assert r["artifact_uri"].startswith((dst / "mlartifacts").as_uri() + "/")
+        path = Path(r["artifact_uri"].removeprefix("file://"))
         assert (path / "config/params.resolved.json").is_file()
     shown = json.loads(out(sh(["dvc", "exp", "show", "--json"], dst, env)).strip() or "[]")
     assert shown  # the experiments are listed
@@ -202,7 +220,7 @@ def test_temp__knn_param__pretrain_not_rerun(repo):
     res = sh(["dvc", "exp", "run", "--temp", "-S", "knn.k=9"], dst, env)
     assert ran(out(res)) == ["check_params", "knn", "report"]
     assert len(runs(db, "pretrain")) == before
-    assert [r.data.params["knn.k"] for r in runs(db, "knn")][-1] == "9"
+    assert [r["k"] for r in runs(db, "knn")][-1] == "9", describe(runs(db))
 
 
 def test_lr_flip_flop__second_run_restores_pretrain_from_run_cache(repo):
@@ -215,7 +233,7 @@ def test_lr_flip_flop__second_run_restores_pretrain_from_run_cache(repo):
     back = out(sh(["dvc", "exp", "run", "-S", f"pretrain.lr={lr}"], dst, env))
     assert "pretrain" not in ran(back), back
     assert "Stage 'pretrain' is cached - skipping run, checking out outputs" in back
-    assert len(runs(db, "pretrain")) == before + 1  # only the lr=0.03 run trained
+    assert len(runs(db, "pretrain")) == before + 1, describe(runs(db))  # only lr=0.03 trained
 
 
 @pytest.mark.parametrize("key", ["pretrain.lr", "pretrain.lrr"], ids=["value", "key"])
@@ -244,19 +262,19 @@ def test_params_typo__repro_fails_one_line_outputs_intact(key, repo):
         assert digest(dst, outputs) == before  # every previous output intact
     finally:
         (dst / "params.yaml").write_text(good)
-    # fixed: the content-stable check reruns, nothing downstream does
-    assert ran(out(sh(["dvc", "repro"], dst, env))) == ["check_params"]
+    # fixed (the same bytes as before): nothing to redo, every output is still up to date
+    assert ran(out(sh(["dvc", "repro"], dst, env))) == []
 
 
 def test_copied_repo__stage_artifacts_land_inside_the_copy(repo, tmp_path):
     dst, env, _ = repo
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-a", str(dst), str(copy)], check=True)
-    before = {r.info.run_id for r in runs(copy / "mlflow.db")}
+    before = {r["run_id"] for r in runs(copy / "mlflow.db")}
     res = sh(["dvc", "repro", "-f", "-s", "knn"], copy, {**env, "PYTHONPATH": str(copy)})
     assert ran(out(res)) == ["knn"]
-    (new,) = [r for r in runs(copy / "mlflow.db") if r.info.run_id not in before]
-    assert new.info.status == "FINISHED"
-    assert new.info.artifact_uri.startswith((copy / "mlartifacts").as_uri() + "/")
-    assert (copy / "mlartifacts").is_dir()
-    assert not list((dst / "mlartifacts").rglob(new.info.run_id))
+    (new,) = [r for r in runs(copy / "mlflow.db") if r["run_id"] not in before]
+    assert new["status"] == "FINISHED"
+    assert new["artifact_uri"].startswith((copy / "mlartifacts").as_uri() + "/")
+    assert (copy / "mlartifacts" / new["run_id"] / "artifacts/config").is_dir()
+    assert not list((dst / "mlartifacts").glob(new["run_id"]))
