@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-import torch
+# Metric names holding an accuracy in percent (top1, knn_top5, train_acc, accuracy, ...).
+_PERCENT = re.compile(r"(^|_)(top\d+|acc|accuracy)($|_)")
+PERCENT_DECIMALS = 2  # 0.01 pt: the resolution of an accuracy over 10,000 test images
+SIGNIFICANT_DIGITS = 6  # other floats (loss, lr, seconds, images/s): like write_tsv's %.6g
 
 
 def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -48,6 +53,7 @@ def save_torch(obj: Any, path: str | Path) -> None:
         OSError: the write failed (e.g. ENOSPC); torch's zip writer reports a failed write as
             an opaque ``RuntimeError``, so the ``OSError`` underneath is re-raised instead.
     """
+    import torch  # lazy: the stage entry points import this module before torch
 
     def write(f: IO[bytes]) -> None:
         try:
@@ -64,6 +70,44 @@ def write_json(path: str | Path, obj: Any) -> None:
     """Pretty, key-sorted JSON written atomically (see :func:`write_atomic`)."""
     text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
     write_atomic(path, lambda f: f.write(text.encode()))
+
+
+def round_metric(name: str, value: Any) -> Any:
+    """A metric value rounded to the precision it carries (non-floats unchanged).
+
+    Accuracies in percent (a name with ``top<k>``, ``acc`` or ``accuracy`` as a ``_``-separated
+    part) to 0.01 pt; other finite floats to 6 significant digits. ``79.32000000000001`` becomes
+    ``79.32``, ``1239.4556381702423`` becomes ``1239.46``.
+
+    Args:
+        name: the metric's key (its last part decides the rule).
+        value: any JSON value.
+    """
+    if not isinstance(value, float) or not math.isfinite(value):
+        return value
+    if _PERCENT.search(name.lower()):
+        return round(value, PERCENT_DECIMALS)
+    return float(f"{value:.{SIGNIFICANT_DIGITS}g}")
+
+
+def round_metrics(obj: Any, name: str = "") -> Any:
+    """:func:`round_metric` applied to every float in a (nested) dict/list by its key."""
+    if isinstance(obj, dict):
+        return {k: round_metrics(v, str(k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [round_metrics(v, name) for v in obj]
+    return round_metric(name, obj)
+
+
+def write_metrics(path: str | Path, metrics: Any) -> Any:
+    """A metrics JSON file, floats rounded by :func:`round_metrics`, written atomically.
+
+    Returns:
+        The rounded object, as written (log this one, so MLflow shows the same numbers).
+    """
+    rounded = round_metrics(metrics)
+    write_json(path, rounded)
+    return rounded
 
 
 def write_tsv(path: str | Path, columns: Sequence[str], rows: Iterable[dict[str, Any]]) -> None:

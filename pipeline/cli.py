@@ -1,4 +1,10 @@
-"""Shared entry-point plumbing for the DVC stage scripts and ``python -m pipeline``."""
+"""Shared entry-point plumbing for the DVC stage scripts and ``python -m pipeline``.
+
+A stage script is ``from pipeline.cli import stage_entry`` + a ``run(params)`` function whose
+imports are local, + ``stage_entry("<name>", run)``: the signal handlers
+(:mod:`pipeline.signals`) are installed before any heavy import, so a SIGTERM or SIGINT at any
+point of the stage gives one ``error:`` line and exit 128 + signum (143 / 130).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,18 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
 
-from pipeline.config import Params, ParamsError, load_params
+from pipeline import signals
+
+if TYPE_CHECKING:
+    from pipeline.config import Params
 
 EXIT_BAD_INPUT = 2
 EXIT_TERMINATED = 143  # 128 + SIGTERM
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+
+log = logging.getLogger(__name__)
 
 
 def setup_logging() -> None:
@@ -19,10 +32,31 @@ def setup_logging() -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def stage_entry(name: str, run: Callable[[Params], None]) -> NoReturn:
+    """The whole life of a stage process: signals, :func:`stage_main`, the last signal check.
+
+    Args:
+        name: stage name.
+        run: the stage body (imports what it needs itself).
+
+    Raises:
+        SystemExit: always, with the stage's exit code (0, 1, 2, 128 + signum).
+    """
+    signals.install()
+    code = stage_main(name, run)
+    code, late = signals.finish(code)
+    if late is not None:
+        print(f"error: Terminated: received {signals.signal_name(late)} as the stage ended; its "
+              "MLflow run is marked KILLED; rerun `dvc repro`", file=sys.stderr)
+    sys.exit(code)
+
+
 def stage_main(name: str, run: Callable[[Params], None], argv: list[str] | None = None) -> int:
     """Parse ``--params``, validate the whole file, then call ``run(params)``.
 
-    Invalid params print ONE message naming the key and exit with code 2 before any work.
+    Invalid params print ONE message naming the key and exit with code 2 before any work. A
+    :class:`~pipeline.signals.Terminated` (SIGTERM/SIGINT) prints one line and returns
+    128 + signum.
 
     Args:
         name: stage name (for ``--help``).
@@ -32,12 +66,23 @@ def stage_main(name: str, run: Callable[[Params], None], argv: list[str] | None 
     Returns:
         The process exit code.
     """
+    try:
+        return _stage_main(name, run, argv)
+    except signals.Terminated as e:
+        # SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C): a checkpoint (pretrain) and
+        # the KILLED MLflow run are already written; 128 + signum is the shell's convention.
+        msg = str(e) or f"received {signals.signal_name(e.signum)}"
+        print(f"error: Terminated: {msg}; rerun `dvc repro` to continue", file=sys.stderr)
+        return e.exit_code
+
+
+def _stage_main(name: str, run: Callable[[Params], None], argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog=f"stages/{name}.py", description=f"DVC stage {name}")
     parser.add_argument("--params", default="params.yaml",
                         help="params file (default: %(default)s)")
     args = parser.parse_args(argv)
     setup_logging()
-    from pipeline.tracking import Terminated  # lazy: keeps `--help` and check-params light
+    from pipeline.config import ParamsError, load_params
 
     try:
         params = load_params(args.params)
@@ -46,16 +91,13 @@ def stage_main(name: str, run: Callable[[Params], None], argv: list[str] | None 
         return EXIT_BAD_INPUT
     try:
         run(params)
-    except _user_errors() as e:
-        # Bad input or a stopped run: one clear line, no traceback (the MLflow run is already
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
+        # Bad input or a guarded stop: one clear line, no traceback (the MLflow run is already
         # marked FAILED by the time the exception reaches here).
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    except Terminated as e:
-        # SIGTERM (e.g. Ctrl-C of dvc repro, a scheduler's preemption): the checkpoint and the
-        # KILLED MLflow run are already written; 128 + SIGTERM is the shell's convention.
-        print(f"error: Terminated: {e}; rerun `dvc repro` to resume", file=sys.stderr)
-        return EXIT_TERMINATED
     return 0
 
 

@@ -3,10 +3,24 @@
 * Tracking URI: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<repo root>/mlflow.db`` where
   the repo root is ``DVC_ROOT`` (set by DVC, also for ``dvc exp run --temp/--queue``) or the git
   top level, so every way of running the pipeline logs to one database.
+* Artifacts: with a database (no tracking server) they go to ``<repo root>/mlartifacts``. An
+  experiment's artifact location is fixed when it is created, so when the configured experiment
+  stores its artifacts elsewhere (the database was copied or moved with the repo, or was made
+  by older code) this repo logs to its own experiment ``<name> (<repo root>)``: artifacts never
+  land outside the repo that produced them. With a tracking server, the server's artifact store
+  (e.g. ``--artifacts-destination``) is the configured store.
+* The database and the experiment are created once, under a file lock (``<db>.lock``), before
+  the first run: parallel queued experiments can start from no database.
+* Stale runs: at stage start, runs of the same stage and repo left RUNNING by a process that no
+  longer exists (SIGKILL, the OOM killer) are marked KILLED with an end time and a
+  ``stale.reason`` tag.
 * Each run is tagged with the stage, git commit, dirty flag, DVC experiment name and baseline
-  rev, and the run ids of the upstream stages (read from their ``runs/<stage>.json``).
+  rev, the run ids of the upstream stages (read from their ``runs/<stage>.json``), the repo root
+  and the process that owns it.
 * Params are flattened with dots (the names DVC uses) and the resolved config is logged as an
-  artifact. SIGTERM ends the run as KILLED; any other exception as FAILED; never RUNNING.
+  artifact. SIGTERM/SIGINT end the run as KILLED; any other exception as FAILED; a run is
+  FINISHED only if the process then exits 0 (see :mod:`pipeline.signals`).
+* The experiment is tagged as a classic ML experiment, so the MLflow UI opens on its runs table.
 * Only rank 0 logs; ``mlflow.enabled: false`` turns everything into no-ops (``run.json`` is still
   written, with ``run_id: null``).
 """
@@ -17,7 +31,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import urllib.error
 import urllib.request
@@ -25,27 +38,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.atomic import write_json
+from pipeline import signals
+from pipeline.atomic import round_metrics, write_metrics
 from pipeline.config import Params, flatten, to_dict
 from pipeline.data.remote import ShardURL
+from pipeline.signals import Terminated
 
 log = logging.getLogger(__name__)
 
 RUNS_DIR = "runs"
+ARTIFACTS_DIR = "mlartifacts"
+# MLflow 3's experiment kind tag: "custom_model_development" opens the runs table in the UI
+# (an experiment without it may open in the GenAI view).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
 _SECRET_WORDS = ("password", "secret", "token", "key_id", "access_key", "credential")
-
-
-class Terminated(BaseException):
-    """Raised in the main thread when the process receives SIGTERM (or SIGINT during training).
-
-    Args:
-        message: what happened (e.g. where the checkpoint was written).
-        signum: the signal received (the exit code is ``128 + signum``).
-    """
-
-    def __init__(self, message: str = "", signum: int = signal.SIGTERM) -> None:
-        super().__init__(message)
-        self.signum = int(signum)
 
 
 class TrackingError(RuntimeError):
@@ -137,27 +144,16 @@ def read_run_id(stage: str, root: Path | None = None) -> str | None:
         return None
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON atomically (kept here for the stage scripts; see :mod:`pipeline.atomic`)."""
-    write_json(path, obj)
+def write_json_atomic(path: Path, obj: Any) -> Any:
+    """Write a metrics file (or a small record) atomically, floats rounded.
 
+    See :func:`pipeline.atomic.write_metrics`: accuracies (percent) to 0.01 pt, other floats to
+    6 significant digits, so ``dvc metrics diff`` and ``dvc exp show`` show clean numbers.
 
-@contextlib.contextmanager
-def sigterm_as_exception() -> Iterator[None]:
-    """Turn SIGTERM into :class:`Terminated` inside the block (main thread only)."""
-
-    def handler(signum: int, frame: Any) -> None:
-        raise Terminated(f"received signal {signum}")
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    Returns:
+        The rounded object, as written.
+    """
+    return write_metrics(path, obj)
 
 
 class StageRun:
@@ -178,7 +174,7 @@ class StageRun:
             return
         import mlflow
 
-        clean = {k: float(v) for k, v in metrics.items()
+        clean = {k: float(v) for k, v in round_metrics(metrics).items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if clean:
             mlflow.log_metrics(clean, step=step)
@@ -251,11 +247,173 @@ class StageRun:
             mlflow.set_tags(tags)
 
 
+def _local_db(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (None for a server or another store)."""
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
+def _uri_path(uri: str | None) -> str | None:
+    """The local path of a ``file:`` URI or plain path (None for a remote location)."""
+    if not uri:
+        return None
+    from urllib.parse import unquote, urlparse
+
+    parsed = urlparse(uri)
+    if parsed.scheme == "file":
+        return os.path.normpath(unquote(parsed.path))
+    if parsed.scheme == "" or (len(parsed.scheme) == 1 and os.name == "nt"):
+        return os.path.normpath(os.path.abspath(uri))
+    return None
+
+
+@contextlib.contextmanager
+def _init_lock(uri: str, timeout_s: float = 300.0) -> Iterator[None]:
+    """An exclusive file lock beside a SQLite database (no lock for a server)."""
+    db = _local_db(uri)
+    if db is None:
+        yield
+        return
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(db) + ".lock")
+    try:
+        with lock.acquire(timeout=timeout_s):
+            yield
+    except Timeout:
+        raise TrackingError(f"waited {timeout_s:.0f} s for the MLflow database lock "
+                            f"{lock.lock_file}; is another stage stuck?") from None
+
+
+def open_experiment(uri: str, name: str, root: Path) -> str:
+    """Create (once, under a file lock) or find this repo's experiment; return its id.
+
+    With a database, the experiment's artifact location must be ``<root>/mlartifacts``; an
+    experiment of that name storing artifacts elsewhere belongs to another checkout (a copied
+    database, or older code), so this repo uses ``<name> (<root>)`` instead. With a tracking
+    server the server decides where artifacts go.
+
+    Args:
+        uri: tracking URI.
+        name: the configured experiment name (``mlflow.experiment``).
+        root: the repo root (see :func:`repo_root`).
+
+    Returns:
+        The experiment id.
+
+    Raises:
+        TrackingError: the database, lock or experiment cannot be used (e.g. it was deleted).
+    """
+    from mlflow.tracking import MlflowClient
+
+    local = _local_db(uri) is not None
+    wanted = str((root / ARTIFACTS_DIR).resolve()) if local else None
+    try:
+        with _init_lock(uri):
+            client = MlflowClient(tracking_uri=uri)  # the first use creates the tables
+            for candidate in (name, f"{name} ({root})"):
+                exp = client.get_experiment_by_name(candidate)
+                if exp is None:
+                    exp_id = client.create_experiment(
+                        candidate, artifact_location=Path(wanted).as_uri() if wanted else None,
+                        tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, "repo.root": str(root)})
+                    if candidate != name:
+                        log.warning("MLflow experiment '%s' stores its artifacts outside this "
+                                    "repo; logging to experiment '%s' (artifacts in %s)", name,
+                                    candidate, wanted)
+                    return exp_id
+                if exp.lifecycle_stage == "deleted":
+                    raise TrackingError(f"MLflow experiment '{candidate}' is deleted; restore "
+                                        "it (mlflow experiments restore) or set mlflow.experiment")
+                if wanted is None or _uri_path(exp.artifact_location) == wanted:
+                    if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+                        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG,
+                                                  EXPERIMENT_KIND)
+                    return exp.experiment_id
+            raise TrackingError(f"MLflow experiment '{name} ({root})' stores its artifacts in "
+                                f"{exp.artifact_location}, not in {wanted}")
+    except TrackingError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any backend failure is fatal at start
+        raise TrackingError(f"cannot use MLflow experiment '{name}' at {uri}: {e}") from e
+
+
+def _proc_start(pid: int) -> str | None:
+    """A process's start time in clock ticks since boot (Linux), None when it does not exist."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22 (starttime), after "pid (comm)"
+
+
+def process_tags() -> dict[str, str]:
+    """Who owns a run: host, boot id, pid and start time (to tell later whether it is alive)."""
+    import socket
+
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "unknown"
+    return {"proc.host": socket.gethostname(), "proc.boot_id": boot,
+            "proc.pid": str(os.getpid()), "proc.start": _proc_start(os.getpid()) or "unknown"}
+
+
+def _owner_dead(tags: dict[str, str], me: dict[str, str]) -> bool:
+    """Whether the process that owns a run is known to be gone (same host and boot only)."""
+    if tags.get("proc.host") != me["proc.host"] or "proc.pid" not in tags:
+        return False  # another machine, or a run without owner tags: cannot tell
+    if tags.get("proc.boot_id") != me["proc.boot_id"]:
+        return me["proc.boot_id"] != "unknown"  # the machine rebooted since
+    start = _proc_start(int(tags["proc.pid"]))
+    if start is None:
+        return Path("/proc").is_dir()  # without /proc we cannot tell
+    return start != tags.get("proc.start")  # the pid was reused by another process
+
+
+def mark_stale_runs(uri: str, experiment_id: str, stage: str, root: Path) -> list[str]:
+    """Mark KILLED the runs of ``stage`` in this repo left RUNNING by a dead process.
+
+    A SIGKILL (e.g. the OOM killer) gives a process no chance to end its run. The run's end
+    time becomes now, and tag ``stale.reason`` says why.
+
+    Returns:
+        The ids of the runs marked KILLED.
+    """
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    me = process_tags()
+    marked = []
+    runs = client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'",
+                              max_results=1000)
+    for r in runs:
+        tags = r.data.tags
+        if tags.get("stage") != stage or tags.get("repo.root") != str(root):
+            continue
+        if not _owner_dead(tags, me):
+            continue
+        client.set_tag(r.info.run_id, "stale.reason",
+                       f"process {tags['proc.pid']} on {tags['proc.host']} ended without closing "
+                       "this run (SIGKILL, OOM killer or power loss); marked KILLED when the "
+                       f"stage started again (pid {me['proc.pid']})")
+        client.set_terminated(r.info.run_id, "KILLED", end_time=int(time.time() * 1000))
+        log.warning("MLflow run %s of stage %s was left RUNNING by a dead process: marked KILLED",
+                    r.info.run_id, stage)
+        marked.append(r.info.run_id)
+    return marked
+
+
 @contextlib.contextmanager
 def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), rank: int = 0,
               extra_tags: dict[str, str] | None = None,
               system_metrics: bool = False) -> Iterator[StageRun]:
     """One MLflow run for one executed stage, written to ``runs/<stage>.json`` at the end.
+
+    The run ends FINISHED only when the block completes; from that moment a stage entry point
+    holds signals (:func:`pipeline.signals.hold`), and a signal held until the process's last
+    check turns the run KILLED again, so a FINISHED run always means exit 0.
 
     Args:
         stage: DVC stage name (``pretrain``, ``knn``, ...).
@@ -270,40 +428,74 @@ def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), ran
 
     Raises:
         TrackingError: the tracking backend is unreachable (raised before any work).
+        Terminated: SIGTERM or SIGINT (the run is marked KILLED first).
     """
     enabled = params.mlflow.enabled and rank == 0
     root = Path.cwd()
     if not enabled:
-        with sigterm_as_exception():
+        with signals.handled():
             yield StageRun(None)
         if rank == 0:
             write_json_atomic(root / RUNS_DIR / f"{stage}.json", {"stage": stage, "run_id": None})
         return
 
-    import mlflow
+    with signals.handled():
+        import mlflow
 
-    uri = tracking_uri()
-    check_reachable(uri)
-    mlflow.set_tracking_uri(uri)
-    try:
-        mlflow.set_experiment(params.mlflow.experiment)
-    except Exception as e:  # noqa: BLE001 - any backend failure is fatal at start
-        raise TrackingError(f"cannot use MLflow experiment '{params.mlflow.experiment}' at "
-                            f"{uri}: {e}") from e
-    tags = {"stage": stage, **git_state(root), **dvc_tags(), **(extra_tags or {})}
-    for up in upstream:
-        tags[f"upstream.{up}"] = read_run_id(up, root) or "unknown"
-    run_name = f"{os.environ.get('DVC_EXP_NAME', 'workspace')}:{stage}"
-    with sigterm_as_exception(), mlflow.start_run(run_name=run_name, tags=tags,
-                                                  log_system_metrics=system_metrics) as run:
-        handle = StageRun(run)
+        uri = tracking_uri()
+        check_reachable(uri)
+        repo = repo_root()
+        exp_id = open_experiment(uri, params.mlflow.experiment, repo)
+        mark_stale_runs(uri, exp_id, stage, repo)
+        mlflow.set_tracking_uri(uri)
+        tags = {"stage": stage, **git_state(root), **dvc_tags(), "repo.root": str(repo),
+                **process_tags(), **(extra_tags or {})}
+        for up in upstream:
+            tags[f"upstream.{up}"] = read_run_id(up, root) or "unknown"
+        run_name = f"{os.environ.get('DVC_EXP_NAME', 'workspace')}:{stage}"
+        run = None
         try:
+            run = mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=tags,
+                                   log_system_metrics=system_metrics)
             mlflow.log_params(loggable_params(params))
             mlflow.log_dict(to_dict(params), "config/params.resolved.json")
-            yield handle
-        except (Terminated, KeyboardInterrupt):
-            mlflow.end_run("KILLED")
+            yield StageRun(run)
+            write_json_atomic(root / RUNS_DIR / f"{stage}.json", {
+                "stage": stage, "run_id": run.info.run_id,
+                "experiment_id": run.info.experiment_id, "tracking_uri": uri})
+        except Terminated as e:
+            _end_active("KILLED", {"killed.reason": str(e) or signals.signal_name(e.signum)})
             raise
-    write_json_atomic(root / RUNS_DIR / f"{stage}.json", {
-        "stage": stage, "run_id": run.info.run_id, "experiment_id": run.info.experiment_id,
-        "tracking_uri": uri})
+        except BaseException:
+            _end_active("FAILED", {})
+            raise
+        run_id = run.info.run_id
+        signals.hold(lambda signum: _late_kill(uri, run_id, signum))
+        mlflow.end_run("FINISHED")
+
+
+def _end_active(status: str, tags: dict[str, str]) -> None:
+    """End the active MLflow run (if any) with ``status``; never raises."""
+    import mlflow
+
+    try:
+        if mlflow.active_run() is not None:
+            if tags:
+                mlflow.set_tags(tags)
+            mlflow.end_run(status)
+    except Exception as e:  # noqa: BLE001 - the original error matters more
+        log.warning("could not mark the MLflow run %s: %s", status, e)
+
+
+def _late_kill(uri: str, run_id: str, signum: int) -> None:
+    """A signal arrived after the run was FINISHED and before the process exited: KILLED."""
+    from mlflow.tracking import MlflowClient
+
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        client.set_tag(run_id, "killed.reason", f"{signals.signal_name(signum)} as the stage "
+                       "ended (after its work): the stage exits non-zero, so the run is not "
+                       "FINISHED")
+        client.set_terminated(run_id, "KILLED")
+    except Exception as e:  # noqa: BLE001 - report and still exit non-zero
+        log.warning("could not mark MLflow run %s KILLED: %s", run_id, e)

@@ -1,15 +1,21 @@
 """DVC stage ``build_shards``: the dataset as deterministic WebDataset shards + manifests."""
 
-import sys
-from pathlib import Path
+from __future__ import annotations
 
-from pipeline.cli import stage_main
-from pipeline.config import Params
-from pipeline.tracking import stage_run
+from typing import TYPE_CHECKING
+
+from pipeline.cli import stage_entry  # first: light; installs the signal handlers
+
+if TYPE_CHECKING:
+    from pipeline.config import Params
 
 
 def run(p: Params) -> None:
+    import sys
+    from pathlib import Path
+
     from pipeline.data.shards import build_all
+    from pipeline.tracking import stage_run
 
     with stage_run("build_shards", p) as mlrun:
         manifests = build_all(p.data, p.seed, progress=sys.stderr.isatty())
@@ -21,4 +27,4 @@ def run(p: Params) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(stage_main("build_shards", run))
+    stage_entry("build_shards", run)

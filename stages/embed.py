@@ -1,16 +1,21 @@
 """DVC stage ``embed``: frozen backbone features of the labelled train and test shards."""
 
-import sys
-from pathlib import Path
+from __future__ import annotations
 
-from pipeline.cli import stage_main
-from pipeline.config import Params
-from pipeline.data.remote import shards_location
-from pipeline.tracking import stage_run, write_json_atomic
+from typing import TYPE_CHECKING
+
+from pipeline.cli import stage_entry  # first: light; installs the signal handlers
+
+if TYPE_CHECKING:
+    from pipeline.config import Params
 
 
 def run(p: Params) -> None:
+    from pathlib import Path
+
+    from pipeline.data.remote import shards_location
     from pipeline.evaluate.run import embed
+    from pipeline.tracking import stage_run, write_json_atomic
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("embed", p, upstream=("pretrain",)) as mlrun:
@@ -22,4 +27,4 @@ def run(p: Params) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(stage_main("embed", run))
+    stage_entry("embed", run)

@@ -3,18 +3,29 @@
 Runs as a plain process or under ``torchrun --nproc_per_node N stages/pretrain.py``.
 """
 
-import sys
-from pathlib import Path
+from __future__ import annotations
 
-from pipeline.cli import stage_main
-from pipeline.config import Params
-from pipeline.data.remote import shards_location
-from pipeline.tracking import stage_run
+from typing import TYPE_CHECKING
+
+from pipeline.cli import stage_entry  # first: light; installs the signal handlers
+
+if TYPE_CHECKING:
+    from pipeline.config import Params
+
+# Resume state: NOT a DVC output (gitignored and dvcignored). As a `persist: true, cache: false`
+# output it switched off DVC's run cache for the stage and could not be restored by `dvc pull`
+# or in a `--queue`/`--temp` workspace, so those retrained. Here it only serves a killed
+# `dvc repro` in the same workspace; `last.pt` holds the fingerprint of the params, shards and
+# training code it was made with, and a checkpoint with another fingerprint is never resumed.
+CHECKPOINT_DIR = ".checkpoints/pretrain"
 
 
 def run(p: Params) -> None:
     import os
+    from pathlib import Path
 
+    from pipeline.data.remote import shards_location
+    from pipeline.tracking import stage_run
     from pipeline.train import pretrain
 
     rank = int(os.environ.get("RANK", "0"))
@@ -24,7 +35,7 @@ def run(p: Params) -> None:
         mlrun.log_shards(shards / "pretrain", context="training")
         pretrain(model=p.model, moco=p.moco, opt=p.pretrain, augment=p.augment, seed=p.seed,
                  shards_dir=shards, encoder_path=Path("models/encoder.pt"),
-                 checkpoint_dir=Path("models/checkpoints"),
+                 checkpoint_dir=Path(CHECKPOINT_DIR),
                  metrics_path=Path("metrics/pretrain.json"),
                  plots_path=Path("plots/pretrain.tsv"),
                  knn_plots_path=Path("plots/knn_monitor.tsv"), run=mlrun)
@@ -34,4 +45,4 @@ def run(p: Params) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(stage_main("pretrain", run))
+    stage_entry("pretrain", run)

@@ -1,17 +1,22 @@
 """DVC stage ``report``: HTML + Markdown report; its MLflow run holds all params and metrics."""
 
-import sys
-from pathlib import Path
+from __future__ import annotations
 
-from pipeline.cli import stage_main
-from pipeline.config import Params
-from pipeline.tracking import git_state, stage_run
+from typing import TYPE_CHECKING
+
+from pipeline.cli import stage_entry  # first: light; installs the signal handlers
+
+if TYPE_CHECKING:
+    from pipeline.config import Params
 
 UPSTREAM = ("build_shards", "pretrain", "embed", "baselines", "knn", "linear")
 
 
 def run(p: Params) -> None:
+    from pathlib import Path
+
     from pipeline.report.build import build_report
+    from pipeline.tracking import git_state, stage_run
 
     root = Path.cwd()
     with stage_run("report", p, upstream=UPSTREAM) as mlrun:
@@ -22,4 +27,4 @@ def run(p: Params) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(stage_main("report", run))
+    stage_entry("report", run)

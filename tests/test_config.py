@@ -110,3 +110,24 @@ def test_check_params_cli__incomplete_file_names_missing_keys(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "missing keys" in err and "report.tsne_points" in err and "moco.m," in err
     assert "moco.K," not in err and "seed," not in err
+
+
+def test_check_params_cli__stamp_is_content_stable(tmp_path, capsys):
+    # the check_params DVC stage: the same stamp bytes for any valid file, so downstream stages
+    # (which depend on the stamp) rerun only for their own params
+    other = tmp_path / "other.yaml"
+    other.write_text((ROOT / "params.yaml").read_text().replace("  k: 200", "  k: 20"))
+    assert other.read_text() != (ROOT / "params.yaml").read_text()
+    stamps = []
+    for i, params in enumerate((ROOT / "params.yaml", other)):
+        stamp = tmp_path / f"runs{i}/check_params.json"
+        assert cli_main(["check-params", "--params", str(params), "--stamp", str(stamp)]) == 0
+        stamps.append(stamp.read_bytes())
+    assert stamps[0] == stamps[1]
+    assert capsys.readouterr().out == ""  # the stage prints nothing on success
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(other.read_text().replace("  k: 20", "  k: 2O"))
+    stamp = tmp_path / "runs-bad/check_params.json"
+    assert cli_main(["check-params", "--params", str(bad), "--stamp", str(stamp)]) == 2
+    assert not stamp.exists()
+    assert "'knn.k'" in capsys.readouterr().err

@@ -14,6 +14,9 @@ from pipeline.tracking import (
     TrackingError,
     check_reachable,
     loggable_params,
+    mark_stale_runs,
+    open_experiment,
+    process_tags,
     stage_run,
     tracking_uri,
 )
@@ -135,3 +138,99 @@ def test_stage_run__shards_logged_as_dataset_input(db, tmp_path):
     assert ds.dataset.name == "fashion_mnist/pretrain"
     want = hashlib.sha256((split / "manifest.json").read_bytes()).hexdigest()[:36]
     assert ds.dataset.digest == want
+
+
+# --- artifact location, database initialisation, stale runs, experiment kind (#15) ----------
+
+
+def test_stage_run__artifacts_inside_repo_root_and_runs_view(db, tmp_path):
+    with stage_run("knn", from_dict({})):
+        pass
+    run_id = json.loads((tmp_path / "runs/knn.json").read_text())["run_id"]
+    c = MlflowClient(db)
+    run = c.get_run(run_id)
+    assert run.info.artifact_uri == f"{(tmp_path / 'mlartifacts').as_uri()}/{run_id}/artifacts"
+    assert (tmp_path / "mlartifacts" / run_id / "artifacts/config/params.resolved.json").is_file()
+    exp = c.get_experiment(run.info.experiment_id)
+    assert exp.name == "moco-pipeline"
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    tags = run.data.tags
+    assert tags["repo.root"] == str(tmp_path) and tags["proc.pid"] == str(os.getpid())
+
+
+def test_open_experiment__other_repo_root__own_experiment_inside_it(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    a, b = tmp_path / "a", tmp_path / "b"  # e.g. a repo and its `cp -a` copy sharing the db
+    ea = open_experiment(uri, "exp", a)
+    eb = open_experiment(uri, "exp", b)
+    assert ea != eb and open_experiment(uri, "exp", a) == ea
+    assert open_experiment(uri, "exp", b) == eb
+    c = MlflowClient(uri)
+    assert c.get_experiment(ea).name == "exp"
+    assert c.get_experiment(eb).name == f"exp ({b})"
+    assert c.get_experiment(ea).artifact_location == (a / "mlartifacts").as_uri()
+    assert c.get_experiment(eb).artifact_location == (b / "mlartifacts").as_uri()
+
+
+def test_open_experiment__untagged_existing__gets_kind_tag(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    c = MlflowClient(uri)
+    eid = c.create_experiment("old", artifact_location=(tmp_path / "mlartifacts").as_uri())
+    assert "mlflow.experimentKind" not in c.get_experiment(eid).tags
+    assert open_experiment(uri, "old", tmp_path) == eid
+    assert c.get_experiment(eid).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+INIT = """
+import sys
+from pathlib import Path
+from pipeline.tracking import open_experiment
+print(open_experiment(sys.argv[1], "moco-pipeline", Path(sys.argv[2])))
+"""
+
+
+def test_open_experiment__three_processes_from_no_db__all_succeed(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    procs = [subprocess.Popen([sys.executable, "-c", INIT, uri, str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    results = [(p.wait(timeout=300), p.stdout.read().strip(), p.stderr.read()) for p in procs]
+    assert [r[0] for r in results] == [0, 0, 0], [r[2][-2000:] for r in results]
+    assert len({r[1] for r in results}) == 1  # one experiment, created once
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_mark_stale_runs__dead_owner_killed__live_or_foreign_kept(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    root = tmp_path / "repo"
+    eid = open_experiment(uri, "e", root)
+    c = MlflowClient(uri)
+    me = process_tags()
+    dead = {**me, "proc.pid": str(_dead_pid())}
+
+    def run(stage, owner, repo=root):
+        r = c.create_run(eid, tags={"stage": stage, "repo.root": str(repo), **owner})
+        return r.info.run_id
+
+    stale = run("knn", dead)
+    live = run("knn", me)  # this process: alive
+    other_stage = run("embed", dead)
+    other_repo = run("knn", dead, repo=tmp_path / "elsewhere")
+    other_host = run("knn", {**dead, "proc.host": "another-machine"})
+    reused_pid = run("knn", {**me, "proc.start": "1"})  # same pid, another process start
+
+    marked = mark_stale_runs(uri, eid, "knn", root)
+
+    assert sorted(marked) == sorted([stale, reused_pid])
+    status = {rid: c.get_run(rid).info.status for rid in
+              (stale, live, other_stage, other_repo, other_host, reused_pid)}
+    assert status == {stale: "KILLED", live: "RUNNING", other_stage: "RUNNING",
+                      other_repo: "RUNNING", other_host: "RUNNING", reused_pid: "KILLED"}
+    killed = c.get_run(stale)
+    assert killed.info.end_time is not None
+    assert "SIGKILL" in killed.data.tags["stale.reason"]

@@ -30,7 +30,6 @@ from relhelpers import (
     write_params,
 )
 
-import pipeline.atomic as atomic
 from pipeline.checkpoint import load_checkpoint
 
 
@@ -63,32 +62,40 @@ def start_and_signal(wd, db, sig: int, at_step: int, delay: float) -> tuple[int,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2])
-def test_pretrain_stage__sigterm_then_restart__killed_run_and_bit_identical(
-        seed, workdir, mlflow_db, reference_encoder):
+@pytest.mark.parametrize(("sig", "seed"), [(signal.SIGTERM, 1), (signal.SIGINT, 2)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_pretrain_stage__signal_then_restart__killed_run_and_bit_identical(
+        sig, seed, workdir, mlflow_db, reference_encoder):
+    # SIGINT is what Ctrl-C sends: it must behave as SIGTERM does (checkpoint, one line), exit 130
     write_params(workdir / "params.yaml", mlflow=True)
     at_step, delay = kill_point(seed, first=2)
-    rc, err = start_and_signal(workdir, mlflow_db, signal.SIGTERM, at_step, delay)
+    rc, err = start_and_signal(workdir, mlflow_db, sig, at_step, delay)
 
-    assert rc == 143, err[-3000:]  # 128 + SIGTERM
-    assert "Traceback" not in err, err[-3000:]  # one clear line, not a stack
+    name = signal.Signals(sig).name
+    assert rc == 128 + sig, err[-3000:]  # 143 for SIGTERM, 130 for SIGINT
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, err[-3000:]  # one clear line, not a stack
     last = err.strip().splitlines()[-1]
-    assert last.startswith("error: Terminated: SIGTERM") and "rerun `dvc repro`" in last, last
-    m = re.search(r"SIGTERM: checkpoint written at step (\d+)", err)
+    assert last == errors[0]
+    assert last.startswith(f"error: Terminated: {name}") and "rerun `dvc repro`" in last, last
+    m = re.search(rf"{name}: checkpoint written at step (\d+)", err)
     assert m, err[-3000:]
     stopped = int(m.group(1))
     assert at_step <= stopped < TOTAL_STEPS
-    ckpt_path = workdir / "models/checkpoints/last.pt"
+    ckpt_path = workdir / ".checkpoints/pretrain/last.pt"
     ck = torch.load(ckpt_path, map_location="cpu", weights_only=True)
     assert ck["step"] == stopped and re.fullmatch(r"[0-9a-f]{64}", ck["fingerprint"])
     assert not (workdir / "models/encoder.pt").exists()
     assert not (workdir / "runs/pretrain.json").exists()  # only a finished run is recorded
     assert leftover_temp_files(workdir) == []
-    assert [r.info.status for r in mlflow_runs(mlflow_db)] == ["KILLED"]
+    (killed,) = mlflow_runs(mlflow_db)
+    assert killed.info.status == "KILLED" and killed.info.end_time is not None
+    assert killed.data.tags["killed.reason"].startswith(f"{name}: checkpoint written")
 
     r = run_stage("pretrain", workdir, db=mlflow_db)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resuming from models/checkpoints/last.pt at step {stopped}" in r.stderr
+    assert f"resuming from .checkpoints/pretrain/last.pt at step {stopped}" in r.stderr
     assert same_tensors(load_state(workdir / "models/encoder.pt"), reference_encoder)
     runs = mlflow_runs(mlflow_db)
     assert [x.info.status for x in runs] == ["KILLED", "FINISHED"]
@@ -97,22 +104,29 @@ def test_pretrain_stage__sigterm_then_restart__killed_run_and_bit_identical(
 
 
 @pytest.mark.slow
-def test_pretrain_stage__sigkill_then_restart__bit_identical(workdir, mlflow_db,
-                                                             reference_encoder):
+def test_pretrain_stage__sigkill_then_restart__stale_run_killed_and_bit_identical(
+        workdir, mlflow_db, reference_encoder):
     write_params(workdir / "params.yaml", mlflow=True)
     at_step, delay = kill_point(3, first=4)  # step >= 4: a checkpoint exists before the kill
     rc, err = start_and_signal(workdir, mlflow_db, signal.SIGKILL, at_step, delay)
     assert rc == -signal.SIGKILL
-    ck = torch.load(workdir / "models/checkpoints/last.pt", weights_only=True)
+    ck = torch.load(workdir / ".checkpoints/pretrain/last.pt", weights_only=True)
     assert 2 <= ck["step"] < TOTAL_STEPS
-    # MLflow cannot see a SIGKILL: the run stays RUNNING (documented), never FINISHED
-    assert [x.info.status for x in mlflow_runs(mlflow_db)] == ["RUNNING"]
+    # MLflow cannot see a SIGKILL: the run is left RUNNING ...
+    (stale,) = mlflow_runs(mlflow_db)
+    assert stale.info.status == "RUNNING"
 
     r = run_stage("pretrain", workdir, db=mlflow_db)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert re.search(r"resuming from models/checkpoints/last.pt at step \d+", r.stderr)
+    assert re.search(r"resuming from .checkpoints/pretrain/last.pt at step \d+", r.stderr)
     assert same_tensors(load_state(workdir / "models/encoder.pt"), reference_encoder)
-    assert [x.info.status for x in mlflow_runs(mlflow_db)] == ["RUNNING", "FINISHED"]
+    # ... until the stage starts again: then it is KILLED, with an end time and the reason
+    runs = mlflow_runs(mlflow_db)
+    assert [x.info.status for x in runs] == ["KILLED", "FINISHED"]
+    assert runs[0].info.run_id == stale.info.run_id
+    assert runs[0].info.end_time is not None and runs[0].info.end_time <= runs[1].info.start_time
+    assert "SIGKILL" in runs[0].data.tags["stale.reason"]
+    assert runs[0].data.tags["proc.pid"] != runs[1].data.tags["proc.pid"]
 
 
 @pytest.mark.parametrize("interrupt", [RuntimeError("disk went away"), KeyboardInterrupt()])
@@ -133,7 +147,7 @@ def test_checkpoint_write__interrupted_inside_torch_save__previous_kept(
         written.append(len(data) // 2)
         raise interrupt
 
-    monkeypatch.setattr(atomic.torch, "save", half_then_fail)
+    monkeypatch.setattr(torch, "save", half_then_fail)  # what pipeline.atomic calls
     with pytest.raises(type(interrupt)):
         run_pretrain(tiny_shards, tmp_path)  # resumes at 2, the save at step 4 dies mid-write
     monkeypatch.undo()

@@ -63,19 +63,19 @@ def test_pretrain_stage__disk_full_at_checkpoint__previous_checkpoint_intact(
     run_pretrain(tiny_shards, tmp_path / "prev", max_steps=2)
     prev = tmp_path / "prev/ckpt/last.pt"
     wd = tmpfs / "wd"
-    (wd / "models/checkpoints").mkdir(parents=True)
-    shutil.copyfile(prev, wd / "models/checkpoints/last.pt")
+    (wd / ".checkpoints/pretrain").mkdir(parents=True)
+    shutil.copyfile(prev, wd / ".checkpoints/pretrain/last.pt")
     write_params(wd / "params.yaml", {"data": {"shards_dir": str(tiny_shards)}}, mlflow=False)
     fill(tmpfs, leave=prev.stat().st_size // 2)  # the next checkpoint cannot fit
     before = tree_digest(wd)
 
     r = run_stage("pretrain", wd)
     assert r.returncode != 0
-    assert "resuming from models/checkpoints/last.pt at step 2" in r.stderr
+    assert "resuming from .checkpoints/pretrain/last.pt at step 2" in r.stderr
     assert "No space left on device" in r.stderr.strip().splitlines()[-1], r.stderr[-3000:]
     assert tree_digest(wd) == before  # the step-2 checkpoint is byte-identical, nothing added
     assert leftover_temp_files(tmpfs) == []
-    assert torch.load(wd / "models/checkpoints/last.pt", weights_only=True)["step"] == 2
+    assert torch.load(wd / ".checkpoints/pretrain/last.pt", weights_only=True)["step"] == 2
 
     (tmpfs / "filler").unlink()  # space again: the run resumes and completes
     r = run_stage("pretrain", wd)

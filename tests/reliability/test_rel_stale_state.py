@@ -45,12 +45,12 @@ def test_pretrain_stage__stale_checkpoint__ignored_and_trained_from_scratch(
         run_pretrain(alt, tmp_path / "stale", max_steps=20)
     stale_ckpt = tmp_path / "stale/ckpt/last.pt"
     assert torch.load(stale_ckpt, weights_only=True)["step"] == 20
-    (workdir / "models/checkpoints").mkdir(parents=True)
-    shutil.copyfile(stale_ckpt, workdir / "models/checkpoints/last.pt")
+    (workdir / ".checkpoints/pretrain").mkdir(parents=True)
+    shutil.copyfile(stale_ckpt, workdir / ".checkpoints/pretrain/last.pt")
 
     r = run_stage("pretrain", workdir)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "ignoring checkpoint models/checkpoints/last.pt" in r.stderr
+    assert "ignoring checkpoint .checkpoints/pretrain/last.pt" in r.stderr
     assert "starting fresh" in r.stderr and "resuming" not in r.stderr
     assert f" step 2/{TOTAL_STEPS} " in r.stderr  # trained from the first step
     assert same_tensors(load_state(workdir / "models/encoder.pt"), reference_encoder)
