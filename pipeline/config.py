@@ -103,7 +103,7 @@ class PretrainParams:
     """Optimisation of the query encoder. ``lr`` is per 256 images (scaled to the global batch)."""
 
     epochs: int = 4
-    steps_per_epoch: int = 0  # 0 = pretrain images // batch_size
+    steps_per_epoch: int = 0  # 0 = pretrain images // batch_size (true epoch); at most that
     batch_size: int = 256  # global batch (split across DDP ranks)
     lr: float = 0.06  # per 256 images
     lr_schedule: str = "cosine"
