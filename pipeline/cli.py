@@ -106,6 +106,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pipeline.data.shards import ShardError
     from pipeline.data.sources import SourceError
     from pipeline.tracking import TrackingError
-    from pipeline.train import NonFiniteLossError
+    from pipeline.train import NonFiniteLossError, PlanError
 
-    return (ShardError, SourceError, TrackingError, NonFiniteLossError, FileNotFoundError)
+    return (ShardError, SourceError, TrackingError, NonFiniteLossError, PlanError,
+            FileNotFoundError)

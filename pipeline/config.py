@@ -261,6 +261,13 @@ def _validate_pretrain(p: Params) -> None:
     _one_of("pretrain.precision", t.precision, PRECISIONS)
     for k in ("channels_last", "compile"):
         _switch(f"pretrain.{k}", t, k, ("auto", "true", "false"))
+    n = p.data.max_pretrain_images  # an upper bound on the pretraining images when set
+    if n:
+        _check(t.batch_size <= n, "pretrain.batch_size",
+               f"<= data.max_pretrain_images ({n})", t.batch_size)
+        _check(t.steps_per_epoch * t.batch_size <= n, "pretrain.steps_per_epoch",
+               f"at most one epoch: steps_per_epoch * batch_size <= data.max_pretrain_images "
+               f"({n})", t.steps_per_epoch)
     if p.moco.bn == "split":
         _check(t.batch_size % p.moco.bn_splits == 0, "moco.bn_splits",
                f"a divisor of pretrain.batch_size ({t.batch_size})", p.moco.bn_splits)
@@ -355,7 +362,8 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     try:
         tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     except Exception as e:  # yaml errors come in several classes
-        raise ParamsError(f"params: '{path}' is not valid YAML: {e}") from None
+        one_line = " ".join(str(e).split())  # PyYAML's message spans several lines
+        raise ParamsError(f"params: '{path}' is not valid YAML: {one_line}") from None
     try:
         return from_dict(tree)  # type: ignore[arg-type]
     except ParamsError as e:

@@ -131,3 +131,22 @@ def test_check_params_cli__stamp_is_content_stable(tmp_path, capsys):
     assert cli_main(["check-params", "--params", str(bad), "--stamp", str(stamp)]) == 2
     assert not stamp.exists()
     assert "'knn.k'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("pretrain", "key"), [
+    ({"steps_per_epoch": 100000, "batch_size": 64}, "pretrain.steps_per_epoch"),
+    ({"batch_size": 4096}, "pretrain.batch_size"),
+])
+def test_validate__epoch_longer_than_capped_data__names_key(pretrain, key):
+    # data.max_pretrain_images bounds the data: an epoch of more images is refused up front
+    with pytest.raises(ParamsError, match=rf"'{key}'"):
+        from_dict({"data": {"max_pretrain_images": 2048}, "pretrain": pretrain,
+                   "moco": {"bn_splits": 8}})
+
+
+def test_load_params__yaml_syntax_error__one_line(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text("seed: 0\nknn:\n\tk: 3\n")
+    with pytest.raises(ParamsError) as e:
+        load_params(f)
+    assert "\n" not in str(e.value) and "not valid YAML" in str(e.value)

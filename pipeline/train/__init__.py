@@ -12,10 +12,10 @@
 * :mod:`~pipeline.train.export` — the torchvision-style encoder, head and final metrics.
 """
 
-from pipeline.train.engine import NonFiniteLossError, build_moco, image_spec, pretrain
+from pipeline.train.engine import NonFiniteLossError, PlanError, build_moco, image_spec, pretrain
 from pipeline.train.export import encoder_meta
 from pipeline.train.runtime import Runtime, resolve_precision, setup_device
 from pipeline.train.schedules import lr_schedule
 
-__all__ = ["NonFiniteLossError", "Runtime", "build_moco", "encoder_meta", "image_spec",
+__all__ = ["NonFiniteLossError", "PlanError", "Runtime", "build_moco", "encoder_meta", "image_spec",
            "lr_schedule", "pretrain", "resolve_precision", "setup_device"]

@@ -43,6 +43,7 @@ from pipeline.train.runtime import (
     resolve_switch,
     setup_device,
     thread_candidates,
+    usable_cores,
     wrap_model,
 )
 from pipeline.train.schedules import lr_schedule
@@ -59,6 +60,10 @@ NOT_FINGERPRINTED = ("checkpoint_every_epochs", "checkpoint_every_steps", "knn_e
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or inf; training stopped before the optimizer step."""
+
+
+class PlanError(ValueError):
+    """The run's sizes do not fit the data or the processes (the message names the param)."""
 
 
 def train_step(net: nn.Module, images: torch.Tensor, *, views: BatchTwoCrop, aug_seed: int,
@@ -135,25 +140,35 @@ def plan_run(manifest: dict[str, Any], where: Path, *, opt: PretrainParams, moco
     """Check the run's sizes against the data and precompute the schedules.
 
     Raises:
-        ValueError: batch not divisible by the ranks, an epoch longer than the data, a BN mode
+        PlanError: batch not divisible by the ranks, an epoch longer than the data, a BN mode
             that does not fit, or SyncBN on CPU (each message names the param).
     """
+    try:
+        return _plan_run(manifest, where, opt=opt, moco=moco, rt=rt)
+    except PlanError:
+        raise
+    except ValueError as e:  # check_bn_mode, image_spec: bad input, not a bug
+        raise PlanError(str(e)) from None
+
+
+def _plan_run(manifest: dict[str, Any], where: Path, *, opt: PretrainParams, moco: MocoParams,
+              rt: Runtime) -> RunPlan:
     n_images = int(manifest["num_samples"])
     channels, image_size, mean, std = image_spec(manifest, where)
     if opt.batch_size % rt.world_size:
-        raise ValueError(f"pretrain.batch_size ({opt.batch_size}) must be divisible by the "
+        raise PlanError(f"pretrain.batch_size ({opt.batch_size}) must be divisible by the "
                          f"number of processes ({rt.world_size})")
     full = n_images // opt.batch_size
     spe = opt.steps_per_epoch or full
     if full < 1:
-        raise ValueError(f"pretrain.batch_size ({opt.batch_size}) exceeds the {n_images} "
+        raise PlanError(f"pretrain.batch_size ({opt.batch_size}) exceeds the {n_images} "
                          "pretraining images: lower it or add images")
     if spe > full:
-        raise ValueError(f"pretrain.steps_per_epoch ({spe}) exceeds one epoch of the {n_images} "
+        raise PlanError(f"pretrain.steps_per_epoch ({spe}) exceeds one epoch of the {n_images} "
                          f"pretraining images at batch {opt.batch_size} ({full} steps)")
     check_bn_mode(moco.bn, opt.batch_size // rt.world_size, moco.bn_splits, rt.world_size)
     if moco.bn == "sync" and rt.device.type != "cuda":
-        raise ValueError("moco.bn = 'sync' needs CUDA (torch's SyncBatchNorm rejects CPU tensors "
+        raise PlanError("moco.bn = 'sync' needs CUDA (torch's SyncBatchNorm rejects CPU tensors "
                          "in training); use 'shuffle' under torchrun on CPU")
     if moco.K > n_images // 2:
         log.warning("moco.K = %d exceeds half the pretraining set (%d images): the queue holds "
@@ -195,6 +210,9 @@ def _setup_threads(saved: int, opt: PretrainParams, net: MoCo, plan: RunPlan,
     """CPU intra-op threads: ``pretrain.num_threads``, else the resumed run's, else probed."""
     if opt.num_threads > 0 or saved > 0:
         n = opt.num_threads or saved
+        if n > usable_cores():
+            log.warning("pretrain.num_threads = %d exceeds the %d usable cores: threads will "
+                        "compete for them", n, usable_cores())
         torch.set_num_threads(n)
         return n
     if rt.device.type == "cuda":

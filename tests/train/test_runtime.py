@@ -124,3 +124,12 @@ def test_pretrain__compile_on_cpu_and_resume_bit_identical(tiny_shards, tmp_path
     a = torch.load(tmp_path / "full/encoder.pt", weights_only=True)
     b = torch.load(tmp_path / "part/encoder.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_plan_error__bad_bn_mode_is_a_one_line_user_error(tiny_shards, tmp_path):
+    from pipeline.cli import _user_errors
+    from pipeline.train import PlanError
+
+    with pytest.raises(PlanError, match="moco.bn"):
+        run_pretrain(tiny_shards, tmp_path, {"moco": {"bn": "shuffle"}})
+    assert PlanError in _user_errors()  # stage_main prints one `error:` line for it
