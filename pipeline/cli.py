@@ -42,7 +42,12 @@ def stage_entry(name: str, run: Callable[[Params], None]) -> NoReturn:
     Raises:
         SystemExit: always, with the stage's exit code (0, 1, 2, 128 + signum).
     """
-    signals.install()
+    try:
+        signals.install()
+    except signals.Terminated as e:  # arrived while the handlers were being installed
+        print(f"error: Terminated: received {signals.signal_name(e.signum)}; rerun `dvc repro` "
+              "to continue", file=sys.stderr)
+        sys.exit(e.exit_code)
     code = stage_main(name, run)
     code, late = signals.finish(code)
     if late is not None:

@@ -16,7 +16,7 @@ from relhelpers import ROOT, mlflow_runs, rewrite_manifest, run_stage, write_par
 
 from pipeline.config import ParamsError, from_dict
 from pipeline.data.augment import build_eval_transform
-from pipeline.data.loader import eval_loader, train_loader
+from pipeline.data.loader import eval_loader, read_manifest, train_loader
 from pipeline.data.shards import ShardError, verify_shards
 from pipeline.tracking import loggable_params
 
@@ -84,14 +84,10 @@ def shard_with_member(split_dir, ext: str, marker) -> str:
     return str(path)
 
 
-def _two_crop(img, seed):
-    t = build_eval_transform(16, (0.5,), (0.25,))
-    return t(img), t(img)
-
-
 READERS = {
-    "train_loader": lambda d: next(iter(train_loader(d, transform=_two_crop, batch_size=4,
-                                                     steps=2, epoch=0, seed=0))),
+    # a whole true epoch (batch 1): every sample of the split passes the member check
+    "train_loader": lambda d: list(train_loader(d, batch_size=1, epoch=0, seed=0,
+                                                steps=read_manifest(d)["num_samples"])),
     "eval_loader": lambda d: list(eval_loader(d, transform=build_eval_transform(
         16, (0.5,), (0.25,)), batch_size=8)),
     "verify_shards": verify_shards,
