@@ -39,6 +39,7 @@ from pipeline.train.runtime import (
     Runtime,
     choose_threads,
     configure_determinism,
+    resolve_compile,
     resolve_precision,
     resolve_switch,
     setup_device,
@@ -375,7 +376,8 @@ def _pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
     state.num_threads = _setup_threads(state.num_threads, opt, net, plan, rt)
     channels_last = resolve_switch(opt.channels_last, cpu_default=False,
                                    device=rt.device)
-    compile_ = resolve_switch(opt.compile, cpu_default=False, device=rt.device)
+    compile_ = resolve_compile(opt.compile, device=rt.device, width=model.width,
+                               total_steps=plan.total_steps)
     log.info("pretrain: %s, %s, %d threads, channels_last %s, compile %s, %d steps",
              rt.device, precision.name, state.num_threads, channels_last, compile_,
              plan.total_steps)

@@ -19,6 +19,10 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+# pretrain.compile = auto on CPU (see resolve_compile): compile costs ~10-60 s on 2 cores
+CPU_COMPILE_MIN_STEPS = 200
+CPU_COMPILE_MIN_WIDTH = 16
+
 
 @dataclass
 class Runtime:
@@ -146,9 +150,39 @@ def usable_cores() -> int:
 
 
 def thread_candidates(num_workers: int) -> list[int]:
-    """Intra-op thread counts worth trying: all usable cores minus loader workers, and half."""
-    full = max(1, usable_cores() - num_workers)
-    return [full] if full == 1 else [full, max(1, full // 2)]
+    """Intra-op thread counts worth probing, largest first (deduplicated).
+
+    All usable cores, all minus the loader workers, and half.
+
+    Loader workers only read and decode (views are made on the training device), a small part
+    of a core: measured on 2 cores with 1 worker, the stage ran at 205 img/s with 2 threads and
+    121 img/s with 1 (``benchmarks/pretrain_step.py``), so all cores come first and the probe
+    keeps fewer only when it measures them faster (contended cores).
+    """
+    full = usable_cores()
+    return sorted({full, max(1, full - num_workers), max(1, full // 2)}, reverse=True)
+
+
+def resolve_compile(value: str, *, device: torch.device, width: int, total_steps: int) -> bool:
+    """``pretrain.compile`` → bool.
+
+    ``auto``: on CUDA always. On CPU when the run is long enough to pay for compiling
+    (``total_steps >= CPU_COMPILE_MIN_STEPS``), the model is not tiny
+    (``width >= CPU_COMPILE_MIN_WIDTH``: inductor picks channels_last convolutions, which
+    corrupt memory in torch 2.14 at width 4 on one thread) and a C++ compiler is present.
+    """
+    if value in ("true", "false"):
+        return value == "true"
+    if device.type == "cuda":
+        return True
+    if width < CPU_COMPILE_MIN_WIDTH or total_steps < CPU_COMPILE_MIN_STEPS:
+        return False
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        return bool(get_cpp_compiler())
+    except Exception:  # noqa: BLE001  (no compiler, or inductor internals moved: stay eager)
+        return False
 
 
 def choose_threads(candidates: list[int], probe: Callable[[], None], repeats: int = 2,

@@ -11,8 +11,10 @@ from helpers import run_pretrain
 
 from pipeline.train.logging import LogWindow
 from pipeline.train.runtime import (
+    CPU_COMPILE_MIN_STEPS,
     Precision,
     choose_threads,
+    resolve_compile,
     resolve_precision,
     resolve_switch,
     thread_candidates,
@@ -59,12 +61,33 @@ def test_pretrain__autocast_runs_with_fp32_loss(tiny_shards, tmp_path, precision
     assert math.isfinite(m["loss"]) and m["steps"] == 192 // 16
 
 
-def test_thread_candidates__all_usable_cores_minus_workers_and_half(monkeypatch):
+def test_thread_candidates__all_cores_all_minus_workers_and_half(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
     assert thread_candidates(0) == [8, 4]
-    assert thread_candidates(2) == [6, 3]
+    assert thread_candidates(2) == [8, 6, 4]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert thread_candidates(1) == [2, 1]  # the worker only decodes: both are probed
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert thread_candidates(1) == [1]
+
+
+def test_resolve_compile__auto_on_cpu_only_for_long_runs_of_real_widths(monkeypatch):
+    import torch._inductor.cpp_builder as cb
+
+    long_run, short_run = CPU_COMPILE_MIN_STEPS, CPU_COMPILE_MIN_STEPS - 1
+    assert resolve_compile("true", device=CPU, width=4, total_steps=1) is True
+    assert resolve_compile("false", device=CUDA, width=64, total_steps=10**6) is False
+    assert resolve_compile("auto", device=CUDA, width=4, total_steps=1) is True
+    assert resolve_compile("auto", device=CPU, width=4, total_steps=long_run) is False
+    assert resolve_compile("auto", device=CPU, width=16, total_steps=short_run) is False
+    monkeypatch.setattr(cb, "get_cpp_compiler", lambda: "g++")
+    assert resolve_compile("auto", device=CPU, width=16, total_steps=long_run) is True
+
+    def no_compiler() -> str:
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(cb, "get_cpp_compiler", no_compiler)
+    assert resolve_compile("auto", device=CPU, width=16, total_steps=long_run) is False
 
 
 def test_choose_threads__keeps_the_faster():
