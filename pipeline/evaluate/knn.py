@@ -17,6 +17,7 @@ refused, naming the value.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,8 @@ from pipeline.evaluate.metrics import (
     contiguous_labels,
     labelled_mask,
 )
+
+log = logging.getLogger(__name__)
 
 DEFAULT_K = 200  # InstDisc / MoCo CIFAR demo
 DEFAULT_T = 0.1  # InstDisc / MoCo CIFAR demo
@@ -130,6 +133,8 @@ def knn_predict(
     n, m = train_features.shape[0], test_features.shape[0]
     c = int(train_labels.max()) + 1 if num_classes is None else int(num_classes)
     k_eff = min(int(k), n)
+    if k_eff < k:
+        log.warning("kNN: k = %d exceeds the %d labelled bank rows; voting over all %d", k, n, n)
     if m == 0:
         return torch.zeros(0, c, device=device)
 

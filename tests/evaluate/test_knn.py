@@ -56,10 +56,12 @@ def test_knn_predict__hand_computed_weighted_votes():
     torch.testing.assert_close(s7, s, atol=1e-6, rtol=0)
 
 
-def test_knn_predict__k_larger_than_bank():
+def test_knn_predict__k_larger_than_bank(caplog):
     # k = 200 > N = 4 uses all 4 neighbours: x3 adds e^(-1/0.1) to class 2, a share of
     # e^-10 / (e^8 + 2 e^6 + e^-10) = e^-18 / 1.2706706 = 1.199e-8.
-    s = knn_predict(HAND_TRAIN, HAND_LABELS, HAND_QUERY, k=200, T=0.1)
+    with caplog.at_level("WARNING"):
+        s = knn_predict(HAND_TRAIN, HAND_LABELS, HAND_QUERY, k=200, T=0.1)
+    assert "k = 200 exceeds the 4 labelled bank rows" in caplog.text  # said, not silent
     torch.testing.assert_close(s, knn_predict(HAND_TRAIN, HAND_LABELS, HAND_QUERY, k=4, T=0.1))
     assert s[0, 2].item() == pytest.approx(1.199e-8, rel=1e-2)
     r = knn_classify(HAND_TRAIN, HAND_LABELS, HAND_QUERY, torch.tensor([0]), k=200)
