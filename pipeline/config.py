@@ -27,6 +27,7 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 LR_SCHEDULES = ("cosine", "step")
 M_SCHEDULES = ("constant", "cosine")
 LINEAR_MODES = ("features", "augment")
+FEATURE_NORMS = ("l2", "none")  # pipeline.evaluate.linear.FEATURE_NORMS
 FORBIDDEN_KEYS = ("size", "nfiles")  # DVC's run cache ignores params with these names
 
 
@@ -140,6 +141,7 @@ class KnnParams:
     k: int = 200
     T: float = 0.1
     chunk_size: int = 1024  # test images per similarity chunk
+    val_fraction: float = 0.0  # > 0: also score kNN on this share of TRAIN held out of the bank
 
 
 @dataclass
@@ -154,6 +156,7 @@ class LinearParams:
     lr_milestones: list[int] = field(default_factory=lambda: [60, 80])
     weight_decay: float = 0.0
     val_fraction: float = 0.0  # held out of the TRAIN set (never the test set)
+    feature_norm: str = "l2"  # l2 | none (MoCo main_lincls: raw features at lr 30)
 
 
 @dataclass
@@ -278,6 +281,7 @@ def _validate_evaluation(p: Params) -> None:
     _pos("knn.k", p.knn.k)
     _pos("knn.T", p.knn.T)
     _pos("knn.chunk_size", p.knn.chunk_size)
+    _check(0 <= p.knn.val_fraction < 1, "knn.val_fraction", "0 <= x < 1", p.knn.val_fraction)
     lp = p.linear
     _one_of("linear.mode", lp.mode, LINEAR_MODES)
     _pos("linear.epochs", lp.epochs)
@@ -287,6 +291,7 @@ def _validate_evaluation(p: Params) -> None:
     _milestones("linear.lr_milestones", lp.lr_milestones)
     _pos("linear.weight_decay", lp.weight_decay, strict=False)
     _check(0 <= lp.val_fraction < 1, "linear.val_fraction", "0 <= x < 1", lp.val_fraction)
+    _one_of("linear.feature_norm", lp.feature_norm, FEATURE_NORMS)
     _pos("report.tsne_points", p.report.tsne_points, strict=False)
     _pos("report.retrieval_queries", p.report.retrieval_queries, strict=False)
     _pos("report.retrieval_neighbours", p.report.retrieval_neighbours)

@@ -21,7 +21,7 @@ def run(p: Params) -> None:
     with stage_run("knn", p, upstream=("embed", "pretrain")) as mlrun:
         metrics = knn_eval(features_dir=Path("features"),
                            manifest_dir=shards / "test", knn=p.knn,
-                           details_path=Path("eval/knn_details.json"))
+                           details_path=Path("eval/knn_details.json"), seed=p.seed)
         write_json_atomic(Path("metrics/knn.json"), metrics)
         mlrun.log_metrics(metrics)
         mlrun.log_artifact("eval/knn_details.json")

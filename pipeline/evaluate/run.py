@@ -146,15 +146,20 @@ def _details(res: ClassificationMetrics, class_names: list[str]) -> dict[str, An
 
 
 def knn_eval(*, features_dir: Path, manifest_dir: Path | ShardURL, knn: KnnParams,
-             details_path: Path) -> dict[str, float]:
+             details_path: Path, seed: int = 0) -> dict[str, float]:
     """Weighted kNN of test features against the train bank (InstDisc protocol).
 
     Rows labelled -1 are ignored (logged); other labels must lie in ``0..C-1``, C = the number
     of class names in the manifest of ``manifest_dir``.
 
+    With ``knn.val_fraction > 0`` it also scores a validation split of TRAIN (the split of
+    :func:`~pipeline.evaluate.linear.split_train_val` with ``seed``, the linear probe's split):
+    the held-out train rows are the queries and the rest of train is the bank. This is the
+    number to select recipes on; the test score always uses the whole train bank.
+
     Returns:
-        ``top1``, ``top5`` (%), the protocol values ``k``, ``T``, sizes (all rows of the feature
-        files) and wall time.
+        ``top1``, ``top5`` (%), ``val_top1`` (% , only with a validation split), the protocol
+        values ``k``, ``T``, sizes (all rows of the feature files) and wall time.
 
     Raises:
         ValueError: a label outside ``0..C-1`` other than -1 (named).
@@ -162,12 +167,21 @@ def knn_eval(*, features_dir: Path, manifest_dir: Path | ShardURL, knn: KnnParam
     t0 = time.time()
     train, test = load_features(features_dir / "train.pt"), load_features(features_dir / "test.pt")
     names = read_manifest(manifest_dir)["class_names"]
-    res = knn_classify(train.features, train.labels, test.features, test.labels, k=knn.k,
-                       T=knn.T, num_classes=len(names), chunk_size=knn.chunk_size,
-                       device=pick_device())
+    kw = dict(k=knn.k, T=knn.T, num_classes=len(names), chunk_size=knn.chunk_size,
+              device=pick_device())
+    res = knn_classify(train.features, train.labels, test.features, test.labels, **kw)
     write_json_atomic(details_path, _details(res, names))
-    return {"top1": res.top1, "top5": res.top5, "k": knn.k, "T": knn.T,
-            "num_train": len(train), "num_test": len(test), "wall_time_s": time.time() - t0}
+    out = {"top1": res.top1, "top5": res.top5, "k": knn.k, "T": knn.T,
+           "num_train": len(train), "num_test": len(test)}
+    if knn.val_fraction > 0:
+        tr, va = split_train_val(len(train), knn.val_fraction, seed)
+        val = knn_classify(train.features[tr], train.labels[tr], train.features[va],
+                           train.labels[va], **kw)
+        out.update(val_top1=val.top1, num_val=len(va))
+        log.info("kNN validation (%d train rows held out of the bank): top-1 %.2f%%",
+                 len(va), val.top1)
+    out["wall_time_s"] = time.time() - t0
+    return out
 
 
 def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
@@ -220,7 +234,8 @@ def linear_probe(*, features_dir: Path, shards_dir: Path | ShardURL, encoder_pat
     names = read_manifest(shards_dir / "test")["class_names"]
     settings = dict(epochs=linear.epochs, batch_size=linear.batch_size, lr=linear.lr,
                     lr_schedule=linear.lr_schedule, milestones=linear.lr_milestones,
-                    weight_decay=linear.weight_decay, seed=seed, device=device)
+                    weight_decay=linear.weight_decay, feature_norm=linear.feature_norm,
+                    seed=seed, device=device)
     if linear.mode == "features":
         train, test = (load_features(features_dir / f"{s}.pt") for s in ("train", "test"))
         res = train_linear_on_features(train, test, val_fraction=linear.val_fraction,
@@ -232,7 +247,8 @@ def linear_probe(*, features_dir: Path, shards_dir: Path | ShardURL, encoder_pat
     _write_history(plots_path, res.history)
     out = {"top1": res.top1, "top5": res.top5, "epochs": linear.epochs, "lr": linear.lr,
            "lr_effective": res.lr_effective, "batch_size": linear.batch_size,
-           "mode_augment": int(linear.mode == "augment"), "wall_time_s": time.time() - t0}
+           "mode_augment": int(linear.mode == "augment"),
+           "feature_norm_l2": int(linear.feature_norm == "l2"), "wall_time_s": time.time() - t0}
     if res.val_top1 is not None:
         out["val_top1"] = res.val_top1
     return out
