@@ -1,4 +1,4 @@
-"""DVC stage ``baselines``: kNN on raw pixels and on a random-init encoder, for context."""
+"""DVC stage ``baselines``: raw pixels (kNN, tuned kNN, linear probe) and a random encoder."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def run(p: Params) -> None:
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("baselines", p, upstream=("build_shards",)) as mlrun:
-        metrics = baselines(shards_dir=shards, model=p.model, seed=p.seed,
+        metrics = baselines(shards_dir=shards, model=p.model, seed=p.seed, linear=p.linear,
                             batch_size=p.embed.batch_size)
         write_json_atomic(Path("metrics/baselines.json"), metrics)
         mlrun.log_metrics(metrics)

@@ -34,6 +34,10 @@ def test_cifar_preset__matches_moco_demo_recipe():
     # demo: lr 0.06 for batch 512 == 0.03 per 256
     assert p.pretrain.lr * p.pretrain.batch_size / 256 == pytest.approx(0.06)
     assert (p.pretrain.epochs, p.pretrain.weight_decay) == (200, 5e-4)
+    # demo: RandomResizedCrop(32) with torchvision's default scale (0.08, 1), no blur
+    assert (p.augment.preset, p.augment.crop_min_scale) == ("v2_small", 0.08)
+    # demo: kNN on the 128-d output of the encoder's fc, a linear projection
+    assert (p.model.head, p.model.dim, p.embed.use_head) == ("linear", 128, True)
 
 
 def test_imagenet_preset__matches_moco_v2():

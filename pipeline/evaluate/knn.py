@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 DEFAULT_K = 200  # InstDisc / MoCo CIFAR demo
 DEFAULT_T = 0.1  # InstDisc / MoCo CIFAR demo
 DEFAULT_BANK_CHUNK_SIZE = 65536  # bank rows per similarity block
+# The grid of select_k_T (the raw-pixel baseline): k from 1-NN to the protocol's 200, T from
+# nearly hard votes (0.02: the nearest neighbour dominates) to nearly uniform ones (1.0).
+GRID_K = (1, 3, 5, 10, 20, 50, 100, 200)
+GRID_T = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 def _check_inputs(train_features: Tensor, train_labels: Tensor, test_features: Tensor,
@@ -138,31 +142,73 @@ def knn_predict(
     if m == 0:
         return torch.zeros(0, c, device=device)
 
-    queries = F.normalize(test_features.to(device, torch.float32), dim=1)  # M x D
+    top_sim, top_idx = knn_neighbours(train_features, test_features, k=k_eff,
+                                      chunk_size=chunk_size, bank_chunk_size=bank_chunk_size,
+                                      device=device)
+    return _vote(top_sim, top_idx, train_labels.to(device, torch.long), T=T, num_classes=c,
+                 chunk_size=chunk_size)
+
+
+@torch.no_grad()
+def knn_neighbours(
+    bank_features: Tensor,
+    query_features: Tensor,
+    *,
+    k: int,
+    chunk_size: int = 1024,
+    bank_chunk_size: int = DEFAULT_BANK_CHUNK_SIZE,
+    device: torch.device | str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The ``k`` most cosine-similar bank rows of every query, most similar first.
+
+    Args:
+        bank_features: (N, D) bank, N >= k (any float dtype; computed in fp32, L2-normalised here).
+        query_features: (M, D) queries.
+        k: neighbours per query, ``1 <= k <= N``.
+        chunk_size: query rows per similarity block.
+        bank_chunk_size: bank rows per similarity block (memory: see :func:`knn_predict`).
+        device: where to compute; default the device of ``query_features``.
+
+    Returns:
+        ``(similarities, indices)``: (M, k) float32 cosine similarities sorted descending and
+        (M, k) int64 bank row indices, on ``device``. The first ``k'`` columns are the top-``k'``
+        for any ``k' <= k`` (up to ties at the boundary), so one call serves a whole k grid.
+
+    Raises:
+        ValueError: NaN or Inf in either feature set.
+    """
+    device = torch.device(device) if device is not None else query_features.device
+    n, m = bank_features.shape[0], query_features.shape[0]
+    queries = F.normalize(query_features.to(device, torch.float32), dim=1)  # M x D
     if not torch.isfinite(queries).all():
         raise ValueError("test_features contain NaN or Inf")
     # running top-k over the bank blocks seen so far; -inf slots are filled by the first blocks
-    # (N >= k_eff rows in total, so none survives the last merge)
-    top_sim = torch.full((m, k_eff), float("-inf"), device=device)  # M x k
-    top_idx = torch.zeros(m, k_eff, dtype=torch.long, device=device)  # M x k, bank rows
+    # (N >= k rows in total, so none survives the last merge)
+    top_sim = torch.full((m, k), float("-inf"), device=device)  # M x k
+    top_idx = torch.zeros(m, k, dtype=torch.long, device=device)  # M x k, bank rows
     for b0 in range(0, n, bank_chunk_size):
-        bank = train_features[b0 : b0 + bank_chunk_size].to(device, torch.float32)
+        bank = bank_features[b0 : b0 + bank_chunk_size].to(device, torch.float32)
         bank = F.normalize(bank, dim=1)  # B x D
         if not torch.isfinite(bank).all():
             raise ValueError(f"train_features contain NaN or Inf (rows {b0}..{b0 + len(bank) - 1})")
-        kb = min(k_eff, bank.shape[0])
+        kb = min(k, bank.shape[0])
         for q0 in range(0, m, chunk_size):
             q1 = min(q0 + chunk_size, m)
             sim = queries[q0:q1] @ bank.T  # chunk x B
             s, i = sim.topk(kb, dim=1)  # chunk x kb
             s = torch.cat([top_sim[q0:q1], s], dim=1)  # chunk x (k + kb)
             i = torch.cat([top_idx[q0:q1], i + b0], dim=1)
-            s, j = s.topk(k_eff, dim=1)  # chunk x k
+            s, j = s.topk(k, dim=1)  # chunk x k
             top_sim[q0:q1] = s
             top_idx[q0:q1] = i.gather(1, j)
+    return top_sim, top_idx
 
-    labels = train_labels.to(device, torch.long)
-    scores = torch.zeros(m, c, device=device)
+
+def _vote(top_sim: Tensor, top_idx: Tensor, labels: Tensor, *, T: float, num_classes: int,
+          chunk_size: int = 1024) -> Tensor:
+    """(M, C) vote shares of the neighbours ``(M, k)`` (weights ``exp(s/T)``, rows sum to 1)."""
+    m = top_sim.shape[0]
+    scores = torch.zeros(m, num_classes, device=top_sim.device)
     for q0 in range(0, m, chunk_size):
         weight = torch.softmax(top_sim[q0 : q0 + chunk_size] / T, dim=1)  # chunk x k, exp(s/T)/sum
         votes = labels[top_idx[q0 : q0 + chunk_size]]  # chunk x k
@@ -264,3 +310,79 @@ def knn_classify(
     )
     base = classification_metrics(scores, test_idx, classes)
     return KnnResult(**vars(base), k=int(k), k_used=min(int(k), train_features.shape[0]), T=T)
+
+
+@dataclass
+class KnnSelection:
+    """The (k, T) of a grid with the best validation top-1, and the whole grid's scores.
+
+    Attributes:
+        k: chosen number of neighbours.
+        T: chosen vote temperature.
+        val_top1: its validation top-1 (%).
+        grid: ``{(k, T): validation top-1 %}`` for every grid point.
+    """
+
+    k: int
+    T: float
+    val_top1: float
+    grid: dict[tuple[int, float], float]
+
+
+@torch.no_grad()
+def select_k_T(
+    bank_features: Tensor,
+    bank_labels: Tensor,
+    val_features: Tensor,
+    val_labels: Tensor,
+    *,
+    ks: tuple[int, ...] = GRID_K,
+    Ts: tuple[float, ...] = GRID_T,
+    chunk_size: int = 1024,
+    device: torch.device | str | None = None,
+) -> KnnSelection:
+    """Choose the kNN ``k`` and ``T`` on a validation split (never on the test set).
+
+    The neighbours are searched once for ``max(ks)`` and every grid point is voted from their
+    prefix, so the grid costs one similarity pass. Ties in validation top-1 go to the earlier
+    grid point (smaller k, then smaller T).
+
+    Args:
+        bank_features: (N, D) features of the bank (the train rows NOT held out).
+        bank_labels: (N,) class indices in ``[0, C)``; -1 rows are ignored.
+        val_features: (M, D) held-out train features.
+        val_labels: (M,) their class indices (-1 rows ignored).
+        ks: candidate k values (each >= 1; those above the labelled bank size are dropped).
+        Ts: candidate temperatures (each > 0).
+        chunk_size: query rows per similarity block.
+        device: compute device; default the device of ``val_features``.
+
+    Returns:
+        :class:`KnnSelection`.
+
+    Raises:
+        ValueError: empty or mismatched inputs, an empty grid, or invalid labels (named).
+    """
+    if not ks or not Ts:
+        raise ValueError("knn: the (k, T) grid is empty")
+    _check_inputs(bank_features, bank_labels, val_features, max(ks), min(Ts), chunk_size,
+                  DEFAULT_BANK_CHUNK_SIZE)
+    bank_features, bank_labels = _labelled_bank(bank_features, bank_labels, None)
+    keep = labelled_mask(val_labels, what="knn: val_labels", num_classes=None)
+    val_features, val_labels = val_features[keep.to(val_features.device)], val_labels[keep]
+    if val_features.shape[0] == 0:
+        raise ValueError("knn: the validation split has no labelled row")
+    ks = tuple(k for k in ks if k <= bank_features.shape[0]) or (bank_features.shape[0],)
+    classes, (bank_idx, val_idx) = contiguous_labels(bank_labels, val_labels)
+    sim, idx = knn_neighbours(bank_features, val_features, k=max(ks), chunk_size=chunk_size,
+                              device=device)
+    labels = bank_idx.to(sim.device, torch.long)
+    truth = val_idx.to(sim.device)
+    grid: dict[tuple[int, float], float] = {}
+    for k in ks:
+        for t in Ts:
+            pred = _vote(sim[:, :k], idx[:, :k], labels, T=t, num_classes=len(classes),
+                         chunk_size=chunk_size).argmax(dim=1)
+            grid[(int(k), float(t))] = 100.0 * float((pred == truth).float().mean())
+    (k, t), best = max(grid.items(), key=lambda kv: kv[1])  # max keeps the first of equals
+    return KnnSelection(k=k, T=t, val_top1=best, grid=grid)

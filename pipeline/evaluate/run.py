@@ -28,7 +28,7 @@ from pipeline.data.augment import build_eval_transform
 from pipeline.data.loader import eval_loader, read_manifest
 from pipeline.data.remote import ShardURL
 from pipeline.evaluate.features import FeatureSet, extract_features, load_features, save_features
-from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, knn_classify
+from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, knn_classify, select_k_T
 from pipeline.evaluate.linear import (
     split_train_val,
     train_linear_augment,
@@ -184,19 +184,31 @@ def knn_eval(*, features_dir: Path, manifest_dir: Path | ShardURL, knn: KnnParam
     return out
 
 
-def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
-              batch_size: int = 512) -> dict[str, float]:
-    """The reference kNN (k=200, T=0.1) on raw pixels and on a random-init encoder.
+# Share of TRAIN held out to choose the raw-pixel kNN's k and T (the split of split_train_val).
+PIXEL_KNN_VAL_FRACTION = 0.1
 
-    Raw pixels: the normalised image flattened to ``(N, C*H*W)``. Random encoder: the backbone
-    built with ``seed``, BN in eval mode (initial running statistics), avgpool features.
-    The protocol is fixed at the InstDisc / MoCo CIFAR demo values, independent of the ``knn``
-    params, so the baselines are computed once per dataset and architecture (changing ``knn.k``
-    does not recompute them). Labels as in :func:`knn_eval` (-1 ignored, ``0..C-1`` otherwise).
+
+def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
+              linear: LinearParams | None = None, batch_size: int = 512) -> dict[str, float]:
+    """What the MoCo features must beat: raw pixels (kNN, tuned kNN, linear) and a random encoder.
+
+    * ``raw_pixels_*`` and ``random_encoder_*``: the reference kNN (k=200, T=0.1, InstDisc /
+      MoCo CIFAR demo) on the normalised image flattened to ``(N, C*H*W)``, and on the backbone
+      built with ``seed`` (BN in eval mode, initial running statistics, avgpool features).
+    * ``raw_pixels_knn_tuned_*``: kNN on raw pixels with k and T chosen on a validation split
+      of TRAIN (``PIXEL_KNN_VAL_FRACTION`` of it, seeded by ``seed``; the grid of
+      :func:`~pipeline.evaluate.knn.select_k_T`), then scored on test with the whole train bank.
+      The test set never chooses anything.
+    * ``raw_pixels_linear_*`` (when ``linear`` is given): the linear probe of the ``linear``
+      params, same code and protocol as the MoCo probe, on raw-pixel features (always the
+      ``features`` mode: there is no backbone to augment through).
+
+    Labels as in :func:`knn_eval` (-1 ignored, ``0..C-1`` otherwise).
     """
     device = pick_device()
     m, size, mean, std = _spec(shards_dir / "train")
     channels = int(m["image_shape"][0])
+    num_classes = len(m["class_names"])
     tf = build_eval_transform(size, mean, std)
     out: dict[str, float] = {}
 
@@ -214,10 +226,44 @@ def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
                                    device=device, desc=f"{name} {s}",
                                    progress=sys.stderr.isatty()) for s in ("train", "test"))
         res = knn_classify(tr.features, tr.labels, te.features, te.labels, k=DEFAULT_K,
-                           T=DEFAULT_T, num_classes=len(m["class_names"]), device=device)
+                           T=DEFAULT_T, num_classes=num_classes, device=device)
         out[f"{name}_top1"], out[f"{name}_top5"] = res.top1, res.top5
         log.info("baseline %s: kNN top-1 %.2f%% (%.1fs)", name, res.top1, time.time() - t0)
+        if name == "raw_pixels":
+            out.update(_pixel_baselines(tr, te, num_classes=num_classes, seed=seed,
+                                        linear=linear, device=device))
     out["k"], out["T"] = DEFAULT_K, DEFAULT_T
+    return out
+
+
+def _pixel_baselines(train: FeatureSet, test: FeatureSet, *, num_classes: int, seed: int,
+                     linear: LinearParams | None, device: torch.device) -> dict[str, float]:
+    """The tuned kNN and the linear probe on raw-pixel features (see :func:`baselines`)."""
+    t0 = time.time()
+    tr, va = split_train_val(len(train), PIXEL_KNN_VAL_FRACTION, seed)
+    sel = select_k_T(train.features[tr], train.labels[tr], train.features[va], train.labels[va],
+                     device=device)
+    res = knn_classify(train.features, train.labels, test.features, test.labels, k=sel.k,
+                       T=sel.T, num_classes=num_classes, device=device)
+    out = {"raw_pixels_knn_tuned_top1": res.top1, "raw_pixels_knn_tuned_top5": res.top5,
+           "raw_pixels_knn_tuned_k": sel.k, "raw_pixels_knn_tuned_T": sel.T,
+           "raw_pixels_knn_tuned_val_top1": sel.val_top1}
+    log.info("baseline raw pixels, kNN with k=%d T=%g chosen on %d held-out train images "
+             "(val top-1 %.2f%%): test top-1 %.2f%% (%.1fs)", sel.k, sel.T, len(va),
+             sel.val_top1, res.top1, time.time() - t0)
+    if linear is not None:
+        t0 = time.time()
+        lin = train_linear_on_features(
+            train, test, val_fraction=linear.val_fraction, num_classes=num_classes,
+            epochs=linear.epochs, batch_size=linear.batch_size, lr=linear.lr,
+            lr_schedule=linear.lr_schedule, milestones=linear.lr_milestones,
+            weight_decay=linear.weight_decay, feature_norm=linear.feature_norm, seed=seed,
+            device=device)
+        out["raw_pixels_linear_top1"], out["raw_pixels_linear_top5"] = lin.top1, lin.top5
+        if lin.val_top1 is not None:
+            out["raw_pixels_linear_val_top1"] = lin.val_top1
+        log.info("baseline raw pixels, linear probe: top-1 %.2f%% (%.1fs)", lin.top1,
+                 time.time() - t0)
     return out
 
 

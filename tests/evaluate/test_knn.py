@@ -232,3 +232,71 @@ def test_knn_classify__labels_out_of_range_are_named():
         knn_classify(ISSUE_BANK, torch.full((3,), -1), ISSUE_QUERY, torch.tensor([0]))
     with pytest.raises(ValueError, match="empty test set"):
         knn_classify(ISSUE_BANK, ISSUE_LABELS, ISSUE_QUERY, torch.tensor([-1]))
+
+
+# --- select_k_T: choosing k and T on a validation split ---------------------------------------
+
+def test_select_k_T__hand_case__only_k3_soft_votes_are_right():
+    # The hand-worked bank above, query (1, 0) labelled class 1. k=1 takes x0 (class 0): wrong.
+    # k=3: class 0 gets e^(0.8/T), class 1 gets 2 e^(0.6/T); class 1 wins iff 2 > e^(0.2/T),
+    # i.e. T > 0.2 / ln 2 = 0.2885. So T=0.1 is wrong and T=1.0 is right.
+    from pipeline.evaluate.knn import select_k_T
+
+    bank = torch.tensor([[0.8, 0.6], [0.6, 0.8], [0.6, -0.8], [-1.0, 0.0]])
+    labels = torch.tensor([0, 1, 1, 2])
+    sel = select_k_T(bank, labels, torch.tensor([[1.0, 0.0]]), torch.tensor([1]),
+                     ks=(1, 3), Ts=(0.1, 1.0))
+    assert sel.grid == {(1, 0.1): 0.0, (1, 1.0): 0.0, (3, 0.1): 0.0, (3, 1.0): 100.0}
+    assert (sel.k, sel.T, sel.val_top1) == (3, 1.0, 100.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_select_k_T__every_grid_point_equals_a_separate_knn_classify(seed):
+    # One neighbour search serves the whole grid; each point must equal a full kNN run.
+    from pipeline.evaluate.knn import select_k_T
+
+    x_tr, y_tr, x_va, y_va = _random_problem(seed)
+    ks, Ts = (1, 5, 20, 300, 500), (0.05, 0.5)  # 500 > N: dropped
+    sel = select_k_T(x_tr, y_tr, x_va, y_va, ks=ks, Ts=Ts)
+    assert set(sel.grid) == {(k, t) for k in (1, 5, 20, 300) for t in Ts}
+    for (k, t), top1 in sel.grid.items():
+        assert top1 == pytest.approx(knn_classify(x_tr, y_tr, x_va, y_va, k=k, T=t).top1)
+    assert sel.val_top1 == max(sel.grid.values())
+    first_best = next(kt for kt, v in sel.grid.items() if v == sel.val_top1)
+    assert (sel.k, sel.T) == first_best  # ties go to the earlier grid point
+
+
+def test_select_k_T__empty_grid_refused():
+    from pipeline.evaluate.knn import select_k_T
+
+    x_tr, y_tr, x_va, y_va = _random_problem(0)
+    with pytest.raises(ValueError, match="grid is empty"):
+        select_k_T(x_tr, y_tr, x_va, y_va, ks=())
+
+
+def test_knn_eval__val_top1_scores_the_linear_probe_split_against_the_rest(tmp_path, monkeypatch):
+    # val_top1 = kNN of the held-out TRAIN rows (split_train_val, the linear probe's split)
+    # against the remaining train rows; the test score still uses the whole train bank.
+    from pipeline.config import KnnParams
+    from pipeline.evaluate import run
+    from pipeline.evaluate.features import FeatureSet, save_features
+    from pipeline.evaluate.linear import split_train_val
+    from pipeline.evaluate.run import knn_eval
+
+    x_tr, y_tr, x_te, y_te = _random_problem(3)
+    save_features(FeatureSet(x_tr, y_tr, [f"tr{i}" for i in range(len(y_tr))]),
+                  tmp_path / "train.pt")
+    save_features(FeatureSet(x_te, y_te, [f"te{i}" for i in range(len(y_te))]),
+                  tmp_path / "test.pt")
+    monkeypatch.setattr(run, "read_manifest", lambda _: {"class_names": list("abcde")})
+    out = knn_eval(features_dir=tmp_path, manifest_dir=tmp_path / "m",
+                   knn=KnnParams(k=7, T=0.2, val_fraction=0.25),
+                   details_path=tmp_path / "d.json", seed=5)
+    tr, va = split_train_val(len(y_tr), 0.25, 5)
+    assert out["num_val"] == 75
+    assert out["val_top1"] == pytest.approx(
+        knn_classify(x_tr[tr], y_tr[tr], x_tr[va], y_tr[va], k=7, T=0.2).top1)
+    assert out["top1"] == pytest.approx(knn_classify(x_tr, y_tr, x_te, y_te, k=7, T=0.2).top1)
+    no_val = knn_eval(features_dir=tmp_path, manifest_dir=tmp_path / "m",
+                      knn=KnnParams(k=7, T=0.2), details_path=tmp_path / "d.json")
+    assert "val_top1" not in no_val and no_val["top1"] == out["top1"]

@@ -46,6 +46,13 @@ LINEAR = {
 BASELINES = {
     "raw_pixels_top1": 62.41,
     "raw_pixels_top5": 97.0,
+    "raw_pixels_knn_tuned_top1": 66.1,
+    "raw_pixels_knn_tuned_top5": 97.5,
+    "raw_pixels_knn_tuned_k": 5,
+    "raw_pixels_knn_tuned_T": 0.05,
+    "raw_pixels_knn_tuned_val_top1": 65.0,
+    "raw_pixels_linear_top1": 70.02,
+    "raw_pixels_linear_top5": 99.0,
     "random_encoder_top1": 48.09,
     "random_encoder_top5": 90.5,
 }
@@ -188,8 +195,10 @@ def md_section(md, title):
     return md.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
-def md_row(md, first_cell):
-    """The cells of the one Markdown table row whose first cell is ``first_cell``."""
-    rows = [ln for ln in md.splitlines() if ln.startswith(f"| {first_cell} |")]
+def md_row(md, first_cell, second_cell_starts=""):
+    """The cells of the one Markdown table row whose first cell is ``first_cell`` (and whose
+    second cell starts with ``second_cell_starts``)."""
+    rows = [ln for ln in md.splitlines()
+            if ln.startswith(f"| {first_cell} | {second_cell_starts}")]
     assert len(rows) == 1, (first_cell, rows)
     return [c.strip() for c in rows[0].strip("|").split("|")]

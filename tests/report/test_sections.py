@@ -45,12 +45,14 @@ def test_results_section__published_reference_row_and_distance():
     m = _metrics(knn={"top1": 80.1, "top5": 99.0, "k": 200.0, "T": 0.1},
                  baselines={"raw_pixels_top1": 40.0})
     sec = results_section(p, m)
-    table = sec.blocks[0]
+    assert sec.blocks[0] == Paragraph(  # linear has no number: only the kNN half
+        "Headline — kNN: MoCo 80.10 % beats the best raw-pixel kNN 40.00 % (+40.10 points).")
+    table = sec.blocks[1]
     assert isinstance(table, Table)
     assert table.rows[0] == ["MoCo encoder + kNN", "k=200, T=0.1", "80.10", "99.00"]
     assert table.rows[-1] == ["published (200 epochs)", "kNN", "82.60", NOT_AVAILABLE]
     texts = [b.text for b in sec.blocks if isinstance(b, Paragraph)]
-    assert "Top-1 gains: kNN +40.10 points vs raw pixels." in texts
+    assert "Top-1 gains: kNN +40.10 points vs the best raw-pixel kNN." in texts
     assert texts[-1] == "This run's kNN top-1 is -2.50 points from the published number."
 
 
