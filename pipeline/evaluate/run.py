@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torchvision.transforms as T
 from torch import nn
 
 from pipeline.atomic import write_json as write_json_atomic
 from pipeline.atomic import write_tsv
 from pipeline.config import KnnParams, LinearParams, ModelParams
 from pipeline.data.augment import build_eval_transform
-from pipeline.data.loader import eval_loader, read_manifest
+from pipeline.data.crop import RandomResizedCrop
+from pipeline.data.loader import eval_loader, read_manifest, train_loader
 from pipeline.data.remote import ShardURL
 from pipeline.evaluate.features import FeatureSet, extract_features, load_features, save_features
 from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, knn_classify, select_k_T
@@ -287,8 +287,9 @@ def linear_probe(*, features_dir: Path, shards_dir: Path | ShardURL, encoder_pat
         res = train_linear_on_features(train, test, val_fraction=linear.val_fraction,
                                        num_classes=len(names), **settings)
     else:
-        res = _linear_augment(shards_dir=shards_dir, encoder_path=encoder_path, linear=linear,
-                              num_classes=len(names), settings=settings, seed=seed)
+        res = _linear_augment(shards_dir=shards_dir, encoder_path=encoder_path,
+                              features_dir=features_dir, linear=linear, num_classes=len(names),
+                              settings=settings, seed=seed)
     write_json_atomic(details_path, _details(res, names))
     _write_history(plots_path, res.history)
     out = {"top1": res.top1, "top5": res.top5, "epochs": linear.epochs, "lr": linear.lr,
@@ -300,50 +301,74 @@ def linear_probe(*, features_dir: Path, shards_dir: Path | ShardURL, encoder_pat
     return out
 
 
-def _linear_augment(*, shards_dir: Path | ShardURL, encoder_path: Path, linear: LinearParams,
-                    num_classes: int, settings: dict[str, Any], seed: int) -> Any:
+# Loader worker processes of the augment-mode probe: they read, decode and crop; the frozen
+# backbone runs in the stage's process. Fixed (not per machine), because the batch composition
+# depends on the number of readers (see train_loader): the probe's result must not depend on
+# the core count.
+AUGMENT_NUM_WORKERS = 1
+# The crop of the MoCo linear protocol: torchvision RandomResizedCrop defaults (main_lincls.py).
+AUGMENT_CROP_SCALE = (0.08, 1.0)
+
+
+def _linear_augment(*, shards_dir: Path | ShardURL, encoder_path: Path, features_dir: Path,
+                    linear: LinearParams, num_classes: int, settings: dict[str, Any],
+                    seed: int) -> Any:
     """Augment mode: RandomResizedCrop + flip through the frozen backbone every step.
 
-    Batches come in manifest order (a seeded shuffle of the split fixed at build time); the
-    crops are seeded by (seed, epoch). A validation split, if any, is cut from TRAIN.
+    Every epoch reads the TRAIN split in a new order (:func:`~pipeline.data.loader.train_loader`
+    with ``(seed, epoch)``: shards permuted, a rotating offset, a shuffle buffer), in
+    ``AUGMENT_NUM_WORKERS`` worker process(es) that decode and crop (scale
+    ``AUGMENT_CROP_SCALE``, ratio 3/4-4/3, seeded by (seed, epoch, position)); the flip
+    (p = 0.5, seeded by (seed, epoch, step)) and the normalisation run on the batch. Labels
+    come from ``features_dir/train.pt`` by sample key. An epoch is ``N // batch_size`` loader
+    batches, so fewer than one batch of images sits out each epoch (a different remainder every
+    epoch); validation rows (``linear.val_fraction``, the split of features mode, cut from
+    TRAIN) are dropped from the train batches and scored with the eval transform.
     """
     backbone, meta = load_encoder(encoder_path)
     m, size, mean, std = _spec(shards_dir / "train")
-    norm = [T.ToTensor(), T.Normalize(mean, std)]
-    train_tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), *norm])
     test_tf = build_eval_transform(size, mean, std)
+    feats = load_features(features_dir / "train.pt")
     n = int(m["num_samples"])
-    val_idx = set()
+    if len(feats) != n:
+        raise ValueError(f"{features_dir / 'train.pt'} has {len(feats)} rows, "
+                         f"{shards_dir / 'train'} has {n} samples: rerun the embed stage")
+    label_of = dict(zip(feats.keys, feats.labels.tolist()))
+    val_keys: set[str] = set()
     if linear.val_fraction > 0:
         _, val = split_train_val(n, linear.val_fraction, seed)
-        val_idx = set(val.tolist())
-
-    def batches(transform: Any, keep: Any) -> Any:
-        buf_x, buf_y = [], []
-        for i, (x, y, _) in enumerate(_samples(shards_dir / "train", transform)):
-            if keep(i):
-                buf_x.append(x)
-                buf_y.append(y)
-            if len(buf_x) == linear.batch_size:
-                yield torch.stack(buf_x), torch.tensor(buf_y)
-                buf_x, buf_y = [], []
-        if buf_x:
-            yield torch.stack(buf_x), torch.tensor(buf_y)
+        val_keys = {feats.keys[i] for i in val.tolist()}
+    crop = RandomResizedCrop(size, scale=AUGMENT_CROP_SCALE)
+    mean_t = torch.tensor(mean).view(1, -1, 1, 1)
+    std_t = torch.tensor(std).view(1, -1, 1, 1)
 
     def train_batches(epoch: int) -> Any:
-        torch.manual_seed(seed * 1000 + epoch)
-        return batches(train_tf, lambda i: i not in val_idx)
+        loader = train_loader(shards_dir / "train", batch_size=linear.batch_size,
+                              steps=n // linear.batch_size, epoch=epoch, seed=seed,
+                              num_workers=AUGMENT_NUM_WORKERS, crop=crop, views=1)
+        for step, (images, keys) in enumerate(loader):
+            keep = [i for i, k in enumerate(keys) if k not in val_keys]
+            if not keep:
+                continue
+            x = images[keep, 0].float().div_(255.0)  # B x C x S x S in [0, 1]
+            g = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 10_007 + step)
+            flip = torch.rand(len(keep), generator=g) < 0.5
+            x[flip] = x[flip].flip(-1)
+            y = torch.tensor([label_of[keys[i]] for i in keep], dtype=torch.long)
+            yield (x - mean_t) / std_t, y
+
+    def batches(keep: Any) -> Any:
+        for x, y, keys in eval_loader(shards_dir / "train", transform=test_tf,
+                                      batch_size=linear.batch_size):
+            rows = [i for i, k in enumerate(keys) if keep(k)]
+            if rows:
+                yield x[rows], y[rows]
 
     test = ((x, y) for x, y, _ in eval_loader(shards_dir / "test", transform=test_tf,
                                               batch_size=linear.batch_size))
-    val = (lambda: batches(test_tf, lambda i: i in val_idx)) if val_idx else None
+    val = (lambda: batches(lambda k: k in val_keys)) if val_keys else None
     return train_linear_augment(backbone, train_batches, test, num_features=meta["num_features"],
                                 num_classes=num_classes, val_batches=val, **settings)
-
-
-def _samples(split_dir: Path | ShardURL, transform: Any) -> Any:
-    for xs, ys, keys in eval_loader(split_dir, transform=transform, batch_size=256):
-        yield from zip(xs, ys.tolist(), keys)
 
 
 def _write_history(path: Path, history: list[dict[str, float]]) -> None:
