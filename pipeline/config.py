@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 SOURCES = ("fashion_mnist", "cifar10", "cifar100", "stl10", "imagefolder")
 BACKBONES = ("resnet18", "resnet34", "resnet50")
@@ -324,6 +324,21 @@ def _forbidden_keys(tree: Any, prefix: str = "") -> None:
             _forbidden_keys(v, key + ".")
 
 
+def _unknown_key_message(key: str) -> str:
+    """``unknown key; did you mean 'k'?`` (``difflib`` close matches among the key's siblings)."""
+    import difflib
+
+    section, _, name = key.rpartition(".")
+    tree: Any = to_dict(Params())
+    for part in section.split(".") if section else ():
+        tree = tree.get(part, {}) if isinstance(tree, dict) else {}
+    known = list(tree) if isinstance(tree, dict) else []
+    close = difflib.get_close_matches(name, known, n=3)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    where = f"section '{section}'" if section else "the top level"
+    return f"unknown key{hint} ({where} has: {', '.join(known)})"
+
+
 def from_dict(tree: dict[str, Any] | None) -> Params:
     """Build and validate :class:`Params` from a plain nested dict (e.g. parsed YAML).
 
@@ -341,6 +356,8 @@ def from_dict(tree: dict[str, Any] | None) -> Params:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         msg = str(e).splitlines()[0]
+        if isinstance(e, ConfigKeyError):  # a typo'd key: name the close ones
+            msg = _unknown_key_message(key)
         raise ParamsError(f"params: '{key}': {msg}") from None
     if "${" in OmegaConf.to_yaml(raw):
         raise ParamsError("params: '${...}' interpolation is not allowed (DVC compares raw values)")
@@ -371,8 +388,8 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         raise ParamsError(f"params: '{path}' is not valid YAML: {one_line}") from None
     try:
         return from_dict(tree)  # type: ignore[arg-type]
-    except ParamsError as e:
-        raise ParamsError(f"{path}: {e}") from None
+    except ParamsError as e:  # "params.yaml: 'knn.k' = ...", not "params.yaml: params: ..."
+        raise ParamsError(f"{path}: {str(e).removeprefix('params: ')}") from None
 
 
 def missing_keys(path: str | Path) -> list[str]:

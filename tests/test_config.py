@@ -154,3 +154,22 @@ def test_load_params__yaml_syntax_error__one_line(tmp_path):
     with pytest.raises(ParamsError) as e:
         load_params(f)
     assert "\n" not in str(e.value) and "not valid YAML" in str(e.value)
+
+
+@pytest.mark.parametrize("tree, expected", [
+    ({"moco": {"KK": 5}}, "'moco.KK': unknown key; did you mean 'K'? (section 'moco' has: K, m,"),
+    ({"mocco": {"K": 5}}, "'mocco': unknown key; did you mean 'moco'? (the top level has: seed,"),
+    ({"knn": {"zzz": 5}}, "'knn.zzz': unknown key (section 'knn' has: k, T, chunk_size,"),
+])
+def test_from_dict__typo_key_names_the_close_keys(tree, expected):
+    with pytest.raises(ParamsError) as e:
+        from_dict(tree)
+    assert str(e.value).startswith(f"params: {expected}")
+
+
+def test_load_params__error_names_the_file_once(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text("knn:\n  k: -3\n")
+    with pytest.raises(ParamsError) as e:
+        load_params(f)
+    assert str(e.value) == f"{f}: 'knn.k' = -3 is invalid; allowed: > 0"  # no 'params:' twice
