@@ -71,7 +71,7 @@ class AugmentParams:
     """Two-crop augmentation preset (see pipeline.data.augment for the published tables)."""
 
     preset: str = "v2_grey"
-    crop_min_scale: float = 0.2  # RandomResizedCrop scale lower bound, MoCo v1/v2
+    crop_min_scale: float = 0.5  # RandomResizedCrop scale lower bound (MoCo v1/v2: 0.2; sweep)
 
 
 @dataclass
@@ -103,13 +103,13 @@ class MocoParams:
 class PretrainParams:
     """Optimisation of the query encoder. ``lr`` is per 256 images (scaled to the global batch)."""
 
-    epochs: int = 4
+    epochs: int = 3
     steps_per_epoch: int = 0  # 0 = pretrain images // batch_size (true epoch); at most that
     batch_size: int = 256  # global batch (split across DDP ranks)
-    lr: float = 0.06  # per 256 images
+    lr: float = 0.12  # per 256 images (sweep; MoCo CIFAR demo: 0.03 per 256)
     lr_schedule: str = "cosine"
     lr_milestones: list[int] = field(default_factory=lambda: [120, 160])  # epochs, step schedule
-    warmup_epochs: float = 0.0
+    warmup_epochs: float = 0.25
     weight_decay: float = 5e-4
     sgd_momentum: float = 0.9
     precision: str = "auto"
@@ -138,7 +138,7 @@ class EmbedParams:
 class KnnParams:
     """Weighted kNN (InstDisc protocol, MoCo CIFAR demo: k=200, T=0.1)."""
 
-    k: int = 200
+    k: int = 10  # chosen on a train validation split (InstDisc / MoCo demo: 200)
     T: float = 0.1
     chunk_size: int = 1024  # test images per similarity chunk
     val_fraction: float = 0.0  # > 0: also score kNN on this share of TRAIN held out of the bank

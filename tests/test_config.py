@@ -1,3 +1,4 @@
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -120,7 +121,9 @@ def test_check_params_cli__stamp_is_content_stable(tmp_path, capsys):
     # the check_params DVC stage: the same stamp bytes for any valid file, so downstream stages
     # (which depend on the stamp) rerun only for their own params
     other = tmp_path / "other.yaml"
-    other.write_text((ROOT / "params.yaml").read_text().replace("  k: 200", "  k: 20"))
+    text = (ROOT / "params.yaml").read_text()
+    assert len(re.findall(r"^  k: \d+ ", text, flags=re.M)) == 1  # knn.k, the only `k:`
+    other.write_text(re.sub(r"^  k: \d+ ", "  k: 23 ", text, flags=re.M))
     assert other.read_text() != (ROOT / "params.yaml").read_text()
     stamps = []
     for i, params in enumerate((ROOT / "params.yaml", other)):
@@ -130,7 +133,7 @@ def test_check_params_cli__stamp_is_content_stable(tmp_path, capsys):
     assert stamps[0] == stamps[1]
     assert capsys.readouterr().out == ""  # the stage prints nothing on success
     bad = tmp_path / "bad.yaml"
-    bad.write_text(other.read_text().replace("  k: 20", "  k: 2O"))
+    bad.write_text(other.read_text().replace("  k: 23", "  k: 2O"))
     stamp = tmp_path / "runs-bad/check_params.json"
     assert cli_main(["check-params", "--params", str(bad), "--stamp", str(stamp)]) == 2
     assert not stamp.exists()
