@@ -93,7 +93,8 @@ def reference_rate(p, batch, steps: int, channels: int, size: int) -> float:
     torch.set_num_threads(THREADS)
     torch.manual_seed(p.seed)
     bb = build_backbone(p.model.backbone, width=p.model.width, in_channels=channels,
-                        small_stem=resolve_small_stem(p.model.small_stem, size))
+                        small_stem=resolve_small_stem(p.model.small_stem, size),
+                        stem_stride=p.model.stem_stride)
     q_enc = torch.nn.Sequential(bb, build_head(p.model.head, bb.num_features,
                                                p.model.head_hidden, p.model.dim))
     convert_split_bn(q_enc, p.moco.bn_splits)

@@ -81,6 +81,7 @@ class ModelParams:
     backbone: str = "resnet18"
     width: int = 16  # channels of the first stage (torchvision: 64); 16 = CPU size
     small_stem: str = "auto"  # auto|true|false; auto = 3x3 stride-1 stem, no max-pool below 64 px
+    stem_stride: int = 1  # stride of the small stem's 3x3 conv: 1 (CIFAR demo) or 2 (28 px -> 14)
     head: str = "mlp"  # linear (MoCo v1) or mlp (MoCo v2)
     head_hidden: int = 512  # MLP hidden width (MoCo v2 uses the backbone's feature width)
     dim: int = 128  # key/query dimension D, MoCo v1/v2
@@ -237,6 +238,7 @@ def _validate_model(p: Params) -> None:
     _one_of("model.backbone", p.model.backbone, BACKBONES)
     _pos("model.width", p.model.width)
     _switch("model.small_stem", p.model, "small_stem", ("auto", "true", "false"))
+    _check(p.model.stem_stride in (1, 2), "model.stem_stride", "1 or 2", p.model.stem_stride)
     _one_of("model.head", p.model.head, HEADS)
     _pos("model.head_hidden", p.model.head_hidden)
     _pos("model.dim", p.model.dim)

@@ -60,6 +60,7 @@ def test_imagenet_preset__matches_moco_v2():
     ({"moco": {"T": 0}}, "moco.T"),
     ({"data": {"source": "mnist"}}, "data.source"),        # unknown dataset
     ({"model": {"backbone": "vit"}}, "model.backbone"),    # unknown backbone
+    ({"model": {"stem_stride": 4}}, "model.stem_stride"),
     ({"augment": {"preset": "v3"}}, "augment.preset"),
     ({"pretrain": {"batch_size": 0}}, "pretrain.batch_size"),
     ({"pretrain": {"epochs": 0}}, "pretrain.epochs"),

@@ -77,7 +77,8 @@ def load_encoder(encoder_path: Path) -> tuple[nn.Module, dict[str, Any]]:
 
     meta = json.loads(Path(encoder_path).with_suffix(".json").read_text())
     backbone = build_backbone(meta["backbone"], width=meta["width"],
-                              in_channels=meta["in_channels"], small_stem=meta["small_stem"])
+                              in_channels=meta["in_channels"], small_stem=meta["small_stem"],
+                              stem_stride=meta.get("stem_stride", 1))
     sd = torch.load(encoder_path, map_location="cpu", weights_only=True)
     missing, unexpected = backbone.load_state_dict(sd, strict=False)
     if unexpected or any(not k.startswith("fc.") for k in missing):
@@ -218,7 +219,8 @@ def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
 
     torch.manual_seed(seed)
     random_bb = build_backbone(model.backbone, width=model.width, in_channels=channels,
-                               small_stem=resolve_small_stem(model.small_stem, size))
+                               small_stem=resolve_small_stem(model.small_stem, size),
+                               stem_stride=model.stem_stride)
     for name, net in (("raw_pixels", Flatten()), ("random_encoder", random_bb)):
         t0 = time.time()
         tr, te = (extract_features(net, eval_loader(shards_dir / s, transform=tf,

@@ -192,7 +192,8 @@ def build_moco(model: ModelParams, moco: MocoParams, *, in_channels: int, image_
         ValueError: an invalid backbone name or BN mode for ``world_size``.
     """
     backbone = build_backbone(model.backbone, width=model.width, in_channels=in_channels,
-                              small_stem=resolve_small_stem(model.small_stem, image_size))
+                              small_stem=resolve_small_stem(model.small_stem, image_size),
+                              stem_stride=model.stem_stride)
     head = build_head(model.head, backbone.num_features, model.head_hidden, model.dim)
     return MoCo(backbone, head, K=moco.K, m=moco.m, T=moco.T, symmetric=moco.symmetric,
                 bn=moco.bn, bn_splits=moco.bn_splits, world_size=world_size)

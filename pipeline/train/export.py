@@ -22,6 +22,7 @@ def encoder_meta(model: ModelParams, *, in_channels: int, image_size: int,
     """The architecture needed to load ``encoder.pt`` back (written as ``encoder.json``)."""
     return {"backbone": model.backbone, "width": model.width, "in_channels": in_channels,
             "small_stem": resolve_small_stem(model.small_stem, image_size),
+            "stem_stride": model.stem_stride,
             "image_size": image_size, "num_features": num_features}
 
 

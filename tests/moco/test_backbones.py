@@ -68,6 +68,34 @@ def test_build_backbone__small_stem_grey_28px():
     assert seen["l4"] == (2, 64, 4, 4)  # 28 -> 28 -> 14 -> 7 -> 4 (3x3 stride-2, padding 1)
 
 
+def test_build_backbone__stem_stride_2_halves_the_side_before_layer1():
+    net = build_backbone("resnet18", width=8, in_channels=1, small_stem=True, stem_stride=2)
+    assert net.conv1.kernel_size == (3, 3) and net.conv1.stride == (2, 2)
+    seen = {}
+
+    def hook(name):
+        def record(module, inputs, output):
+            seen[name] = output.shape
+        return record
+
+    net.layer1.register_forward_hook(hook("l1"))
+    net.layer4.register_forward_hook(hook("l4"))
+    out = net(torch.randn(2, 1, 28, 28))
+    assert out.shape == (2, 64)
+    # 28 -> 14 (stem: floor((28 + 2 - 3) / 2) + 1) -> 14 -> 7 -> 4 -> 2
+    assert seen["l1"] == (2, 8, 14, 14) and seen["l4"] == (2, 64, 2, 2)
+    # the stride-1 net has the same parameters: only the stem's stride differs
+    ref = build_backbone("resnet18", width=8, in_channels=1, small_stem=True)
+    assert _shapes(ref) == _shapes(net)
+
+
+def test_build_backbone__stem_stride_errors():
+    with pytest.raises(ValueError, match="model.stem_stride must be 1 or 2, got 3"):
+        build_backbone("resnet18", width=8, small_stem=True, stem_stride=3)
+    with pytest.raises(ValueError, match="needs the small 3x3 stem"):
+        build_backbone("resnet18", width=8, small_stem=False, stem_stride=2)
+
+
 def test_build_backbone__unknown_name_lists_known():
     with pytest.raises(ValueError, match="resnet18, resnet34, resnet50"):
         build_backbone("vit_b16")
