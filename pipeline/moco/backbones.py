@@ -19,7 +19,7 @@ _BACKBONES: dict[str, Callable[..., nn.Module]] = {}
 
 
 def register_backbone(name: str) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
-    """Decorator registering a backbone factory ``f(*, width, in_channels, small_stem, stem_stride)``.
+    """Decorator registering a factory ``f(*, width, in_channels, small_stem, stem_stride)``.
 
     Raises:
         ValueError: the name is already registered.

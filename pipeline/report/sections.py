@@ -158,7 +158,8 @@ def settings_section(p: Params) -> Section:
         [
             "backbone",
             f"{p.model.backbone}, width {p.model.width}, small stem "
-            f"{p.model.small_stem} (stride {p.model.stem_stride}); {p.model.head} head -> dim {p.model.dim}",
+            f"{p.model.small_stem} (stride {p.model.stem_stride}); "
+            f"{p.model.head} head -> dim {p.model.dim}",
         ],
         [
             "MoCo",
