@@ -133,7 +133,7 @@ def stage_compile(p, manifest: dict) -> str:
     (the benchmark's short runs would otherwise fall under the auto rule's minimum length)."""
     total = p.pretrain.epochs * (manifest["num_samples"] // p.pretrain.batch_size)
     on = resolve_compile(p.pretrain.compile, device=torch.device("cpu"), width=p.model.width,
-                         total_steps=total)
+                         total_images=total * p.pretrain.batch_size)
     return "true" if on else "false"
 
 

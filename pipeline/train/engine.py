@@ -378,7 +378,7 @@ def _pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
     channels_last = resolve_switch(opt.channels_last, cpu_default=False,
                                    device=rt.device)
     compile_ = resolve_compile(opt.compile, device=rt.device, width=model.width,
-                               total_steps=plan.total_steps)
+                               total_images=plan.total_steps * opt.batch_size)
     log.info("pretrain: %s, %s, %d threads, channels_last %s, compile %s, %d steps",
              rt.device, precision.name, state.num_threads, channels_last, compile_,
              plan.total_steps)

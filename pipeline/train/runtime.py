@@ -21,8 +21,10 @@ log = logging.getLogger(__name__)
 
 # pretrain.compile = auto on CPU (see resolve_compile). Measured on 2 cores (ResNet-18 width 16,
 # batch 256, 28 px): compiled 227 vs eager 192 img/s, i.e. ~0.17 s saved per step, but the first
-# compile on a cold inductor cache took 565 s (7.5 s warm), so it pays off from ~3,300 steps.
-CPU_COMPILE_MIN_STEPS = 4000
+# compile on a cold inductor cache took 565 s (7.5 s warm), so it pays off from ~3,300 steps of
+# 256 images, i.e. ~0.66 ms saved per image: ~850,000 images. The rule counts images, not steps:
+# at batch 64 a step saves a quarter as much (a 4,685-step run of 300,000 images would lose time).
+CPU_COMPILE_MIN_IMAGES = 1_000_000
 CPU_COMPILE_MIN_WIDTH = 16
 
 
@@ -165,11 +167,11 @@ def thread_candidates(num_workers: int) -> list[int]:
     return sorted({full, max(1, full - num_workers), max(1, full // 2)}, reverse=True)
 
 
-def resolve_compile(value: str, *, device: torch.device, width: int, total_steps: int) -> bool:
+def resolve_compile(value: str, *, device: torch.device, width: int, total_images: int) -> bool:
     """``pretrain.compile`` → bool.
 
     ``auto``: on CUDA always. On CPU when the run is long enough to pay for compiling
-    (``total_steps >= CPU_COMPILE_MIN_STEPS``), the model is not tiny
+    (``total_images`` = steps × global batch ``>= CPU_COMPILE_MIN_IMAGES``), the model is not tiny
     (``width >= CPU_COMPILE_MIN_WIDTH``: inductor picks channels_last convolutions, which
     corrupt memory in torch 2.14 at width 4 on one thread) and a C++ compiler is present.
     """
@@ -177,7 +179,7 @@ def resolve_compile(value: str, *, device: torch.device, width: int, total_steps
         return value == "true"
     if device.type == "cuda":
         return True
-    if width < CPU_COMPILE_MIN_WIDTH or total_steps < CPU_COMPILE_MIN_STEPS:
+    if width < CPU_COMPILE_MIN_WIDTH or total_images < CPU_COMPILE_MIN_IMAGES:
         return False
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler

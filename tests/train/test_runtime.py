@@ -11,7 +11,7 @@ from helpers import run_pretrain
 
 from pipeline.train.logging import LogWindow
 from pipeline.train.runtime import (
-    CPU_COMPILE_MIN_STEPS,
+    CPU_COMPILE_MIN_IMAGES,
     Precision,
     choose_threads,
     resolve_compile,
@@ -74,20 +74,20 @@ def test_thread_candidates__all_cores_all_minus_workers_and_half(monkeypatch):
 def test_resolve_compile__auto_on_cpu_only_for_long_runs_of_real_widths(monkeypatch):
     import torch._inductor.cpp_builder as cb
 
-    long_run, short_run = CPU_COMPILE_MIN_STEPS, CPU_COMPILE_MIN_STEPS - 1
-    assert resolve_compile("true", device=CPU, width=4, total_steps=1) is True
-    assert resolve_compile("false", device=CUDA, width=64, total_steps=10**6) is False
-    assert resolve_compile("auto", device=CUDA, width=4, total_steps=1) is True
-    assert resolve_compile("auto", device=CPU, width=4, total_steps=long_run) is False
-    assert resolve_compile("auto", device=CPU, width=16, total_steps=short_run) is False
+    long_run, short_run = CPU_COMPILE_MIN_IMAGES, CPU_COMPILE_MIN_IMAGES - 1
+    assert resolve_compile("true", device=CPU, width=4, total_images=1) is True
+    assert resolve_compile("false", device=CUDA, width=64, total_images=10**6) is False
+    assert resolve_compile("auto", device=CUDA, width=4, total_images=1) is True
+    assert resolve_compile("auto", device=CPU, width=4, total_images=long_run) is False
+    assert resolve_compile("auto", device=CPU, width=16, total_images=short_run) is False
     monkeypatch.setattr(cb, "get_cpp_compiler", lambda: "g++")
-    assert resolve_compile("auto", device=CPU, width=16, total_steps=long_run) is True
+    assert resolve_compile("auto", device=CPU, width=16, total_images=long_run) is True
 
     def no_compiler() -> str:
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(cb, "get_cpp_compiler", no_compiler)
-    assert resolve_compile("auto", device=CPU, width=16, total_steps=long_run) is False
+    assert resolve_compile("auto", device=CPU, width=16, total_images=long_run) is False
 
 
 def test_choose_threads__keeps_the_faster():
