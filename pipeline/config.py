@@ -81,7 +81,7 @@ class ModelParams:
     backbone: str = "resnet18"
     width: int = 16  # channels of the first stage (torchvision: 64); 16 = CPU size
     small_stem: str = "auto"  # auto|true|false; auto = 3x3 stride-1 stem, no max-pool below 64 px
-    stem_stride: int = 1  # stride of the small stem's 3x3 conv: 1 (CIFAR demo) or 2 (28 px -> 14)
+    stem_stride: int = 2  # stride of the small stem's 3x3 conv: 1 (CIFAR demo) or 2 (28 px -> 14)
     head: str = "mlp"  # linear (MoCo v1) or mlp (MoCo v2)
     head_hidden: int = 512  # MLP hidden width (MoCo v2 uses the backbone's feature width)
     dim: int = 128  # key/query dimension D, MoCo v1/v2
@@ -97,16 +97,16 @@ class MocoParams:
     T: float = 0.1  # softmax temperature (MoCo CIFAR demo 0.1; v1 0.07; v2 0.2)
     symmetric: bool = False
     bn: str = "split"  # split (one device) | shuffle (DDP) | sync (SyncBN) | none
-    bn_splits: int = 8  # groups for SplitBatchNorm (MoCo CIFAR demo: 8)
+    bn_splits: int = 2  # groups for SplitBatchNorm (MoCo CIFAR demo: 8)
 
 
 @dataclass
 class PretrainParams:
     """Optimisation of the query encoder. ``lr`` is per 256 images (scaled to the global batch)."""
 
-    epochs: int = 3
+    epochs: int = 9
     steps_per_epoch: int = 0  # 0 = pretrain images // batch_size (true epoch); at most that
-    batch_size: int = 256  # global batch (split across DDP ranks)
+    batch_size: int = 64  # global batch (split across DDP ranks)
     lr: float = 0.12  # per 256 images (sweep; MoCo CIFAR demo: 0.03 per 256)
     lr_schedule: str = "cosine"
     lr_milestones: list[int] = field(default_factory=lambda: [120, 160])  # epochs, step schedule

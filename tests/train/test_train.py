@@ -56,6 +56,7 @@ def test_pretrain__exports_plain_backbone_and_outputs(tiny_shards, tmp_path):
     assert len(rows) == 1 + m["steps"] // 2
     backbone, meta = load_encoder(tmp_path / "encoder.pt")
     assert meta["in_channels"] == 1 and meta["small_stem"] is True
+    assert meta["stem_stride"] == 2 and backbone.conv1.stride == (2, 2)  # the default, reloaded
     assert not any("split" in type(mod).__name__.lower() for mod in backbone.modules())
     assert backbone(torch.zeros(2, 1, 16, 16)).shape == (2, meta["num_features"])
 
