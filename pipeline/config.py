@@ -104,7 +104,7 @@ class MocoParams:
 class PretrainParams:
     """Optimisation of the query encoder. ``lr`` is per 256 images (scaled to the global batch)."""
 
-    epochs: int = 9
+    epochs: int = 7
     steps_per_epoch: int = 0  # 0 = pretrain images // batch_size (true epoch); at most that
     batch_size: int = 64  # global batch (split across DDP ranks)
     lr: float = 0.12  # per 256 images (sweep; MoCo CIFAR demo: 0.03 per 256)
