@@ -35,7 +35,12 @@ from pipeline.evaluate.linear import (
     train_linear_on_features,
 )
 from pipeline.evaluate.metrics import ClassificationMetrics
-from pipeline.moco.backbones import build_backbone, build_head, resolve_small_stem
+from pipeline.moco.backbones import (
+    build_backbone,
+    build_head,
+    resolve_small_stem,
+    resolve_stem_stride,
+)
 
 log = logging.getLogger(__name__)
 
@@ -218,9 +223,10 @@ def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
             return x.flatten(1)
 
     torch.manual_seed(seed)
+    small = resolve_small_stem(model.small_stem, size)
     random_bb = build_backbone(model.backbone, width=model.width, in_channels=channels,
-                               small_stem=resolve_small_stem(model.small_stem, size),
-                               stem_stride=model.stem_stride)
+                               small_stem=small,
+                               stem_stride=resolve_stem_stride(model.stem_stride, small))
     for name, net in (("raw_pixels", Flatten()), ("random_encoder", random_bb)):
         t0 = time.time()
         tr, te = (extract_features(net, eval_loader(shards_dir / s, transform=tf,

@@ -173,6 +173,23 @@ def build_backbone(
                             stem_stride=stem_stride)
 
 
+def resolve_stem_stride(stem_stride: int, small_stem: bool) -> int:
+    """The stride the small stem's conv gets from ``model.stem_stride``.
+
+    ``model.stem_stride`` only applies to the small 3×3 stem; the ImageNet stem keeps its own
+    stride-2 7×7 conv and max-pool, so with it the setting resolves to 1 (the default stride 2,
+    chosen for 28 px images, then does not block ``small_stem: false`` or large images).
+
+    Args:
+        stem_stride: ``model.stem_stride`` (1 or 2).
+        small_stem: whether the backbone uses the small stem (see :func:`resolve_small_stem`).
+
+    Returns:
+        ``stem_stride`` with the small stem, else 1.
+    """
+    return stem_stride if small_stem else 1
+
+
 def resolve_small_stem(setting: str | bool, image_size: int) -> bool:
     """Resolve ``model.small_stem`` (``auto|true|false``) for images of ``image_size`` pixels.
 

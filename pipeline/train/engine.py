@@ -26,7 +26,12 @@ from pipeline.data import augment as aug
 from pipeline.data.batch_augment import BatchTwoCrop, batch_seed, build_batch_view
 from pipeline.data.crop import RandomResizedCrop
 from pipeline.data.loader import read_manifest, train_loader
-from pipeline.moco.backbones import build_backbone, build_head, resolve_small_stem
+from pipeline.moco.backbones import (
+    build_backbone,
+    build_head,
+    resolve_small_stem,
+    resolve_stem_stride,
+)
 from pipeline.moco.batchnorm import check_bn_mode
 from pipeline.moco.model import MoCo, MocoOutput
 from pipeline.moco.momentum import momentum_schedule
@@ -191,9 +196,10 @@ def build_moco(model: ModelParams, moco: MocoParams, *, in_channels: int, image_
     Raises:
         ValueError: an invalid backbone name or BN mode for ``world_size``.
     """
+    small = resolve_small_stem(model.small_stem, image_size)
     backbone = build_backbone(model.backbone, width=model.width, in_channels=in_channels,
-                              small_stem=resolve_small_stem(model.small_stem, image_size),
-                              stem_stride=model.stem_stride)
+                              small_stem=small,
+                              stem_stride=resolve_stem_stride(model.stem_stride, small))
     head = build_head(model.head, backbone.num_features, model.head_hidden, model.dim)
     return MoCo(backbone, head, K=moco.K, m=moco.m, T=moco.T, symmetric=moco.symmetric,
                 bn=moco.bn, bn_splits=moco.bn_splits, world_size=world_size)

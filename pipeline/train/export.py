@@ -10,7 +10,7 @@ import torch
 from pipeline.atomic import write_tsv
 from pipeline.checkpoint import save_atomic
 from pipeline.config import ModelParams
-from pipeline.moco.backbones import resolve_small_stem
+from pipeline.moco.backbones import resolve_small_stem, resolve_stem_stride
 from pipeline.moco.model import MoCo
 from pipeline.tracking import write_json_atomic
 from pipeline.train.logging import PLOT_COLUMNS
@@ -22,7 +22,8 @@ def encoder_meta(model: ModelParams, *, in_channels: int, image_size: int,
     """The architecture needed to load ``encoder.pt`` back (written as ``encoder.json``)."""
     return {"backbone": model.backbone, "width": model.width, "in_channels": in_channels,
             "small_stem": resolve_small_stem(model.small_stem, image_size),
-            "stem_stride": model.stem_stride,
+            "stem_stride": resolve_stem_stride(
+                model.stem_stride, resolve_small_stem(model.small_stem, image_size)),
             "image_size": image_size, "num_features": num_features}
 
 

@@ -11,6 +11,7 @@ from pipeline.moco.backbones import (
     export_state_dict,
     known_backbones,
     resolve_small_stem,
+    resolve_stem_stride,
 )
 from pipeline.moco.batchnorm import convert_split_bn
 
@@ -87,6 +88,11 @@ def test_build_backbone__stem_stride_2_halves_the_side_before_layer1():
     # the stride-1 net has the same parameters: only the stem's stride differs
     ref = build_backbone("resnet18", width=8, in_channels=1, small_stem=True)
     assert _shapes(ref) == _shapes(net)
+
+
+def test_resolve_stem_stride__only_the_small_stem_takes_it():
+    assert resolve_stem_stride(2, True) == 2 and resolve_stem_stride(1, True) == 1
+    assert resolve_stem_stride(2, False) == 1  # the ImageNet stem keeps its own stride
 
 
 def test_build_backbone__stem_stride_errors():

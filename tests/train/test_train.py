@@ -70,6 +70,8 @@ def test_pretrain__encoder_loads_into_torchvision_with_only_fc_missing(tmp_path)
     res = torchvision.models.resnet18(num_classes=10).load_state_dict(sd, strict=False)
     assert sorted(res.missing_keys) == ["fc.bias", "fc.weight"]
     assert res.unexpected_keys == []
+    _, meta = load_encoder(tmp_path / "encoder.pt")
+    assert meta["stem_stride"] == 1  # the default 2 applies to the small stem only
 
 
 def test_pretrain__nan_loss_stops_with_step_and_keeps_checkpoint(tiny_shards, tmp_path,
