@@ -100,9 +100,15 @@ def embed(*, encoder_path: Path, shards_dir: Path | ShardURL, out_dir: Path, bat
     Writes ``out_dir/train.pt`` and ``out_dir/test.pt`` (``FeatureSet``: (N, D) float32,
     (N,) labels, keys).
 
+    Returns:
+        ``{split}_images``, ``{split}_images_per_s`` (extraction only), ``dim`` (D),
+        ``images_per_s`` (both splits, extraction only) and ``wall_time_s`` (seconds, from
+        loading the encoder to the saved features).
+
     Raises:
         FileNotFoundError: the encoder or the shards are missing.
     """
+    t_start = time.time()
     device = pick_device()
     backbone, _ = load_encoder(encoder_path)
     head = None
@@ -113,6 +119,7 @@ def embed(*, encoder_path: Path, shards_dir: Path | ShardURL, out_dir: Path, bat
         head = _load_head(head)
     metrics: dict[str, float] = {}
     done: dict[str, FeatureSet] = {}
+    embed_s: dict[str, float] = {}
     for split in ("train", "test"):
         m, size, mean, std = _spec(shards_dir / split)
         t0 = time.time()
@@ -120,7 +127,7 @@ def embed(*, encoder_path: Path, shards_dir: Path | ShardURL, out_dir: Path, bat
             shards_dir / split, transform=build_eval_transform(size, mean, std),
             batch_size=batch_size, num_workers=num_workers), device=device, head=head,
             desc=f"embed {split}", progress=sys.stderr.isatty())
-        dt = time.time() - t0
+        dt = embed_s[split] = time.time() - t0
         done[split] = fs
         metrics[f"{split}_images"] = len(fs)
         metrics[f"{split}_images_per_s"] = len(fs) / max(dt, 1e-9)
@@ -129,6 +136,9 @@ def embed(*, encoder_path: Path, shards_dir: Path | ShardURL, out_dir: Path, bat
     # written only once both splits are embedded: a failure leaves the previous pair intact
     for split, fs in done.items():
         save_features(fs, out_dir / f"{split}.pt")
+    n_images = sum(len(fs) for fs in done.values())
+    metrics["images_per_s"] = n_images / max(sum(embed_s.values()), 1e-9)
+    metrics["wall_time_s"] = time.time() - t_start
     return metrics
 
 
@@ -211,6 +221,7 @@ def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
 
     Labels as in :func:`knn_eval` (-1 ignored, ``0..C-1`` otherwise).
     """
+    t_start = time.time()
     device = pick_device()
     m, size, mean, std = _spec(shards_dir / "train")
     channels = int(m["image_shape"][0])
@@ -241,6 +252,7 @@ def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
             out.update(_pixel_baselines(tr, te, num_classes=num_classes, seed=seed,
                                         linear=linear, device=device))
     out["k"], out["T"] = DEFAULT_K, DEFAULT_T
+    out["wall_time_s"] = time.time() - t_start
     return out
 
 

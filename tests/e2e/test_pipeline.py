@@ -72,6 +72,12 @@ def test_pipeline__all_stages_run_with_sane_metrics(repo):
         for k, v in metrics.items():
             assert isinstance(v, (int, float)), f"metrics/{name}.json: {k} is not numeric"
     assert m["embed"]["train_images"] == 2000 and m["embed"]["test_images"] == 500
+    # the report's throughput table reads wall_time_s of every evaluated stage
+    for name in ("pretrain", "embed", "baselines", "knn", "linear"):
+        assert m[name]["wall_time_s"] > 0, f"metrics/{name}.json has no wall time"
+    # both splits' images over both extraction times: between the two per-split rates
+    rates = (m["embed"]["train_images_per_s"], m["embed"]["test_images_per_s"])
+    assert min(rates) <= m["embed"]["images_per_s"] <= max(rates)
     # ten classes: chance is 10 %
     for top1 in (m["knn"]["top1"], m["linear"]["top1"], m["baselines"]["raw_pixels_top1"]):
         assert 10 < top1 <= 100

@@ -75,3 +75,15 @@ def test_cost_section__notes_and_total():
 def test_redact_uri__credentials_removed():
     assert redact_uri("https://alice:s3cret@host.org:5000/x") == "https://***@host.org:5000/x"
     assert redact_uri("sqlite:///repo/mlflow.db") == "sqlite:///repo/mlflow.db"
+
+
+def test_results_section__gains_compare_same_protocol_only():
+    # the random encoder is only kNN-scored: MoCo's linear probe is never set against it
+    p = from_dict({})
+    m = _metrics(knn={"top1": 83.0, "top5": 98.0, "k": 10.0, "T": 0.1},
+                 linear={"top1": 84.5, "top5": 99.0},
+                 baselines={"raw_pixels_top1": 81.0, "raw_pixels_knn_tuned_top1": 87.5,
+                            "raw_pixels_linear_top1": 83.75, "random_encoder_top1": 70.25})
+    texts = [b.text for b in results_section(p, m).blocks if isinstance(b, Paragraph)]
+    assert ("Top-1 gains: kNN -4.50 points vs the best raw-pixel kNN; kNN +12.75 points vs the "
+            "random encoder's kNN; linear +0.75 points vs the best raw-pixel linear.") in texts
