@@ -28,6 +28,7 @@ LR_SCHEDULES = ("cosine", "step")
 M_SCHEDULES = ("constant", "cosine")
 LINEAR_MODES = ("features", "augment")
 FEATURE_NORMS = ("l2", "none")  # pipeline.evaluate.linear.FEATURE_NORMS
+KNN_SELECT = ("fixed", "val")  # knn.k / knn.T as given | chosen on a validation split of TRAIN
 FORBIDDEN_KEYS = ("size", "nfiles")  # DVC's run cache ignores params with these names
 
 
@@ -139,10 +140,11 @@ class EmbedParams:
 class KnnParams:
     """Weighted kNN (InstDisc protocol, MoCo CIFAR demo: k=200, T=0.1)."""
 
-    k: int = 10  # chosen on a train validation split (InstDisc / MoCo demo: 200)
+    k: int = 10  # with select = fixed (InstDisc / MoCo demo: 200)
     T: float = 0.1
     chunk_size: int = 1024  # test images per similarity chunk
     val_fraction: float = 0.0  # > 0: also score kNN on this share of TRAIN held out of the bank
+    select: str = "val"  # val = k, T chosen on 10 % of TRAIN, like the pixel kNN | fixed = k, T
 
 
 @dataclass
@@ -284,6 +286,7 @@ def _validate_evaluation(p: Params) -> None:
     _pos("knn.T", p.knn.T)
     _pos("knn.chunk_size", p.knn.chunk_size)
     _check(0 <= p.knn.val_fraction < 1, "knn.val_fraction", "0 <= x < 1", p.knn.val_fraction)
+    _one_of("knn.select", p.knn.select, KNN_SELECT)
     lp = p.linear
     _one_of("linear.mode", lp.mode, LINEAR_MODES)
     _pos("linear.epochs", lp.epochs)

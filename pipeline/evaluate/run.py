@@ -44,6 +44,10 @@ from pipeline.moco.backbones import (
 
 log = logging.getLogger(__name__)
 
+# Share of TRAIN held out to choose a kNN's k and T (the split of split_train_val): the tuned
+# raw-pixel baseline always, the MoCo kNN with knn.select = val. Same seed, same split.
+KNN_SELECT_VAL_FRACTION = 0.1
+
 
 def pick_device() -> torch.device:
     """CUDA when available, else CPU (chosen once per stage)."""
@@ -168,6 +172,13 @@ def knn_eval(*, features_dir: Path, manifest_dir: Path | ShardURL, knn: KnnParam
     Rows labelled -1 are ignored (logged); other labels must lie in ``0..C-1``, C = the number
     of class names in the manifest of ``manifest_dir``.
 
+    With ``knn.select == "val"``, ``k`` and ``T`` are not taken from the params but chosen on
+    a validation split of TRAIN exactly as for the tuned raw-pixel kNN of :func:`baselines`
+    (``KNN_SELECT_VAL_FRACTION`` of train, seeded by ``seed``, the grid of
+    :func:`~pipeline.evaluate.knn.select_k_T`), so MoCo and pixels get the same protocol; the
+    test score then uses the whole train bank with the chosen values. The test set never
+    chooses anything.
+
     With ``knn.val_fraction > 0`` it also scores a validation split of TRAIN (the split of
     :func:`~pipeline.evaluate.linear.split_train_val` with ``seed``, the linear probe's split):
     the held-out train rows are the queries and the rest of train is the bank. This is the
@@ -175,7 +186,9 @@ def knn_eval(*, features_dir: Path, manifest_dir: Path | ShardURL, knn: KnnParam
 
     Returns:
         ``top1``, ``top5`` (%), ``val_top1`` (% , only with a validation split), the protocol
-        values ``k``, ``T``, sizes (all rows of the feature files) and wall time.
+        values ``k``, ``T`` (the chosen ones with ``select: val``, then also ``select_val`` = 1
+        and ``select_val_top1``, the best validation top-1 of the grid, %), sizes (all rows of
+        the feature files) and wall time (s).
 
     Raises:
         ValueError: a label outside ``0..C-1`` other than -1 (named).
@@ -183,12 +196,21 @@ def knn_eval(*, features_dir: Path, manifest_dir: Path | ShardURL, knn: KnnParam
     t0 = time.time()
     train, test = load_features(features_dir / "train.pt"), load_features(features_dir / "test.pt")
     names = read_manifest(manifest_dir)["class_names"]
-    kw = dict(k=knn.k, T=knn.T, num_classes=len(names), chunk_size=knn.chunk_size,
-              device=pick_device())
+    device = pick_device()
+    k, T, out = knn.k, knn.T, {}
+    if knn.select == "val":
+        tr, va = split_train_val(len(train), KNN_SELECT_VAL_FRACTION, seed)
+        sel = select_k_T(train.features[tr], train.labels[tr], train.features[va],
+                         train.labels[va], chunk_size=knn.chunk_size, device=device)
+        k, T = sel.k, sel.T
+        out.update(select_val=1, select_val_top1=sel.val_top1)
+        log.info("kNN: k=%d T=%g chosen on %d held-out train images (val top-1 %.2f%%)",
+                 k, T, len(va), sel.val_top1)
+    kw = dict(k=k, T=T, num_classes=len(names), chunk_size=knn.chunk_size, device=device)
     res = knn_classify(train.features, train.labels, test.features, test.labels, **kw)
     write_json_atomic(details_path, _details(res, names))
-    out = {"top1": res.top1, "top5": res.top5, "k": knn.k, "T": knn.T,
-           "num_train": len(train), "num_test": len(test)}
+    out.update({"top1": res.top1, "top5": res.top5, "k": k, "T": T,
+                "num_train": len(train), "num_test": len(test)})
     if knn.val_fraction > 0:
         tr, va = split_train_val(len(train), knn.val_fraction, seed)
         val = knn_classify(train.features[tr], train.labels[tr], train.features[va],
@@ -200,10 +222,6 @@ def knn_eval(*, features_dir: Path, manifest_dir: Path | ShardURL, knn: KnnParam
     return out
 
 
-# Share of TRAIN held out to choose the raw-pixel kNN's k and T (the split of split_train_val).
-PIXEL_KNN_VAL_FRACTION = 0.1
-
-
 def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
               linear: LinearParams | None = None, batch_size: int = 512) -> dict[str, float]:
     """What the MoCo features must beat: raw pixels (kNN, tuned kNN, linear) and a random encoder.
@@ -212,7 +230,7 @@ def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
       MoCo CIFAR demo) on the normalised image flattened to ``(N, C*H*W)``, and on the backbone
       built with ``seed`` (BN in eval mode, initial running statistics, avgpool features).
     * ``raw_pixels_knn_tuned_*``: kNN on raw pixels with k and T chosen on a validation split
-      of TRAIN (``PIXEL_KNN_VAL_FRACTION`` of it, seeded by ``seed``; the grid of
+      of TRAIN (``KNN_SELECT_VAL_FRACTION`` of it, seeded by ``seed``; the grid of
       :func:`~pipeline.evaluate.knn.select_k_T`), then scored on test with the whole train bank.
       The test set never chooses anything.
     * ``raw_pixels_linear_*`` (when ``linear`` is given): the linear probe of the ``linear``
@@ -260,7 +278,7 @@ def _pixel_baselines(train: FeatureSet, test: FeatureSet, *, num_classes: int, s
                      linear: LinearParams | None, device: torch.device) -> dict[str, float]:
     """The tuned kNN and the linear probe on raw-pixel features (see :func:`baselines`)."""
     t0 = time.time()
-    tr, va = split_train_val(len(train), PIXEL_KNN_VAL_FRACTION, seed)
+    tr, va = split_train_val(len(train), KNN_SELECT_VAL_FRACTION, seed)
     sel = select_k_T(train.features[tr], train.labels[tr], train.features[va], train.labels[va],
                      device=device)
     res = knn_classify(train.features, train.labels, test.features, test.labels, k=sel.k,

@@ -194,8 +194,10 @@ def _results_rows(p: Params, m: Mapping[str, Metrics | None]) -> list[list[str]]
     augment = _num(lin, "mode_augment")  # what the probe actually ran, else the params
     lin_mode = p.linear.mode if augment is None else ("augment" if augment else "features")
     lin_epochs = int(_num(lin, "epochs") or p.linear.epochs)
+    chosen = " (chosen on a validation split of train)" if _num(knn, "select_val") else ""
     rows = [
-        ["MoCo encoder + kNN", f"k={k}, T={temp:g}", _pct(knn, "top1"), _pct(knn, "top5")],
+        ["MoCo encoder + kNN", f"k={k}, T={temp:g}{chosen}", _pct(knn, "top1"),
+         _pct(knn, "top5")],
         [
             "MoCo encoder + linear probe",
             f"{lin_mode}, {lin_epochs} epochs",

@@ -300,3 +300,45 @@ def test_knn_eval__val_top1_scores_the_linear_probe_split_against_the_rest(tmp_p
     no_val = knn_eval(features_dir=tmp_path, manifest_dir=tmp_path / "m",
                       knn=KnnParams(k=7, T=0.2), details_path=tmp_path / "d.json")
     assert "val_top1" not in no_val and no_val["top1"] == out["top1"]
+
+
+def test_knn_eval__select_val_chooses_k_T_on_train_only(tmp_path, monkeypatch):
+    # select = val: k and T come from the grid on KNN_SELECT_VAL_FRACTION of TRAIN (the pixel
+    # baseline's split); reference = every grid point scored by plain knn_classify, best first
+    # (ties to the earlier point); the test score uses the whole bank with the chosen values.
+    from pipeline.config import KnnParams
+    from pipeline.evaluate import run
+    from pipeline.evaluate.features import FeatureSet, save_features
+    from pipeline.evaluate.knn import GRID_K, GRID_T
+    from pipeline.evaluate.linear import split_train_val
+    from pipeline.evaluate.run import KNN_SELECT_VAL_FRACTION, knn_eval
+
+    x_tr, y_tr, x_te, y_te = _random_problem(4, n=400, m=60)
+    tr, va = split_train_val(len(y_tr), KNN_SELECT_VAL_FRACTION, 2)
+    grid = {(k, t): knn_classify(x_tr[tr], y_tr[tr], x_tr[va], y_tr[va], k=k, T=t).top1
+            for k in GRID_K if k <= len(tr) for t in GRID_T}
+    best = max(grid.values())
+    k_ref, t_ref = next(kt for kt, v in grid.items() if v == best)
+    monkeypatch.setattr(run, "read_manifest", lambda _: {"class_names": list("abcde")})
+
+    def evaluate(test_labels):
+        save_features(FeatureSet(x_tr, y_tr, [f"tr{i}" for i in range(len(y_tr))]),
+                      tmp_path / "train.pt")
+        save_features(FeatureSet(x_te, test_labels, [f"te{i}" for i in range(len(y_te))]),
+                      tmp_path / "test.pt")
+        return knn_eval(features_dir=tmp_path, manifest_dir=tmp_path / "m",
+                        knn=KnnParams(k=7, T=0.3, select="val"),
+                        details_path=tmp_path / "d.json", seed=2)
+
+    out = evaluate(y_te)
+    assert (out["k"], out["T"]) == (k_ref, t_ref) != (7, 0.3)
+    assert out["select_val"] == 1 and out["select_val_top1"] == pytest.approx(best)
+    assert out["top1"] == pytest.approx(
+        knn_classify(x_tr, y_tr, x_te, y_te, k=k_ref, T=t_ref).top1)
+    # the test labels never choose: scrambling them leaves k and T as they were
+    scrambled = evaluate((y_te + 1) % 5)
+    assert (scrambled["k"], scrambled["T"]) == (k_ref, t_ref)
+    assert scrambled["top1"] != out["top1"]
+    fixed = knn_eval(features_dir=tmp_path, manifest_dir=tmp_path / "m",
+                     knn=KnnParams(k=7, T=0.3), details_path=tmp_path / "d.json", seed=2)
+    assert (fixed["k"], fixed["T"]) == (7, 0.3) and "select_val" not in fixed
