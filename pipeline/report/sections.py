@@ -175,7 +175,8 @@ def settings_section(p: Params) -> Section:
         ],
         ["augmentation", f"preset {p.augment.preset}, crop scale >= {p.augment.crop_min_scale:g}"],
         ["features", "after the projection head" if p.embed.use_head else "backbone (pre-head)"],
-        ["kNN", f"k={p.knn.k}, T={p.knn.T:g}"],
+        ["kNN", f"k={p.knn.k}, T={p.knn.T:g}" if p.knn.select == "fixed"
+         else "k and T chosen on 10 % of train (grid k 1-200, T 0.02-1)"],
         [
             "linear probe",
             f"mode {p.linear.mode}, {p.linear.epochs} epochs, batch "

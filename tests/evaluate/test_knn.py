@@ -290,7 +290,7 @@ def test_knn_eval__val_top1_scores_the_linear_probe_split_against_the_rest(tmp_p
                   tmp_path / "test.pt")
     monkeypatch.setattr(run, "read_manifest", lambda _: {"class_names": list("abcde")})
     out = knn_eval(features_dir=tmp_path, manifest_dir=tmp_path / "m",
-                   knn=KnnParams(k=7, T=0.2, val_fraction=0.25),
+                   knn=KnnParams(k=7, T=0.2, val_fraction=0.25, select="fixed"),
                    details_path=tmp_path / "d.json", seed=5)
     tr, va = split_train_val(len(y_tr), 0.25, 5)
     assert out["num_val"] == 75
@@ -298,7 +298,7 @@ def test_knn_eval__val_top1_scores_the_linear_probe_split_against_the_rest(tmp_p
         knn_classify(x_tr[tr], y_tr[tr], x_tr[va], y_tr[va], k=7, T=0.2).top1)
     assert out["top1"] == pytest.approx(knn_classify(x_tr, y_tr, x_te, y_te, k=7, T=0.2).top1)
     no_val = knn_eval(features_dir=tmp_path, manifest_dir=tmp_path / "m",
-                      knn=KnnParams(k=7, T=0.2), details_path=tmp_path / "d.json")
+                      knn=KnnParams(k=7, T=0.2, select="fixed"), details_path=tmp_path / "d.json")
     assert "val_top1" not in no_val and no_val["top1"] == out["top1"]
 
 
@@ -340,5 +340,6 @@ def test_knn_eval__select_val_chooses_k_T_on_train_only(tmp_path, monkeypatch):
     assert (scrambled["k"], scrambled["T"]) == (k_ref, t_ref)
     assert scrambled["top1"] != out["top1"]
     fixed = knn_eval(features_dir=tmp_path, manifest_dir=tmp_path / "m",
-                     knn=KnnParams(k=7, T=0.3), details_path=tmp_path / "d.json", seed=2)
+                     knn=KnnParams(k=7, T=0.3, select="fixed"), details_path=tmp_path / "d.json",
+                     seed=2)
     assert (fixed["k"], fixed["T"]) == (7, 0.3) and "select_val" not in fixed

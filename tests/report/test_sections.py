@@ -11,6 +11,7 @@ from pipeline.report.sections import (
     cost_section,
     redact_uri,
     results_section,
+    settings_section,
 )
 
 
@@ -87,3 +88,14 @@ def test_results_section__gains_compare_same_protocol_only():
     texts = [b.text for b in results_section(p, m).blocks if isinstance(b, Paragraph)]
     assert ("Top-1 gains: kNN -4.50 points vs the best raw-pixel kNN; kNN +12.75 points vs the "
             "random encoder's kNN; linear +0.75 points vs the best raw-pixel linear.") in texts
+
+
+def test_settings_section__knn_row_says_how_k_and_T_were_set():
+    def knn_row(knn):
+        rows = settings_section(from_dict({"knn": knn})).blocks[0].rows
+        return next(r for r in rows if r[0] == "kNN")[1]
+
+    assert knn_row({"select": "fixed", "k": 20, "T": 0.05}) == "k=20, T=0.05"
+    # with select = val the params' k and T are not used: the row must not quote them
+    assert knn_row({"select": "val", "k": 20, "T": 0.05}) == (
+        "k and T chosen on 10 % of train (grid k 1-200, T 0.02-1)")
