@@ -28,7 +28,13 @@ from pipeline.data.crop import RandomResizedCrop
 from pipeline.data.loader import eval_loader, read_manifest, train_loader
 from pipeline.data.remote import ShardURL
 from pipeline.evaluate.features import FeatureSet, extract_features, load_features, save_features
-from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, knn_classify, select_k_T
+from pipeline.evaluate.knn import (
+    DEFAULT_K,
+    DEFAULT_T,
+    KnnSelection,
+    knn_classify,
+    select_k_T,
+)
 from pipeline.evaluate.linear import (
     split_train_val,
     train_linear_augment,
@@ -165,6 +171,19 @@ def _details(res: ClassificationMetrics, class_names: list[str]) -> dict[str, An
     return {"class_names": class_names, "per_class_accuracy": per_class, "confusion_matrix": conf}
 
 
+def _select_on_train(train: FeatureSet, *, seed: int, device: torch.device,
+                     chunk_size: int = 1024) -> tuple[KnnSelection, int]:
+    """Choose k and T on ``KNN_SELECT_VAL_FRACTION`` of ``train`` (seeded split), the rest as bank.
+
+    The one selection protocol of the tuned raw-pixel kNN and of ``knn.select: val``.
+    Returns the selection and the number of held-out rows.
+    """
+    tr, va = split_train_val(len(train), KNN_SELECT_VAL_FRACTION, seed)
+    sel = select_k_T(train.features[tr], train.labels[tr], train.features[va], train.labels[va],
+                     chunk_size=chunk_size, device=device)
+    return sel, len(va)
+
+
 def knn_eval(*, features_dir: Path, manifest_dir: Path | ShardURL, knn: KnnParams,
              details_path: Path, seed: int = 0) -> dict[str, float]:
     """Weighted kNN of test features against the train bank (InstDisc protocol).
@@ -199,13 +218,11 @@ def knn_eval(*, features_dir: Path, manifest_dir: Path | ShardURL, knn: KnnParam
     device = pick_device()
     k, T, out = knn.k, knn.T, {}
     if knn.select == "val":
-        tr, va = split_train_val(len(train), KNN_SELECT_VAL_FRACTION, seed)
-        sel = select_k_T(train.features[tr], train.labels[tr], train.features[va],
-                         train.labels[va], chunk_size=knn.chunk_size, device=device)
+        sel, n_val = _select_on_train(train, seed=seed, device=device, chunk_size=knn.chunk_size)
         k, T = sel.k, sel.T
         out.update(select_val=1, select_val_top1=sel.val_top1)
         log.info("kNN: k=%d T=%g chosen on %d held-out train images (val top-1 %.2f%%)",
-                 k, T, len(va), sel.val_top1)
+                 k, T, n_val, sel.val_top1)
     kw = dict(k=k, T=T, num_classes=len(names), chunk_size=knn.chunk_size, device=device)
     res = knn_classify(train.features, train.labels, test.features, test.labels, **kw)
     write_json_atomic(details_path, _details(res, names))
@@ -278,16 +295,14 @@ def _pixel_baselines(train: FeatureSet, test: FeatureSet, *, num_classes: int, s
                      linear: LinearParams | None, device: torch.device) -> dict[str, float]:
     """The tuned kNN and the linear probe on raw-pixel features (see :func:`baselines`)."""
     t0 = time.time()
-    tr, va = split_train_val(len(train), KNN_SELECT_VAL_FRACTION, seed)
-    sel = select_k_T(train.features[tr], train.labels[tr], train.features[va], train.labels[va],
-                     device=device)
+    sel, n_val = _select_on_train(train, seed=seed, device=device)
     res = knn_classify(train.features, train.labels, test.features, test.labels, k=sel.k,
                        T=sel.T, num_classes=num_classes, device=device)
     out = {"raw_pixels_knn_tuned_top1": res.top1, "raw_pixels_knn_tuned_top5": res.top5,
            "raw_pixels_knn_tuned_k": sel.k, "raw_pixels_knn_tuned_T": sel.T,
            "raw_pixels_knn_tuned_val_top1": sel.val_top1}
     log.info("baseline raw pixels, kNN with k=%d T=%g chosen on %d held-out train images "
-             "(val top-1 %.2f%%): test top-1 %.2f%% (%.1fs)", sel.k, sel.T, len(va),
+             "(val top-1 %.2f%%): test top-1 %.2f%% (%.1fs)", sel.k, sel.T, n_val,
              sel.val_top1, res.top1, time.time() - t0)
     if linear is not None:
         t0 = time.time()
