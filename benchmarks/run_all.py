@@ -18,6 +18,7 @@ HERE = Path(__file__).resolve().parent
 BENCHES = {
     "data": ["data_throughput.py"],
     "pretrain_step": ["pretrain_step.py", "--compile"],
+    "width_precision": ["width_precision.py"],
     "queue": ["queue_bench.py"],
     "knn": ["knn_bench.py"],
     "gpu": ["gpu.py"],
@@ -67,6 +68,10 @@ def table(res: dict) -> str:
     for r in g.get("runs", []):
         rows.append((f"GPU {r['model']} {r['image_size']}px {r['dtype']} "
                      f"channels_last={r['channels_last']} (img/s)", f"{r['images_per_s']}"))
+    wp = res.get("width_precision", {})
+    for r in wp.get("results", []):
+        rows.append((f"MoCo step, width {r['width']}, fp32 / bf16 (img/s)",
+                     f"{r['fp32_images_per_s']} / {r['bf16_images_per_s']}"))
     if "error" not in q:
         rows += [(f"enqueue, K={r['K']} (us)", f"{r['enqueue_us']}") for r in q["results"]]
     if "error" not in k:

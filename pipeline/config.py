@@ -80,7 +80,7 @@ class ModelParams:
     """Backbone and projection head."""
 
     backbone: str = "resnet18"
-    width: int = 16  # channels of the first stage (torchvision: 64); 16 = CPU size
+    width: int = 32  # channels of the first stage (torchvision: 64); 32 = 256-d features
     small_stem: str = "auto"  # auto|true|false; auto = 3x3 stride-1 stem, no max-pool below 64 px
     stem_stride: int = 2  # stride of the small stem's 3x3 conv: 1 (CIFAR demo) or 2 (28 px -> 14)
     head: str = "mlp"  # linear (MoCo v1) or mlp (MoCo v2)
