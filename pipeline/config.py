@@ -134,6 +134,10 @@ class EmbedParams:
 
     batch_size: int = 512
     use_head: bool = False  # True = features after the projection head
+    # Adaptive average pooling of the last stage to pool_grid x pool_grid cells, flattened
+    # (C * pool_grid**2 features). 1 = global average pooling (the MoCo / InstDisc protocol);
+    # 2 keeps the 2 x 2 layout of a 28 px image's last stage (Fashion-MNIST default, README).
+    pool_grid: int = 2
 
 
 @dataclass
@@ -282,6 +286,10 @@ def _validate_pretrain(p: Params) -> None:
 
 def _validate_evaluation(p: Params) -> None:
     _pos("embed.batch_size", p.embed.batch_size)
+    _pos("embed.pool_grid", p.embed.pool_grid)
+    _check(p.embed.pool_grid == 1 or not p.embed.use_head, "embed.pool_grid",
+           "1 with embed.use_head: true (the head takes pooled (N, C) features)",
+           p.embed.pool_grid)
     _pos("knn.k", p.knn.k)
     _pos("knn.T", p.knn.T)
     _pos("knn.chunk_size", p.knn.chunk_size)
