@@ -21,7 +21,8 @@ def run(p: Params) -> None:
     with stage_run("embed", p, upstream=("pretrain",)) as mlrun:
         metrics = embed(encoder_path=Path("models/encoder.pt"), shards_dir=shards,
                         out_dir=Path("features"), batch_size=p.embed.batch_size,
-                        use_head=p.embed.use_head, head_path=Path("models/head.pt"))
+                        use_head=p.embed.use_head, head_path=Path("models/head.pt"),
+                        pool_grid=p.embed.pool_grid)
         write_json_atomic(Path("metrics/embed.json"), metrics)
         mlrun.log_metrics(metrics)
 

@@ -22,7 +22,8 @@ def run(p: Params) -> None:
         metrics = linear_probe(features_dir=Path("features"), shards_dir=shards,
                                encoder_path=Path("models/encoder.pt"), linear=p.linear,
                                seed=p.seed, details_path=Path("eval/linear_details.json"),
-                               plots_path=Path("plots/linear.tsv"))
+                               plots_path=Path("plots/linear.tsv"),
+                               pool_grid=p.embed.pool_grid)
         write_json_atomic(Path("metrics/linear.json"), metrics)
         mlrun.log_metrics(metrics)
         mlrun.log_artifact("eval/linear_details.json")

@@ -67,6 +67,8 @@ def test_imagenet_preset__matches_moco_v2():
     ({"pretrain": {"batch_size": 100}, "moco": {"bn_splits": 8}}, "moco.bn_splits"),
     ({"knn": {"k": 0}}, "knn.k"),
     ({"knn": {"select": "test"}}, "knn.select"),           # choosing on test is not offered
+    ({"embed": {"pool_grid": 0}}, "embed.pool_grid"),
+    ({"embed": {"pool_grid": 2, "use_head": True}}, "embed.pool_grid"),  # head takes (N, C)
     ({"linear": {"val_fraction": 1.0}}, "linear.val_fraction"),
     ({"data": {"size": 3}}, "data.size"),                  # DVC run-cache-ignored name
     ({"pretrain": {"lr": float("nan")}}, "pretrain.lr"),

@@ -41,6 +41,7 @@ from pipeline.evaluate.linear import (
     train_linear_on_features,
 )
 from pipeline.evaluate.metrics import ClassificationMetrics
+from pipeline.evaluate.pooling import set_pool_grid
 from pipeline.moco.backbones import (
     build_backbone,
     build_head,
@@ -77,16 +78,23 @@ def _spec(split_dir: Path | ShardURL) -> tuple[dict[str, Any], int, tuple, tuple
     return m, int(shape[1]), tuple(m["mean"]), tuple(m["std"])
 
 
-def load_encoder(encoder_path: Path) -> tuple[nn.Module, dict[str, Any]]:
+def load_encoder(encoder_path: Path, *, pool_grid: int = 1) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild the exported backbone from ``encoder.pt`` + ``encoder.json``.
 
+    Args:
+        encoder_path: ``models/encoder.pt`` (its ``.json`` sidecar next to it).
+        pool_grid: ``embed.pool_grid``: the last stage average-pooled to ``g x g`` cells and
+            flattened (see :class:`~pipeline.moco.backbones.GridPool`); 1 = global pooling.
+
     Returns:
-        (backbone with ``fc = Identity`` giving ``(N, num_features)`` features, metadata).
+        (backbone with ``fc = Identity`` giving ``(N, num_features)`` features, metadata whose
+        ``num_features`` is that width: ``C * pool_grid**2``).
 
     Raises:
         FileNotFoundError: a file is missing.
         RuntimeError: the weights do not fit the recorded architecture (anything but ``fc.*``
             missing, or unexpected keys).
+        ValueError: ``pool_grid < 1``.
     """
     import json
 
@@ -99,35 +107,45 @@ def load_encoder(encoder_path: Path) -> tuple[nn.Module, dict[str, Any]]:
     if unexpected or any(not k.startswith("fc.") for k in missing):
         raise RuntimeError(f"{encoder_path} does not fit {meta['backbone']} width "
                            f"{meta['width']}: missing {missing}, unexpected {unexpected}")
+    meta = {**meta, "num_features": set_pool_grid(backbone, pool_grid), "pool_grid": pool_grid}
     return backbone, meta
 
 
 def embed(*, encoder_path: Path, shards_dir: Path | ShardURL, out_dir: Path, batch_size: int,
           use_head: bool = False, head_path: Path | None = None,
-          num_workers: int = 0) -> dict[str, float]:
+          num_workers: int = 0, pool_grid: int = 1) -> dict[str, float]:
     """Frozen features of the labelled train and test shards (eval transform, BN in eval mode).
+
+    The features are the backbone's last stage average-pooled to ``pool_grid x pool_grid``
+    cells and flattened (``embed.pool_grid``; 1 = global average pooling, the MoCo protocol),
+    or, with ``use_head``, the projection head's output on the globally pooled features.
 
     Writes ``out_dir/train.pt`` and ``out_dir/test.pt`` (``FeatureSet``: (N, D) float32,
     (N,) labels, keys).
 
     Returns:
         ``{split}_images``, ``{split}_images_per_s`` (extraction only), ``dim`` (D),
-        ``images_per_s`` (both splits, extraction only) and ``wall_time_s`` (seconds, from
-        loading the encoder to the saved features).
+        ``images_per_s`` (both splits, extraction only), ``pool_grid`` and ``wall_time_s``
+        (seconds, from loading the encoder to the saved features).
 
     Raises:
         FileNotFoundError: the encoder or the shards are missing.
+        ValueError: ``pool_grid`` > 1 with ``use_head`` (the head takes ``(N, C)`` pooled
+            features), or larger than the last stage's map (nothing is written then).
     """
     t_start = time.time()
+    if use_head and pool_grid != 1:
+        raise ValueError(f"embed.pool_grid = {pool_grid} with embed.use_head: the projection "
+                         "head takes globally pooled features; set embed.pool_grid: 1")
     device = pick_device()
-    backbone, _ = load_encoder(encoder_path)
+    backbone, _ = load_encoder(encoder_path, pool_grid=pool_grid)
     head = None
     if use_head:
         if head_path is None or not Path(head_path).is_file():
             raise FileNotFoundError(f"embed.use_head is true but {head_path} is missing")
         head = torch.load(head_path, map_location="cpu", weights_only=True)
         head = _load_head(head)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = {"pool_grid": pool_grid}
     done: dict[str, FeatureSet] = {}
     embed_s: dict[str, float] = {}
     for split in ("train", "test"):
@@ -322,8 +340,11 @@ def _pixel_baselines(train: FeatureSet, test: FeatureSet, *, num_classes: int, s
 
 def linear_probe(*, features_dir: Path, shards_dir: Path | ShardURL, encoder_path: Path,
                  linear: LinearParams, seed: int, details_path: Path,
-                 plots_path: Path) -> dict[str, float]:
+                 plots_path: Path, pool_grid: int = 1) -> dict[str, float]:
     """Linear probe (MoCo protocol); ``linear.mode`` picks precomputed features or augmentation.
+
+    ``pool_grid`` (``embed.pool_grid``) is the feature layout of augment mode, which runs the
+    backbone itself; features mode reads the embed stage's files, made with the same value.
 
     The reported top-1/top-5 are the FINAL epoch's on the test set. Labels as in
     :func:`knn_eval`: -1 ignored (logged), otherwise ``0..C-1`` with C from the test manifest.
@@ -342,7 +363,7 @@ def linear_probe(*, features_dir: Path, shards_dir: Path | ShardURL, encoder_pat
     else:
         res = _linear_augment(shards_dir=shards_dir, encoder_path=encoder_path,
                               features_dir=features_dir, linear=linear, num_classes=len(names),
-                              settings=settings, seed=seed)
+                              settings=settings, seed=seed, pool_grid=pool_grid)
     write_json_atomic(details_path, _details(res, names))
     _write_history(plots_path, res.history)
     out = {"top1": res.top1, "top5": res.top5, "epochs": linear.epochs, "lr": linear.lr,
@@ -365,7 +386,7 @@ AUGMENT_CROP_SCALE = (0.08, 1.0)
 
 def _linear_augment(*, shards_dir: Path | ShardURL, encoder_path: Path, features_dir: Path,
                     linear: LinearParams, num_classes: int, settings: dict[str, Any],
-                    seed: int) -> Any:
+                    seed: int, pool_grid: int = 1) -> Any:
     """Augment mode: RandomResizedCrop + flip through the frozen backbone every step.
 
     Every epoch reads the TRAIN split in a new order (:func:`~pipeline.data.loader.train_loader`
@@ -378,7 +399,7 @@ def _linear_augment(*, shards_dir: Path | ShardURL, encoder_path: Path, features
     epoch); validation rows (``linear.val_fraction``, the split of features mode, cut from
     TRAIN) are dropped from the train batches and scored with the eval transform.
     """
-    backbone, meta = load_encoder(encoder_path)
+    backbone, meta = load_encoder(encoder_path, pool_grid=pool_grid)
     m, size, mean, std = _spec(shards_dir / "train")
     test_tf = build_eval_transform(size, mean, std)
     feats = load_features(features_dir / "train.pt")

@@ -174,7 +174,10 @@ def settings_section(p: Params) -> Section:
             f"precision {p.pretrain.precision}",
         ],
         ["augmentation", f"preset {p.augment.preset}, crop scale >= {p.augment.crop_min_scale:g}"],
-        ["features", "after the projection head" if p.embed.use_head else "backbone (pre-head)"],
+        ["features", "after the projection head" if p.embed.use_head else
+         "backbone (pre-head), " + ("global average pool" if p.embed.pool_grid == 1 else
+                                    f"last stage average-pooled to {p.embed.pool_grid} x "
+                                    f"{p.embed.pool_grid} cells, flattened")],
         ["kNN", f"k={p.knn.k}, T={p.knn.T:g}" if p.knn.select == "fixed"
          else "k and T chosen on 10 % of train (grid k 1-200, T 0.02-1)"],
         [

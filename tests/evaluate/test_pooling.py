@@ -1,0 +1,112 @@
+"""embed.pool_grid: the last stage average-pooled to g x g cells, flattened channel-major."""
+
+import json
+
+import pytest
+import torch
+
+from pipeline.config import LinearParams
+from pipeline.evaluate import run
+from pipeline.evaluate.features import load_features
+from pipeline.evaluate.pooling import GridPool, set_pool_grid
+from pipeline.moco.backbones import build_backbone
+
+
+def test_grid_pool__cell_means_worked_by_hand():
+    x = torch.arange(32, dtype=torch.float32).view(1, 2, 4, 4)  # channel 1 = channel 0 + 16
+    out = GridPool(2)(x)
+    # channel 0 cells: {0,1,4,5} {2,3,6,7} {8,9,12,13} {10,11,14,15}
+    assert out.flatten(1).tolist() == [[2.5, 4.5, 10.5, 12.5, 18.5, 20.5, 26.5, 28.5]]
+
+
+def test_grid_pool__rejects_a_map_smaller_than_the_grid_and_grid_below_1():
+    with pytest.raises(ValueError, match=r"embed.pool_grid = 3 .* 2 x 2"):
+        GridPool(3)(torch.zeros(1, 4, 2, 2))
+    with pytest.raises(ValueError, match="embed.pool_grid must be >= 1"):
+        GridPool(0)
+
+
+def _layer4(bb, x):
+    """Slow reference: the backbone's layers by hand, up to the last stage's map."""
+    x = bb.maxpool(bb.relu(bb.bn1(bb.conv1(x))))
+    return bb.layer4(bb.layer3(bb.layer2(bb.layer1(x))))
+
+
+def test_set_pool_grid__28px_stride2_gives_the_whole_2x2_map_and_cells_average_to_gap():
+    torch.manual_seed(0)
+    bb = build_backbone("resnet18", width=4, in_channels=1, small_stem=True, stem_stride=2).eval()
+    x = torch.randn(3, 1, 28, 28)
+    with torch.no_grad():
+        gap = bb(x)
+        assert set_pool_grid(bb, 2) == 32 * 4 == bb.num_features
+        grid = bb(x)
+        ref = _layer4(bb, x)
+    assert ref.shape == (3, 32, 2, 2)  # 28 -> 14 (stem) -> 14, 7, 4, 2
+    torch.testing.assert_close(grid, ref.flatten(1))  # 2x2 cells of a 2x2 map: no pooling
+    # equal-size cells: the mean of the 4 cell means is the global mean
+    torch.testing.assert_close(grid.view(3, 32, 4).mean(-1), gap)
+    assert set_pool_grid(bb, 1) == 32  # back to global pooling, from the stored channels
+    with torch.no_grad():
+        torch.testing.assert_close(bb(x), gap)
+
+
+@pytest.fixture(scope="module")
+def encoder_dir(tmp_path_factory):
+    """A random width-4 ResNet-18 exported like the pretrain stage (16 px -> 2x2 last map)."""
+    out = tmp_path_factory.mktemp("pool")
+    torch.manual_seed(0)
+    bb = build_backbone("resnet18", width=4, in_channels=1, small_stem=True)
+    torch.save({k: v for k, v in bb.state_dict().items() if not k.startswith("fc.")},
+               out / "encoder.pt")
+    (out / "encoder.json").write_text(json.dumps({
+        "backbone": "resnet18", "width": 4, "in_channels": 1, "small_stem": True,
+        "image_size": 16, "num_features": bb.num_features}))
+    return out
+
+
+def test_embed__pool_grid_2_writes_cells_whose_mean_is_the_global_feature(tiny_shards,
+                                                                         encoder_dir):
+    feats = {}
+    for g in (1, 2):
+        m = run.embed(encoder_path=encoder_dir / "encoder.pt", shards_dir=tiny_shards,
+                      out_dir=encoder_dir / f"f{g}", batch_size=32, pool_grid=g)
+        assert (m["dim"], m["pool_grid"]) == (32 * g * g, g)
+        feats[g] = load_features(encoder_dir / f"f{g}" / "test.pt")
+    assert feats[1].keys == feats[2].keys
+    n = len(feats[2])
+    torch.testing.assert_close(feats[2].features.view(n, 32, 4).mean(-1), feats[1].features,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_embed__grid_larger_than_the_map_or_with_the_head_fails_and_writes_nothing(
+        tiny_shards, encoder_dir):
+    out = encoder_dir / "f3"
+    with pytest.raises(ValueError, match="embed.pool_grid = 3"):
+        run.embed(encoder_path=encoder_dir / "encoder.pt", shards_dir=tiny_shards, out_dir=out,
+                  batch_size=32, pool_grid=3)
+    with pytest.raises(ValueError, match="embed.use_head"):
+        run.embed(encoder_path=encoder_dir / "encoder.pt", shards_dir=tiny_shards, out_dir=out,
+                  batch_size=32, pool_grid=2, use_head=True, head_path=encoder_dir / "x.pt")
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_linear_probe__augment_mode_runs_the_backbone_with_the_same_grid(
+        tiny_shards, encoder_dir, tmp_path, monkeypatch):
+    run.embed(encoder_path=encoder_dir / "encoder.pt", shards_dir=tiny_shards,
+              out_dir=tmp_path / "f", batch_size=32, pool_grid=2)
+    got = {}
+
+    def fake_train(backbone, train_batches, test, **kw):
+        x, _ = next(iter(test))
+        with torch.no_grad():
+            got["dim"], got["num_features"] = backbone.eval()(x).shape[1], kw["num_features"]
+        raise StopIteration
+
+    monkeypatch.setattr(run, "train_linear_augment", fake_train)
+    with pytest.raises(StopIteration):
+        run.linear_probe(features_dir=tmp_path / "f", shards_dir=tiny_shards,
+                         encoder_path=encoder_dir / "encoder.pt",
+                         linear=LinearParams(mode="augment", epochs=1, batch_size=32), seed=0,
+                         details_path=tmp_path / "d.json", plots_path=tmp_path / "p.tsv",
+                         pool_grid=2)
+    assert got == {"dim": 128, "num_features": 128}
