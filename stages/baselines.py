@@ -20,7 +20,7 @@ def run(p: Params) -> None:
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("baselines", p, upstream=("build_shards",)) as mlrun:
         metrics = baselines(shards_dir=shards, model=p.model, seed=p.seed, linear=p.linear,
-                            batch_size=p.embed.batch_size)
+                            batch_size=p.embed.batch_size, pool_grid=p.embed.pool_grid)
         write_json_atomic(Path("metrics/baselines.json"), metrics)
         mlrun.log_metrics(metrics)
 

@@ -349,7 +349,8 @@ def _knn_monitor(monitor: fg.Columns | None, base: Metrics | None, fig_dir: Path
     return FigureRef(
         "knn_monitor.png",
         "kNN top-1 of the monitor (on pretrain.knn_monitor_* images) per epoch, epoch 0 = "
-        "random init; dashed: kNN top-1 of the baselines stage.",
+        "random init; dashed: kNN top-1 of the baselines stage (whole train/test sets; the "
+        "random encoder pooled as embed.pool_grid, while the monitor pools globally).",
     )
 
 

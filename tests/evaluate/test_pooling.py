@@ -110,3 +110,20 @@ def test_linear_probe__augment_mode_runs_the_backbone_with_the_same_grid(
                          details_path=tmp_path / "d.json", plots_path=tmp_path / "p.tsv",
                          pool_grid=2)
     assert got == {"dim": 128, "num_features": 128}
+
+
+def test_baselines__random_encoder_uses_the_embed_layout(tiny_shards, monkeypatch):
+    from pipeline.config import ModelParams
+
+    dims = []
+    real = run.knn_classify
+
+    def spy(train_f, *a, **kw):
+        dims.append(train_f.shape[1])
+        return real(train_f, *a, **kw)
+
+    monkeypatch.setattr(run, "knn_classify", spy)
+    model = ModelParams(width=4, stem_stride=1)
+    run.baselines(shards_dir=tiny_shards, model=model, seed=0, batch_size=32, pool_grid=2)
+    # raw pixels: 1 x 16 x 16; the random width-4 ResNet-18: 32 channels x 2 x 2 cells
+    assert dims[0] == 256 and dims[-1] == 32 * 4
