@@ -19,6 +19,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 SOURCES = ("fashion_mnist", "cifar10", "cifar100", "stl10", "imagefolder")
+# Native image side of the fixed-size sources (data.image_size 0 keeps it); imagefolder: unknown.
+NATIVE_SIDE = {"fashion_mnist": 28, "cifar10": 32, "cifar100": 32, "stl10": 96}
 BACKBONES = ("resnet18", "resnet34", "resnet50")
 AUG_PRESETS = ("v1", "v2", "v2_small", "v2_grey")
 HEADS = ("linear", "mlp")
@@ -217,6 +219,24 @@ def _switch(key: str, obj: Any, attr: str, names: tuple[str, ...]) -> None:
     _one_of(key, v, names)
 
 
+def last_stage_side(side: int, small_stem: str | bool, stem_stride: int) -> int:
+    """Side of a ResNet's last-stage map for ``side`` px inputs (the ``embed.pool_grid`` bound).
+
+    Every stride-2 layer (3x3 pad 1, 7x7 pad 3, the max-pool, the 1x1 downsample) maps n to
+    ceil(n / 2). The small stem (``auto`` = below 64 px, as
+    :func:`pipeline.moco.backbones.resolve_small_stem`) divides by ``stem_stride``; the ImageNet
+    stem by 4; then ``layer2..4`` halve three times. 28 px with the stride-2 small stem: 2.
+    """
+    def halve(n: int, by: int = 2) -> int:
+        return (n + by - 1) // by
+
+    small = side < 64 if small_stem == "auto" else small_stem in (True, "true")
+    n = halve(side, stem_stride) if small else halve(halve(side))
+    for _ in range(3):
+        n = halve(n)
+    return n
+
+
 def _validate_data(p: Params) -> None:
     _pos("seed", p.seed, strict=False)
     _one_of("data.source", p.data.source, SOURCES)
@@ -290,6 +310,13 @@ def _validate_evaluation(p: Params) -> None:
     _check(p.embed.pool_grid == 1 or not p.embed.use_head, "embed.pool_grid",
            "1 with embed.use_head: true (the head takes pooled (N, C) features)",
            p.embed.pool_grid)
+    side = p.data.image_size or NATIVE_SIDE.get(p.data.source, 0)
+    if side and p.embed.pool_grid > 1:
+        last = last_stage_side(side, p.model.small_stem, p.model.stem_stride)
+        _check(p.embed.pool_grid <= last, "embed.pool_grid",
+               f"<= {last}: {side} px images leave a {last} x {last} map after the last stage "
+               f"(model.small_stem {p.model.small_stem}, stem_stride {p.model.stem_stride})",
+               p.embed.pool_grid)
     _pos("knn.k", p.knn.k)
     _pos("knn.T", p.knn.T)
     _pos("knn.chunk_size", p.knn.chunk_size)

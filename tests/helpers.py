@@ -48,6 +48,7 @@ TINY = {
     "pretrain": {"epochs": 2, "batch_size": 16, "num_workers": 0, "knn_every_epochs": 0,
                  "num_threads": 1,  # fixed: a probed count may differ between two runs
                  "checkpoint_every_steps": 2, "log_every_steps": 2},
+    "embed": {"pool_grid": 1},  # 16 px with the stride-2 stem leaves a 1 x 1 last map
 }
 
 

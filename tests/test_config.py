@@ -69,6 +69,8 @@ def test_imagenet_preset__matches_moco_v2():
     ({"knn": {"select": "test"}}, "knn.select"),           # choosing on test is not offered
     ({"embed": {"pool_grid": 0}}, "embed.pool_grid"),
     ({"embed": {"pool_grid": 2, "use_head": True}}, "embed.pool_grid"),  # head takes (N, C)
+    ({"embed": {"pool_grid": 3}}, "embed.pool_grid"),      # 28 px, stride-2 stem: a 2 x 2 map
+    ({"data": {"image_size": 16}}, "embed.pool_grid"),     # 16 px: 1 x 1 at the default grid 2
     ({"linear": {"val_fraction": 1.0}}, "linear.val_fraction"),
     ({"data": {"size": 3}}, "data.size"),                  # DVC run-cache-ignored name
     ({"pretrain": {"lr": float("nan")}}, "pretrain.lr"),

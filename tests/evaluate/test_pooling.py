@@ -26,6 +26,22 @@ def test_grid_pool__rejects_a_map_smaller_than_the_grid_and_grid_below_1():
         GridPool(0)
 
 
+@pytest.mark.parametrize("side,small_stem,stride", [
+    (28, "auto", 2), (28, "auto", 1), (16, "auto", 2), (32, "auto", 1), (33, "auto", 2),
+    (96, "auto", 1), (224, "auto", 1), (64, "true", 2), (40, "false", 1),
+])
+def test_last_stage_side__equals_the_real_backbone_map(side, small_stem, stride):
+    from pipeline.config import last_stage_side
+    from pipeline.moco.backbones import resolve_small_stem, resolve_stem_stride
+
+    small = resolve_small_stem(small_stem, side)
+    bb = build_backbone("resnet18", width=2, in_channels=1, small_stem=small,
+                        stem_stride=resolve_stem_stride(stride, small)).eval()
+    with torch.no_grad():
+        h = _layer4(bb, torch.zeros(1, 1, side, side)).shape[-1]
+    assert last_stage_side(side, small_stem, stride) == h
+
+
 def _layer4(bb, x):
     """Slow reference: the backbone's layers by hand, up to the last stage's map."""
     x = bb.maxpool(bb.relu(bb.bn1(bb.conv1(x))))

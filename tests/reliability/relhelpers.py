@@ -23,7 +23,7 @@ PY = sys.executable
 # the tiny recipe of tests/helpers.py (one fixed thread: a probed count may differ between the
 # reference run and a resumed one) + a small embed batch: 192 pretrain images / batch 16 = 12
 # steps x 2 epochs
-TINY: dict[str, Any] = {**copy.deepcopy(_TINY), "embed": {"batch_size": 32}}
+TINY: dict[str, Any] = {**copy.deepcopy(_TINY), "embed": {"batch_size": 32, "pool_grid": 1}}
 TOTAL_STEPS = 2 * (192 // 16)
 # Bit-identity holds for one intra-op thread count (CPU reductions split work by thread), so
 # every run compared here uses one thread: stage subprocesses via the environment, in-process
