@@ -51,7 +51,7 @@ def main() -> None:
                 if vf > 0:
                     row["linear_val_top1"] = round(lin["val_top1"], 2)
                 else:
-                    row["linear_top1"] = lin["top1"]
+                    row["linear_top1"] = round(lin["top1"], 2)
             print(json.dumps(row), flush=True)
 
 
