@@ -59,7 +59,9 @@ def stage_entry(name: str, run: Callable[[Params], None]) -> NoReturn:
 def stage_main(name: str, run: Callable[[Params], None], argv: list[str] | None = None) -> int:
     """Parse ``--params``, validate the whole file, then call ``run(params)``.
 
-    Invalid params print ONE message naming the key and exit with code 2 before any work. A
+    Invalid params print ONE message naming the key and exit with code 2 before any work (also
+    a :class:`~pipeline.config.ParamsError` from the stage body: a param that only the data can
+    refute, such as ``embed.pool_grid`` against the shards' image size). A
     :class:`~pipeline.signals.Terminated` (SIGTERM/SIGINT) prints one line and returns
     128 + signum.
 
@@ -96,6 +98,9 @@ def _stage_main(name: str, run: Callable[[Params], None], argv: list[str] | None
         return EXIT_BAD_INPUT
     try:
         run(params)
+    except ParamsError as e:  # a param that only the data can refute (checked before any work)
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except Exception as e:
         if not isinstance(e, _user_errors()):
             raise

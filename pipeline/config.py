@@ -237,6 +237,36 @@ def last_stage_side(side: int, small_stem: str | bool, stem_stride: int) -> int:
     return n
 
 
+def image_side(p: Params) -> int:
+    """Image side in px that the params fix: ``data.image_size``, else the source's native side.
+
+    Returns 0 when only the shards know it (``imagefolder`` at ``image_size`` 0).
+    """
+    return p.data.image_size or NATIVE_SIDE.get(p.data.source, 0)
+
+
+def check_pool_grid(p: Params, side: int, where: str = "") -> None:
+    """Refuse an ``embed.pool_grid`` larger than the last-stage map of ``side`` px images.
+
+    Args:
+        p: the params (``embed.pool_grid``, ``model.small_stem``, ``model.stem_stride``).
+        side: image side in px (:func:`image_side`, or a shard manifest's ``image_shape``).
+        where: where ``side`` came from, for the message (e.g. a manifest path).
+
+    Raises:
+        ParamsError: the grid does not fit; the message names ``embed.pool_grid``, the map and
+            the largest grid that fits.
+    """
+    if p.embed.pool_grid <= 1:
+        return
+    last = last_stage_side(side, p.model.small_stem, p.model.stem_stride)
+    src = f" ({where})" if where else ""
+    _check(p.embed.pool_grid <= last, "embed.pool_grid",
+           f"<= {last}: {side} px images{src} leave a {last} x {last} map after the last stage "
+           f"(model.small_stem {p.model.small_stem}, stem_stride {p.model.stem_stride})",
+           p.embed.pool_grid)
+
+
 def _validate_data(p: Params) -> None:
     _pos("seed", p.seed, strict=False)
     _one_of("data.source", p.data.source, SOURCES)
@@ -310,13 +340,9 @@ def _validate_evaluation(p: Params) -> None:
     _check(p.embed.pool_grid == 1 or not p.embed.use_head, "embed.pool_grid",
            "1 with embed.use_head: true (the head takes pooled (N, C) features)",
            p.embed.pool_grid)
-    side = p.data.image_size or NATIVE_SIDE.get(p.data.source, 0)
-    if side and p.embed.pool_grid > 1:
-        last = last_stage_side(side, p.model.small_stem, p.model.stem_stride)
-        _check(p.embed.pool_grid <= last, "embed.pool_grid",
-               f"<= {last}: {side} px images leave a {last} x {last} map after the last stage "
-               f"(model.small_stem {p.model.small_stem}, stem_stride {p.model.stem_stride})",
-               p.embed.pool_grid)
+    side = image_side(p)
+    if side:
+        check_pool_grid(p, side)
     _pos("knn.k", p.knn.k)
     _pos("knn.T", p.knn.T)
     _pos("knn.chunk_size", p.knn.chunk_size)

@@ -5,7 +5,7 @@ Runs as a plain process or under ``torchrun --nproc_per_node N stages/pretrain.p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeline.cli import stage_entry  # first: light; installs the signal handlers
 
@@ -30,6 +30,7 @@ def run(p: Params) -> None:
 
     rank = int(os.environ.get("RANK", "0"))
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
+    check_grid_against_shards(p, shards / "pretrain")
     with stage_run("pretrain", p, upstream=("build_shards",), rank=rank,
                    system_metrics=True) as mlrun:
         mlrun.log_shards(shards / "pretrain", context="training")
@@ -42,6 +43,26 @@ def run(p: Params) -> None:
         for f in ("metrics/pretrain.json", "plots/pretrain.tsv", "plots/knn_monitor.tsv",
                   "models/encoder.json", "models/encoder.pt"):
             mlrun.log_artifact(f)
+
+
+def check_grid_against_shards(p: Params, split: Any) -> None:
+    """Refuse an ``embed.pool_grid`` the shards' images cannot fill, before hours of training.
+
+    ``check_params`` already bounds the grid when the params fix the image side; an
+    ``imagefolder`` built at ``data.image_size`` 0 keeps its images' own size, which only the
+    manifest knows. (Shards of whole images, ``data.max_side``, vary in size: left to ``embed``.)
+
+    Raises:
+        ParamsError: the grid does not fit (names ``embed.pool_grid`` and the manifest).
+    """
+    from pipeline.config import check_pool_grid, image_side
+    from pipeline.data.shards import read_manifest
+
+    if p.embed.pool_grid <= 1 or image_side(p):
+        return
+    shape = read_manifest(split).get("image_shape")
+    if shape and len(shape) == 3 and shape[1] == shape[2]:
+        check_pool_grid(p, int(shape[1]), where=f"{split}/manifest.json")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import run_pretrain
-from relhelpers import run_stage, write_params
+from relhelpers import copy_shards, run_stage, write_params
 
 import pipeline.train.engine as train_mod
 
@@ -71,3 +71,34 @@ def test_pretrain__one_image_per_rank_with_split_bn__refused(tiny_shards, tmp_pa
     with pytest.raises(ValueError, match="bn_splits"):
         run_pretrain(tiny_shards, tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def _imagefolder_grid_run(tiny_shards, tmp_path, stem_stride: int):
+    wd = tmp_path / "wd"
+    shards = copy_shards(tiny_shards, wd / "shards")
+    # imagefolder at image_size 0: only the manifest knows the side (16 px here)
+    write_params(wd / "params.yaml", {
+        "data": {"source": "imagefolder", "root": str(tmp_path / "images"), "image_size": 0,
+                 "shards_dir": str(shards)},
+        "model": {"stem_stride": stem_stride},
+        "embed": {"pool_grid": 2}}, mlflow=False)
+    return wd, run_stage("pretrain", wd, db=tmp_path / "x.db", timeout=300)
+
+
+def test_pretrain__grid_larger_than_the_manifests_map__exit_2_before_training(tiny_shards,
+                                                                            tmp_path):
+    # 16 px, stride-2 small stem: 16 -> 8 -> 4 -> 2 -> 1, a 1 x 1 map, so grid 2 cannot fit
+    wd, r = _imagefolder_grid_run(tiny_shards, tmp_path, stem_stride=2)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: params: 'embed.pool_grid' = 2 is invalid")
+    assert "<= 1: 16 px images" in lines[0] and "pretrain/manifest.json" in lines[0]
+    assert sorted(p.name for p in wd.iterdir()) == ["params.yaml", "shards"]  # nothing written
+
+
+def test_pretrain__grid_that_fits_the_manifests_map__trains(tiny_shards, tmp_path):
+    # stride 1: 16 -> 16 -> 8 -> 4 -> 2, a 2 x 2 map: grid 2 fits and pretraining runs
+    wd, r = _imagefolder_grid_run(tiny_shards, tmp_path, stem_stride=1)
+    assert r.returncode == 0, r.stderr
+    assert (wd / "models" / "encoder.pt").is_file()
