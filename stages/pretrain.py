@@ -5,12 +5,15 @@ Runs as a plain process or under ``torchrun --nproc_per_node N stages/pretrain.p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipeline.cli import stage_entry  # first: light; installs the signal handlers
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from pipeline.config import Params
+    from pipeline.data.remote import ShardURL
 
 # Resume state: NOT a DVC output (gitignored and dvcignored). As a `persist: true, cache: false`
 # output it switched off DVC's run cache for the stage and could not be restored by `dvc pull`
@@ -45,7 +48,7 @@ def run(p: Params) -> None:
             mlrun.log_artifact(f)
 
 
-def check_grid_against_shards(p: Params, split: Any) -> None:
+def check_grid_against_shards(p: Params, split: Path | ShardURL) -> None:
     """Refuse an ``embed.pool_grid`` the shards' images cannot fill, before hours of training.
 
     ``check_params`` already bounds the grid when the params fix the image side; an
@@ -60,9 +63,9 @@ def check_grid_against_shards(p: Params, split: Any) -> None:
 
     if p.embed.pool_grid <= 1 or image_side(p):
         return
-    shape = read_manifest(split).get("image_shape")
-    if shape and len(shape) == 3 and shape[1] == shape[2]:
-        check_pool_grid(p, int(shape[1]), where=f"{split}/manifest.json")
+    shape = read_manifest(split).get("image_shape")  # (C, H, W); None = mixed sizes
+    if shape:
+        check_pool_grid(p, min(shape[1:]), where=f"{split}/manifest.json")
 
 
 if __name__ == "__main__":
