@@ -33,7 +33,7 @@ def main() -> None:
     torch.set_num_threads(1)
     import pipeline
     from pipeline.config import load_params
-    from pipeline.train import pretrain
+    from pipeline.train.engine import pretrain
 
     print("code:", pipeline.__file__, flush=True)
     p = load_params(args.root / "params.yaml")

@@ -19,14 +19,15 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from pipeline.data.build import write_shards
 from pipeline.data.loader import train_loader
-from pipeline.data.shards import write_shards
 from pipeline.data.sources import open_source
 
 
@@ -34,8 +35,10 @@ def views_rate(images: torch.Tensor, mean, std, repeats: int) -> dict:
     """Two-crop v2_grey pairs/s on one thread: batched kornia views vs per-image PIL reference."""
     from PIL import Image
 
-    from pipeline.data.augment import TwoCropTransform, build_pretrain_transform
-    from pipeline.data.batch_augment import BatchTwoCrop, build_batch_view
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests/data"))
+    from reference_views import TwoCropTransform, build_pretrain_transform
+
+    from pipeline.data.views import BatchTwoCrop, build_batch_view
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from pipeline.data.batch_augment import BatchTwoCrop, build_batch_view
+from pipeline.data.views import BatchTwoCrop, build_batch_view
 from pipeline.moco.backbones import build_backbone, build_head
 from pipeline.moco.model import MoCo
 
@@ -66,9 +66,9 @@ def end_to_end(steps: int, batch: int) -> dict:
     from PIL import Image
 
     from pipeline.config import from_dict
-    from pipeline.data.shards import write_shards
+    from pipeline.data.build import write_shards
     from pipeline.data.sources import Sample, open_source
-    from pipeline.train import pretrain
+    from pipeline.train.engine import pretrain
 
     src = open_source("fashion_mnist")
     with tempfile.TemporaryDirectory() as tmp:

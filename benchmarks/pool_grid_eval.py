@@ -21,7 +21,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from pipeline.config import KnnParams, load_params
-from pipeline.evaluate.run import embed, knn_eval, linear_probe
+from pipeline.evaluate.run.embed import embed
+from pipeline.evaluate.run.knn import knn_eval
+from pipeline.evaluate.run.linear import linear_probe
 
 
 def main() -> None:

@@ -1,20 +1,21 @@
-"""``python -m pipeline check-params [--params FILE] [--stamp PATH]`` and ``verify-shards DIR``.
+"""``python -m pipeline check-params [--params FILE]`` and ``verify-shards DIR [DIR ...]``.
 
-``check-params --stamp runs/check_params.json`` is the first DVC stage: it validates the whole
-params file (every key present, typed and in range) before any other stage deletes its outputs,
-and writes a content-stable stamp (the same bytes for every valid file) that every stage depends
-on.
+``check-params`` validates a whole params file (every key present, typed and in range) and
+prints the resolved config; the ``check_params`` DVC stage (``stages/check_params.py``) runs the
+same check. ``verify-shards`` checks shard directories or URLs against their manifests.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from pipeline import signals
 from pipeline.cli import EXIT_BAD_INPUT, setup_logging
-
-STAMP = {"stage": "check_params", "run_id": None, "params": "valid"}
+from pipeline.data.remote import ShardURL, shards_location
+from pipeline.data.shards import MANIFEST_NAME, ShardError, read_manifest, verify_shards
+from pipeline.data.sources import SPLITS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,42 +32,81 @@ def _main(argv: list[str] | None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     cp = sub.add_parser("check-params", help="validate a params file, print the resolved config")
     cp.add_argument("--params", default="params.yaml")
-    cp.add_argument("--stamp", default=None,
-                    help="write this content-stable file instead of printing the config "
-                         "(the check_params DVC stage)")
     vs = sub.add_parser("verify-shards", help="check shards against their manifest.json")
     vs.add_argument("dir", nargs="+", help="shard directories (each with a manifest.json)")
     args = parser.parse_args(argv)
     setup_logging()
     if args.cmd == "check-params":
-        return _check_params(args.params, args.stamp)
-    from pipeline.data.shards import verify_main
-
+        return _check_params(args.params)
     return max(verify_main(d) for d in args.dir)
 
 
-def _check_params(path: str, stamp: str | None) -> int:
+def _check_params(path: str) -> int:
     from omegaconf import OmegaConf
 
-    from pipeline.config import ParamsError, load_params, missing_keys, to_dict
+    from pipeline.config import ParamsError, check_params_file, to_dict
 
     try:
-        params = load_params(path)
+        params = check_params_file(path)
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    missing = missing_keys(path)
-    if missing:
-        print(f"error: {path}: missing keys {', '.join(missing)} (dvc repro needs "
-              "every key; copy them from params.yaml or a preset in configs/)",
-              file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if stamp:
-        from pipeline.atomic import write_json
+    print(OmegaConf.to_yaml(OmegaConf.create(to_dict(params))), end="")
+    return 0
 
-        write_json(stamp, STAMP)
+
+
+def verify_main(directory: str | Path) -> int:
+    """CLI hook for ``python -m pipeline verify-shards DIR``.
+
+    ``DIR`` is a split directory (holding ``manifest.json``) or the shards root holding split
+    sub-directories; every split found is verified.
+
+    Args:
+        directory: the directory to verify.
+
+    Returns:
+        Exit code: 0 all good, 1 a problem (printed to stderr).
+    """
+    if isinstance(shards_location(directory), ShardURL):
+        return _verify_url_main(shards_location(directory))
+    directory = Path(directory)
+    if (directory / MANIFEST_NAME).is_file():
+        dirs = [directory]
     else:
-        print(OmegaConf.to_yaml(OmegaConf.create(to_dict(params))), end="")
+        dirs = [d for d in sorted(directory.iterdir()) if (d / MANIFEST_NAME).is_file()] \
+            if directory.is_dir() else []
+    if not dirs:
+        print(f"error: verify-shards: {directory}: no {MANIFEST_NAME} here or in its "
+              "sub-directories", file=sys.stderr)
+        return 1
+    try:
+        for d in dirs:
+            r = verify_shards(d)
+            print(f"ok  {r['dir']}: {r['split']} ({r['source']}), {r['num_samples']} samples "
+                  f"in {r['num_shards']} shard(s), {r['bytes'] / 1e6:.1f} MB")
+    except (ShardError, OSError) as e:
+        print(f"error: verify-shards: {e}; rebuild with `dvc repro -f build_shards`",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _verify_url_main(base: ShardURL) -> int:
+    """``verify-shards URL``: the URL of a split, else of a shards root with the three splits."""
+    try:
+        try:
+            read_manifest(base)
+            dirs = [base]
+        except ShardError:
+            dirs = [base / split for split in SPLITS]
+        for d in dirs:
+            r = verify_shards(d)
+            print(f"ok  {r['dir']}: {r['split']} ({r['source']}), {r['num_samples']} samples "
+                  f"in {r['num_shards']} shard(s), {r['bytes'] / 1e6:.1f} MB")
+    except ShardError as e:
+        print(f"error: verify-shards: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

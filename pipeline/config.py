@@ -12,25 +12,133 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-SOURCES = ("fashion_mnist", "cifar10", "cifar100", "stl10", "imagefolder")
+
+class Choice(str, Enum):
+    """The allowed names of a param; a member equals its string (``BnMode.split == "split"``).
+
+    OmegaConf validates an Enum-typed field against the member names, so every choice below is
+    defined once, here, and the modules that implement it import it from here.
+    """
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The allowed strings, in declaration order."""
+        return tuple(m.value for m in cls)
+
+    @classmethod
+    def parse(cls, value: str, key: str) -> Choice:
+        """``value`` as a member.
+
+        Raises:
+            ValueError: not a member; the message names ``key`` and the allowed names.
+        """
+        try:
+            return cls(str(value))
+        except ValueError:
+            raise ValueError(f"{key} must be one of {', '.join(cls.names())}; got {value!r}"
+                             ) from None
+
+
+class DataSource(Choice):
+    """``data.source``: where the images come from (:func:`pipeline.data.sources.open_source`)."""
+
+    fashion_mnist = "fashion_mnist"
+    cifar10 = "cifar10"
+    cifar100 = "cifar100"
+    stl10 = "stl10"
+    imagefolder = "imagefolder"
+
+
+class Backbone(Choice):
+    """``model.backbone`` (:func:`pipeline.moco.backbones.build_backbone`)."""
+
+    resnet18 = "resnet18"
+    resnet34 = "resnet34"
+    resnet50 = "resnet50"
+
+
+class AugPreset(Choice):
+    """``augment.preset``: the two-crop recipe (:mod:`pipeline.data.views` has the tables)."""
+
+    v1 = "v1"
+    v2 = "v2"
+    v2_small = "v2_small"
+    v2_grey = "v2_grey"
+
+
+class Head(Choice):
+    """``model.head``: linear (MoCo v1) or mlp (MoCo v2)."""
+
+    linear = "linear"
+    mlp = "mlp"
+
+
+class BnMode(Choice):
+    """``moco.bn``: how BatchNorm is kept from cheating (:mod:`pipeline.moco.batchnorm`)."""
+
+    split = "split"
+    shuffle = "shuffle"
+    sync = "sync"
+    none = "none"
+
+
+class PrecisionName(Choice):
+    """``pretrain.precision`` (:func:`pipeline.train.runtime.resolve_precision`)."""
+
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class LrSchedule(Choice):
+    """``pretrain.lr_schedule`` / ``linear.lr_schedule`` (:mod:`pipeline.train.schedules`)."""
+
+    cosine = "cosine"
+    step = "step"
+
+
+class MSchedule(Choice):
+    """``moco.m_schedule`` (:func:`pipeline.moco.momentum.momentum_schedule`)."""
+
+    constant = "constant"
+    cosine = "cosine"
+
+
+class LinearMode(Choice):
+    """``linear.mode``: precomputed features, or augmented images through the backbone."""
+
+    features = "features"
+    augment = "augment"
+
+
+class FeatureNorm(Choice):
+    """``linear.feature_norm`` (:mod:`pipeline.evaluate.linear`)."""
+
+    l2 = "l2"
+    none = "none"
+
+
+class KnnSelect(Choice):
+    """``knn.select``: k, T as given, or chosen on a held-out split of TRAIN."""
+
+    fixed = "fixed"
+    val = "val"
+
+
 # Native image side of the fixed-size sources (data.image_size 0 keeps it); imagefolder: unknown.
-NATIVE_SIDE = {"fashion_mnist": 28, "cifar10": 32, "cifar100": 32, "stl10": 96}
-BACKBONES = ("resnet18", "resnet34", "resnet50")
-AUG_PRESETS = ("v1", "v2", "v2_small", "v2_grey")
-HEADS = ("linear", "mlp")
-BN_MODES = ("split", "shuffle", "sync", "none")
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-LR_SCHEDULES = ("cosine", "step")
-M_SCHEDULES = ("constant", "cosine")
-LINEAR_MODES = ("features", "augment")
-FEATURE_NORMS = ("l2", "none")  # pipeline.evaluate.linear.FEATURE_NORMS
-KNN_SELECT = ("fixed", "val")  # knn.k / knn.T as given | chosen on a validation split of TRAIN
+NATIVE_SIDE = {DataSource.fashion_mnist: 28, DataSource.cifar10: 32, DataSource.cifar100: 32,
+               DataSource.stl10: 96}
 FORBIDDEN_KEYS = ("size", "nfiles")  # DVC's run cache ignores params with these names
 
 
@@ -54,7 +162,7 @@ class DataParams:
     ``train/`` and ``test/`` sub-folders.
     """
 
-    source: str = "fashion_mnist"
+    source: DataSource = DataSource.fashion_mnist
     root: str = ""  # "" = the source's default location (see pipeline.data.sources)
     download: bool = False  # allow torchvision to download when the raw files are missing
     image_size: int = 0  # 0 = native; else resize (shorter side) + center crop, in px
@@ -73,7 +181,7 @@ class DataParams:
 class AugmentParams:
     """Two-crop augmentation preset (see pipeline.data.augment for the published tables)."""
 
-    preset: str = "v2_grey"
+    preset: AugPreset = AugPreset.v2_grey
     crop_min_scale: float = 0.5  # RandomResizedCrop scale lower bound (MoCo v1/v2: 0.2; sweep)
 
 
@@ -81,11 +189,11 @@ class AugmentParams:
 class ModelParams:
     """Backbone and projection head."""
 
-    backbone: str = "resnet18"
+    backbone: Backbone = Backbone.resnet18
     width: int = 32  # channels of the first stage (torchvision: 64); 32 = 256-d features
     small_stem: str = "auto"  # auto|true|false; auto = 3x3 stride-1 stem, no max-pool below 64 px
     stem_stride: int = 2  # stride of the small stem's 3x3 conv: 1 (CIFAR demo) or 2 (28 px -> 14)
-    head: str = "mlp"  # linear (MoCo v1) or mlp (MoCo v2)
+    head: Head = Head.mlp  # linear (MoCo v1) or mlp (MoCo v2)
     head_hidden: int = 512  # MLP hidden width (MoCo v2 uses the backbone's feature width)
     dim: int = 128  # key/query dimension D, MoCo v1/v2
 
@@ -96,10 +204,10 @@ class MocoParams:
 
     K: int = 4096  # queue length (MoCo CIFAR demo: 4096)
     m: float = 0.99  # momentum of the key encoder (weight on the OLD value)
-    m_schedule: str = "constant"
+    m_schedule: MSchedule = MSchedule.constant
     T: float = 0.1  # softmax temperature (MoCo CIFAR demo 0.1; v1 0.07; v2 0.2)
     symmetric: bool = False
-    bn: str = "split"  # split (one device) | shuffle (DDP) | sync (SyncBN) | none
+    bn: BnMode = BnMode.split  # split (one device) | shuffle (DDP) | sync (SyncBN) | none
     bn_splits: int = 2  # groups for SplitBatchNorm (MoCo CIFAR demo: 8)
 
 
@@ -111,12 +219,12 @@ class PretrainParams:
     steps_per_epoch: int = 0  # 0 = pretrain images // batch_size (true epoch); at most that
     batch_size: int = 64  # global batch (split across DDP ranks)
     lr: float = 0.12  # per 256 images (sweep; MoCo CIFAR demo: 0.03 per 256)
-    lr_schedule: str = "cosine"
+    lr_schedule: LrSchedule = LrSchedule.cosine
     lr_milestones: list[int] = field(default_factory=lambda: [120, 160])  # epochs, step schedule
     warmup_epochs: float = 0.25
     weight_decay: float = 5e-4
     sgd_momentum: float = 0.9
-    precision: str = "auto"
+    precision: PrecisionName = PrecisionName.auto
     channels_last: str = "auto"  # auto|true|false; auto = CUDA only
     compile: str = "auto"  # auto|true|false torch.compile of the encoders; auto = CUDA only
     num_threads: int = 0  # CPU intra-op threads; 0 = auto (probe all usable cores vs half)
@@ -150,22 +258,24 @@ class KnnParams:
     T: float = 0.1
     chunk_size: int = 1024  # test images per similarity chunk
     val_fraction: float = 0.0  # > 0: also score kNN on this share of TRAIN held out of the bank
-    select: str = "val"  # val = k, T chosen on 10 % of TRAIN, like the pixel kNN | fixed = k, T
+    # val = k, T chosen on 10 % of TRAIN, like the pixel kNN | fixed = knn.k, knn.T
+    select: KnnSelect = KnnSelect.val
 
 
 @dataclass
 class LinearParams:
     """Linear probe (MoCo protocol: lr 30 per 256, wd 0, 100 epochs, steps at 60/80)."""
 
-    mode: str = "features"  # features (precomputed, fast) | augment (RRC + flip through backbone)
+    # features (precomputed, fast) | augment (RandomResizedCrop + flip through the backbone)
+    mode: LinearMode = LinearMode.features
     epochs: int = 100
     batch_size: int = 256
     lr: float = 30.0  # per 256 images
-    lr_schedule: str = "step"
+    lr_schedule: LrSchedule = LrSchedule.step
     lr_milestones: list[int] = field(default_factory=lambda: [60, 80])
     weight_decay: float = 0.0
     val_fraction: float = 0.0  # held out of the TRAIN set (never the test set)
-    feature_norm: str = "l2"  # l2 | none (MoCo main_lincls: raw features at lr 30)
+    feature_norm: FeatureNorm = FeatureNorm.l2  # l2 | none (MoCo main_lincls: raw, at lr 30)
 
 
 @dataclass
@@ -269,7 +379,6 @@ def check_pool_grid(p: Params, side: int, where: str = "") -> None:
 
 def _validate_data(p: Params) -> None:
     _pos("seed", p.seed, strict=False)
-    _one_of("data.source", p.data.source, SOURCES)
     _pos("data.image_size", p.data.image_size, strict=False)
     for k in ("max_pretrain_images", "max_train_images", "max_test_images"):
         _pos(f"data.{k}", getattr(p.data, k), strict=False)
@@ -285,24 +394,19 @@ def _validate_data(p: Params) -> None:
     _check(0 < p.data.test_fraction < 1, "data.test_fraction", "0 < x < 1", p.data.test_fraction)
     _check(bool(p.data.shards_dir), "data.shards_dir", "a non-empty path or URL",
            p.data.shards_dir)
-    _one_of("augment.preset", p.augment.preset, AUG_PRESETS)
     _check(0 < p.augment.crop_min_scale <= 1, "augment.crop_min_scale", "0 < x <= 1",
            p.augment.crop_min_scale)
 
 
 def _validate_model(p: Params) -> None:
-    _one_of("model.backbone", p.model.backbone, BACKBONES)
     _pos("model.width", p.model.width)
     _switch("model.small_stem", p.model, "small_stem", ("auto", "true", "false"))
     _check(p.model.stem_stride in (1, 2), "model.stem_stride", "1 or 2", p.model.stem_stride)
-    _one_of("model.head", p.model.head, HEADS)
     _pos("model.head_hidden", p.model.head_hidden)
     _pos("model.dim", p.model.dim)
     _check(p.moco.K >= 1, "moco.K", ">= 1", p.moco.K)
     _check(0.0 <= p.moco.m <= 1.0, "moco.m", "0 <= m <= 1", p.moco.m)
-    _one_of("moco.m_schedule", p.moco.m_schedule, M_SCHEDULES)
     _pos("moco.T", p.moco.T)
-    _one_of("moco.bn", p.moco.bn, BN_MODES)
     _pos("moco.bn_splits", p.moco.bn_splits)
 
 
@@ -314,12 +418,10 @@ def _validate_pretrain(p: Params) -> None:
     for k in ("steps_per_epoch", "warmup_epochs", "weight_decay", "num_threads", "num_workers",
               "checkpoint_every_steps", "knn_every_epochs"):
         _pos(f"pretrain.{k}", getattr(t, k), strict=False)
-    _one_of("pretrain.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     _milestones("pretrain.lr_milestones", t.lr_milestones)
     _check(t.warmup_epochs < t.epochs, "pretrain.warmup_epochs", "< pretrain.epochs",
            t.warmup_epochs)
     _check(0 <= t.sgd_momentum < 1, "pretrain.sgd_momentum", "0 <= x < 1", t.sgd_momentum)
-    _one_of("pretrain.precision", t.precision, PRECISIONS)
     for k in ("channels_last", "compile"):
         _switch(f"pretrain.{k}", t, k, ("auto", "true", "false"))
     n = p.data.max_pretrain_images  # an upper bound on the pretraining images when set
@@ -347,17 +449,13 @@ def _validate_evaluation(p: Params) -> None:
     _pos("knn.T", p.knn.T)
     _pos("knn.chunk_size", p.knn.chunk_size)
     _check(0 <= p.knn.val_fraction < 1, "knn.val_fraction", "0 <= x < 1", p.knn.val_fraction)
-    _one_of("knn.select", p.knn.select, KNN_SELECT)
     lp = p.linear
-    _one_of("linear.mode", lp.mode, LINEAR_MODES)
     _pos("linear.epochs", lp.epochs)
     _pos("linear.batch_size", lp.batch_size)
     _pos("linear.lr", lp.lr)
-    _one_of("linear.lr_schedule", lp.lr_schedule, LR_SCHEDULES)
     _milestones("linear.lr_milestones", lp.lr_milestones)
     _pos("linear.weight_decay", lp.weight_decay, strict=False)
     _check(0 <= lp.val_fraction < 1, "linear.val_fraction", "0 <= x < 1", lp.val_fraction)
-    _one_of("linear.feature_norm", lp.feature_norm, FEATURE_NORMS)
     _pos("report.tsne_points", p.report.tsne_points, strict=False)
     _pos("report.retrieval_queries", p.report.retrieval_queries, strict=False)
     _pos("report.retrieval_neighbours", p.report.retrieval_neighbours)
@@ -462,17 +560,43 @@ def missing_keys(path: str | Path) -> list[str]:
     """Dotted schema keys absent from a params file.
 
     Stages fill absent keys with defaults, but ``dvc repro`` needs every key that ``dvc.yaml``
-    lists to be IN the file, so ``check-params`` (run by ``make run`` before ``dvc repro``)
-    reports them.
+    lists to be IN the file, so :func:`check_params_file` reports them.
     """
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
     have = set(flatten(raw)) if isinstance(raw, dict) else set()
     return sorted(set(flatten(to_dict(Params()))) - have)
 
 
-def to_dict(p: Params) -> dict[str, Any]:
-    """The params as a plain nested dict (for YAML dumps and MLflow artifacts)."""
-    return asdict(p)
+def check_params_file(path: str | Path) -> Params:
+    """:func:`load_params`, and every schema key present in the file (what ``dvc repro`` needs).
+
+    The ``check_params`` stage and ``python -m pipeline check-params`` run this.
+
+    Raises:
+        ParamsError: as :func:`load_params`, or keys missing from the file (all named).
+    """
+    params = load_params(path)
+    missing = missing_keys(path)
+    if missing:
+        raise ParamsError(f"{path}: missing keys {', '.join(missing)} (dvc repro needs every "
+                          "key; copy them from params.yaml or a preset in configs/)")
+    return params
+
+
+def to_dict(p: Any) -> dict[str, Any]:
+    """A params dataclass (:class:`Params` or a section) as a plain nested dict.
+
+    Choices become their strings, so the dict is plain YAML/JSON (and safe for
+    ``torch.load(weights_only=True)`` inside a checkpoint).
+    """
+    def plain(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        return str(v) if isinstance(v, Choice) else v
+
+    return plain(asdict(p))
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -2,9 +2,11 @@
 
 A stage script calls :func:`install` before anything else (its heavy imports happen inside
 :func:`pipeline.cli.stage_main`), so a signal during imports, params loading, MLflow set-up, the
-work itself or the final bookkeeping raises :class:`Terminated` in the main thread. The training
-engine installs its own flag handler around the training loop (it checkpoints at the next step
-boundary, then raises :class:`Terminated` itself) and restores ours afterwards.
+work itself or the final bookkeeping raises :class:`Terminated` in the main thread.
+
+Inside the training loop (:func:`stop_on_signals`) a signal only sets a :class:`StopFlag`: the
+engine finishes the step, writes a checkpoint, then raises :class:`Terminated` itself; the
+previous handlers come back afterwards.
 
 The last window: once a stage's MLflow run is recorded FINISHED, :func:`hold` makes later signals
 *pending* instead of raising; the entry point's very last check (:func:`finish`) turns a pending
@@ -148,3 +150,47 @@ def finish(code: int) -> tuple[int, int | None]:
     for cb in _state["on_late"]:
         cb(signum)
     return 128 + signum, signum
+
+
+class StopFlag:
+    """Records the first stop signal received; the loop checks :attr:`signum` between steps."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        """The signal handler: remember ``signum`` (the first one wins)."""
+        if self.signum is None:
+            self.signum = signum
+
+    @property
+    def raised(self) -> bool:
+        """Whether a stop signal arrived."""
+        return self.signum is not None
+
+
+@contextlib.contextmanager
+def stop_on_signals(flag: StopFlag | None = None) -> Iterator[StopFlag]:
+    """Within the block, SIGTERM/SIGINT set a :class:`StopFlag` instead of interrupting.
+
+    The previous handlers (e.g. the stage's "raise Terminated") are restored on exit. Outside the
+    main thread (where handlers cannot be installed) the flag simply never rises.
+
+    Args:
+        flag: the flag to set (a new one when None).
+
+    Yields:
+        The flag.
+    """
+    flag = StopFlag() if flag is None else flag
+    previous: dict[int, Any] = {}
+    try:
+        for sig in HANDLED:
+            previous[sig] = signal.signal(sig, flag)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        yield flag
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

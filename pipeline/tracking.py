@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import signals
-from pipeline.atomic import round_metrics, write_metrics
+from pipeline.atomic import round_metrics, write_json
 from pipeline.config import Params, flatten, to_dict
 from pipeline.data.remote import ShardURL
 from pipeline.signals import Terminated
@@ -142,18 +142,6 @@ def read_run_id(stage: str, root: Path | None = None) -> str | None:
         return json.loads(path.read_text()).get("run_id")
     except (OSError, ValueError):
         return None
-
-
-def write_json_atomic(path: Path, obj: Any) -> Any:
-    """Write a metrics file (or a small record) atomically, floats rounded.
-
-    See :func:`pipeline.atomic.write_metrics`: accuracies (percent) to 0.01 pt, other floats to
-    6 significant digits, so ``dvc metrics diff`` and ``dvc exp show`` show clean numbers.
-
-    Returns:
-        The rounded object, as written.
-    """
-    return write_metrics(path, obj)
 
 
 class StageRun:
@@ -437,7 +425,7 @@ def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), ran
         with signals.handled():
             yield StageRun(None)
         if rank == 0:
-            write_json_atomic(root / RUNS_DIR / f"{stage}.json", {"stage": stage, "run_id": None})
+            write_json(root / RUNS_DIR / f"{stage}.json", {"stage": stage, "run_id": None})
         return
 
     with signals.handled():
@@ -461,7 +449,7 @@ def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), ran
             mlflow.log_params(loggable_params(params))
             mlflow.log_dict(to_dict(params), "config/params.resolved.json")
             yield StageRun(run)
-            write_json_atomic(root / RUNS_DIR / f"{stage}.json", {
+            write_json(root / RUNS_DIR / f"{stage}.json", {
                 "stage": stage, "run_id": run.info.run_id,
                 "experiment_id": run.info.experiment_id, "tracking_uri": uri})
         except Terminated as e:

@@ -13,15 +13,16 @@ if TYPE_CHECKING:
 def run(p: Params) -> None:
     from pathlib import Path
 
+    from pipeline.atomic import write_metrics
     from pipeline.data.remote import shards_location
-    from pipeline.evaluate.run import baselines
-    from pipeline.tracking import stage_run, write_json_atomic
+    from pipeline.evaluate.run.baselines import baselines
+    from pipeline.tracking import stage_run
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("baselines", p, upstream=("build_shards",)) as mlrun:
         metrics = baselines(shards_dir=shards, model=p.model, seed=p.seed, linear=p.linear,
                             batch_size=p.embed.batch_size, pool_grid=p.embed.pool_grid)
-        write_json_atomic(Path("metrics/baselines.json"), metrics)
+        write_metrics(Path("metrics/baselines.json"), metrics)
         mlrun.log_metrics(metrics)
 
 

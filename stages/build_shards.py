@@ -14,7 +14,7 @@ def run(p: Params) -> None:
     import sys
     from pathlib import Path
 
-    from pipeline.data.shards import build_all
+    from pipeline.data.build import build_all
     from pipeline.tracking import stage_run
 
     with stage_run("build_shards", p) as mlrun:

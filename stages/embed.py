@@ -13,9 +13,10 @@ if TYPE_CHECKING:
 def run(p: Params) -> None:
     from pathlib import Path
 
+    from pipeline.atomic import write_metrics
     from pipeline.data.remote import shards_location
-    from pipeline.evaluate.run import embed
-    from pipeline.tracking import stage_run, write_json_atomic
+    from pipeline.evaluate.run.embed import embed
+    from pipeline.tracking import stage_run
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("embed", p, upstream=("pretrain",)) as mlrun:
@@ -23,7 +24,7 @@ def run(p: Params) -> None:
                         out_dir=Path("features"), batch_size=p.embed.batch_size,
                         use_head=p.embed.use_head, head_path=Path("models/head.pt"),
                         pool_grid=p.embed.pool_grid)
-        write_json_atomic(Path("metrics/embed.json"), metrics)
+        write_metrics(Path("metrics/embed.json"), metrics)
         mlrun.log_metrics(metrics)
 
 

@@ -13,16 +13,17 @@ if TYPE_CHECKING:
 def run(p: Params) -> None:
     from pathlib import Path
 
+    from pipeline.atomic import write_metrics
     from pipeline.data.remote import shards_location
-    from pipeline.evaluate.run import knn_eval
-    from pipeline.tracking import stage_run, write_json_atomic
+    from pipeline.evaluate.run.knn import knn_eval
+    from pipeline.tracking import stage_run
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("knn", p, upstream=("embed", "pretrain")) as mlrun:
         metrics = knn_eval(features_dir=Path("features"),
                            manifest_dir=shards / "test", knn=p.knn,
                            details_path=Path("eval/knn_details.json"), seed=p.seed)
-        write_json_atomic(Path("metrics/knn.json"), metrics)
+        write_metrics(Path("metrics/knn.json"), metrics)
         mlrun.log_metrics(metrics)
         mlrun.log_artifact("eval/knn_details.json")
 

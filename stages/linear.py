@@ -13,9 +13,10 @@ if TYPE_CHECKING:
 def run(p: Params) -> None:
     from pathlib import Path
 
+    from pipeline.atomic import write_metrics
     from pipeline.data.remote import shards_location
-    from pipeline.evaluate.run import linear_probe
-    from pipeline.tracking import stage_run, write_json_atomic
+    from pipeline.evaluate.run.linear import linear_probe
+    from pipeline.tracking import stage_run
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("linear", p, upstream=("embed", "pretrain")) as mlrun:
@@ -24,7 +25,7 @@ def run(p: Params) -> None:
                                seed=p.seed, details_path=Path("eval/linear_details.json"),
                                plots_path=Path("plots/linear.tsv"),
                                pool_grid=p.embed.pool_grid)
-        write_json_atomic(Path("metrics/linear.json"), metrics)
+        write_metrics(Path("metrics/linear.json"), metrics)
         mlrun.log_metrics(metrics)
         mlrun.log_artifact("eval/linear_details.json")
         mlrun.log_artifact("plots/linear.tsv")

@@ -29,7 +29,7 @@ def run(p: Params) -> None:
 
     from pipeline.data.remote import shards_location
     from pipeline.tracking import stage_run
-    from pipeline.train import pretrain
+    from pipeline.train.engine import pretrain
 
     rank = int(os.environ.get("RANK", "0"))
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /

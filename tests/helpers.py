@@ -11,7 +11,7 @@ import numpy as np
 from PIL import Image
 
 from pipeline.config import from_dict
-from pipeline.data.shards import write_shards
+from pipeline.data.build import write_shards
 from pipeline.data.sources import Sample
 
 
@@ -57,7 +57,7 @@ def run_pretrain(shards: Path, out: Path, overrides: dict | None = None, **kw):
     for sec, vals in (overrides or {}).items():
         tree.setdefault(sec, {}).update(vals)
     p = from_dict(tree)
-    from pipeline.train import pretrain
+    from pipeline.train.engine import pretrain
 
     return pretrain(model=p.model, moco=p.moco, opt=p.pretrain, augment=p.augment, seed=p.seed,
                     shards_dir=shards, encoder_path=out / "encoder.pt",

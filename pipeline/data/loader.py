@@ -4,7 +4,7 @@
 image at most once, all but a remainder of less than one global batch exactly once), in an order
 that is a pure function of ``(seed, epoch)`` (see :func:`train_loader` for the design). Workers
 only read and decode; the two augmented views are made per batch on the training device
-(:mod:`pipeline.data.augment`).
+(:mod:`pipeline.data.views`).
 
 ``eval_loader`` — every sample exactly once, in manifest order (the order written at build
 time), partial last batch kept, for any ``num_workers``: global batch ``i`` is built by worker
@@ -17,7 +17,6 @@ are refused with an error naming the shard and key.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 import random
@@ -40,19 +39,14 @@ from pipeline.data.shards import (
     read_manifest,
     sha256_file,
 )
+from pipeline.seeds import derive_seed
 
 __all__ = ["ShardError", "eval_loader", "read_manifest", "train_loader"]
 
 SHUFFLE_BUDGET_BYTES = 512 * 2**20  # raw sample bytes each train reader may buffer (auto size)
 EvalTransform = Callable[[Image.Image], torch.Tensor]
-# crop(image, rng) -> a fixed-size image, e.g. pipeline.data.crop.RandomResizedCrop
-Crop = Callable[[Image.Image, random.Random], Image.Image]
-
-
-def _seed_int(*parts: Any) -> int:
-    """A 63-bit integer seed from any printable parts (stable across processes and runs)."""
-    digest = hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+# crop(image, seed) -> a fixed-size image, e.g. pipeline.data.views.SeededRandomResizedCrop
+Crop = Callable[[Image.Image, int], Image.Image]
 
 
 def _worker() -> tuple[int, int]:
@@ -132,7 +126,7 @@ def epoch_order(counts: list[int], *, seed: int, epoch: int) -> tuple[list[int],
     Returns:
         ``(permutation, offset)``: shard indices in epoch order and ``0 <= offset < sum(counts)``.
     """
-    rng = random.Random(_seed_int("epoch-order", seed, epoch))
+    rng = random.Random(derive_seed("epoch-order", seed, epoch))
     perm = list(range(len(counts)))
     rng.shuffle(perm)
     return perm, rng.randrange(max(1, sum(counts)))
@@ -233,7 +227,7 @@ class _TrainStream(IterableDataset):
             return iter(())
         b = self.batch_size
         start, length = self._slice(logical)
-        rng = random.Random(_seed_int("buffer", self.seed, self.epoch, self.rank, logical,
+        rng = random.Random(derive_seed("buffer", self.seed, self.epoch, self.rank, logical,
                                       _worker()[1]))
         buffer = max(1, min(length, self.shuffle_buffer))
 
@@ -247,10 +241,9 @@ class _TrainStream(IterableDataset):
                 if self.crop is None:
                     yield _to_uint8(image), key
                 else:  # (V, C, S, S): the views' crops, a pure function of (seed, epoch, pos)
-                    crop_rng = random.Random(_seed_int("crop", self.seed, self.epoch,
-                                                       record["__pos__"]))
-                    yield np.stack([_to_uint8(self.crop(image, crop_rng))
-                                    for _ in range(self.views)]), key
+                    pos = record["__pos__"]
+                    yield np.stack([_to_uint8(self.crop(image, derive_seed(
+                        "crop", self.seed, self.epoch, pos, v))) for v in range(self.views)]), key
 
         pipeline = wds.DataPipeline(
             lambda: self._raw(logical),
@@ -335,11 +328,11 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
         shuffle_buffer: samples in each reader's shuffle buffer (raw bytes); 0 = auto
             (:func:`auto_shuffle_buffer`, a 512 MiB budget per reader).
         pin_memory: DataLoader ``pin_memory``.
-        crop: for shards of variable image size (``data.max_side``): ``crop(image, rng)``
-            returns a fixed-size image (:class:`pipeline.data.crop.RandomResizedCrop`). It runs
-            in the workers, ``views`` times per image, with ``rng`` seeded by ``(seed, epoch,
-            position of the sample in the epoch sequence)``: the crops do not depend on the
-            number of ranks or workers, and a resumed epoch repeats them.
+        crop: for shards of variable image size (``data.max_side``): ``crop(image, seed)``
+            returns a fixed-size image (:class:`pipeline.data.views.SeededRandomResizedCrop`).
+            It runs in the workers, ``views`` times per image, seeded by ``(seed, epoch,
+            position of the sample in the epoch sequence, view)``: the crops do not depend on
+            the number of ranks or workers, and a resumed epoch repeats them.
         views: crops per image when ``crop`` is given (2: MoCo's query and key).
 
     Returns:

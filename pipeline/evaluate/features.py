@@ -19,6 +19,11 @@ from pipeline.atomic import save_torch
 FORMAT_VERSION = 1
 
 
+def pick_device() -> torch.device:
+    """The evaluation device: CUDA when available, else CPU (chosen once per stage)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @dataclass
 class FeatureSet:
     """Features of one split, row ``i`` belonging to sample ``keys[i]``.

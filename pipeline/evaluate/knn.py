@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pipeline.evaluate.heldout import KNN_SELECT_VAL_FRACTION, split_train_val
 from pipeline.evaluate.metrics import (
     ClassificationMetrics,
     classification_metrics,
@@ -386,3 +387,27 @@ def select_k_T(
             grid[(int(k), float(t))] = 100.0 * float((pred == truth).float().mean())
     (k, t), best = max(grid.items(), key=lambda kv: kv[1])  # max keeps the first of equals
     return KnnSelection(k=k, T=t, val_top1=best, grid=grid)
+
+
+def select_on_heldout(features: Tensor, labels: Tensor, *, seed: int, chunk_size: int = 1024,
+                      device: torch.device | str | None = None) -> tuple[KnnSelection, int]:
+    """Choose k and T on ``KNN_SELECT_VAL_FRACTION`` of a TRAIN bank, the rest as the bank.
+
+    The one selection protocol of the tuned raw-pixel kNN and of ``knn.select: val``: the split
+    is :func:`pipeline.evaluate.heldout.split_train_val` with ``seed``, the grid that of
+    :func:`select_k_T`.
+
+    Args:
+        features: ``(N, D)`` TRAIN features.
+        labels: ``(N,)`` their labels.
+        seed: the split's seed.
+        chunk_size: query rows per similarity chunk.
+        device: where to compute.
+
+    Returns:
+        The selection and the number of held-out rows.
+    """
+    tr, va = split_train_val(len(labels), KNN_SELECT_VAL_FRACTION, seed)
+    sel = select_k_T(features[tr], labels[tr], features[va], labels[va], chunk_size=chunk_size,
+                     device=device)
+    return sel, len(va)

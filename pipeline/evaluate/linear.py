@@ -45,7 +45,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from pipeline.config import FeatureNorm
 from pipeline.evaluate.features import FeatureSet
+from pipeline.evaluate.heldout import split_train_val
 from pipeline.evaluate.metrics import (
     UNLABELLED,
     ClassificationMetrics,
@@ -53,12 +55,10 @@ from pipeline.evaluate.metrics import (
     contiguous_labels,
     labelled_mask,
 )
+from pipeline.train.schedules import lr_schedule as lr_schedule_
 
 log = logging.getLogger(__name__)
 
-LR_SCHEDULES = ("step", "cosine")
-FEATURE_NORMS = ("l2", "none")
-LR_REFERENCE_BATCH = 256  # ``lr`` is per 256 images (Goyal et al. 2017, MoCo)
 INIT_STD = 0.01  # classifier weight init N(0, 0.01), bias 0, as in MoCo's main_lincls.py
 
 # (features (B, D) or images (B, C, H, W), labels (B,)), extra items (e.g. keys) ignored
@@ -99,66 +99,6 @@ class LinearResult(ClassificationMetrics):
         if self.val_top1 is not None:
             out["val_top1"] = self.val_top1
         return out
-
-
-def lr_per_epoch(
-    *, lr: float, batch_size: int, epochs: int, lr_schedule: str, milestones: Sequence[int]
-) -> list[float]:
-    """The effective learning rate of every epoch (MoCo's ``adjust_learning_rate``).
-
-    ``lr_eff = lr * batch_size / 256``; for 0-based epoch ``e``, ``"step"`` multiplies it by 0.1
-    for every milestone ``<= e`` (milestones [60, 80] of 100 epochs: epochs 61-80 at 0.1x,
-    81-100 at 0.01x); ``"cosine"`` by ``0.5 * (1 + cos(pi * e / epochs))``.
-
-    Args:
-        lr: learning rate per 256 images.
-        batch_size: images per step.
-        epochs: number of epochs.
-        lr_schedule: ``"step"`` or ``"cosine"``.
-        milestones: epochs of the x0.1 steps (ignored by cosine); milestones >= epochs never fire.
-
-    Returns:
-        ``epochs`` floats.
-
-    Raises:
-        ValueError: unknown schedule or a non-positive value.
-    """
-    if lr_schedule not in LR_SCHEDULES:
-        raise ValueError(f"linear: 'lr_schedule' = {lr_schedule!r}; allowed: {LR_SCHEDULES}")
-    for name, v in (("lr", lr), ("batch_size", batch_size), ("epochs", epochs)):
-        if not (v > 0 and math.isfinite(v)):
-            raise ValueError(f"linear: '{name}' = {v!r} is invalid; allowed: > 0")
-    base = lr * batch_size / LR_REFERENCE_BATCH
-    if lr_schedule == "step":
-        out = [base * 0.1 ** sum(e >= m for m in milestones) for e in range(epochs)]
-    else:
-        out = [base * 0.5 * (1.0 + math.cos(math.pi * e / epochs)) for e in range(epochs)]
-    assert len(out) == epochs
-    return out
-
-
-def split_train_val(n: int, val_fraction: float, seed: int) -> tuple[Tensor, Tensor]:
-    """Split ``range(n)`` (rows of the TRAIN set) into train and validation indices.
-
-    Args:
-        n: number of training samples.
-        val_fraction: share held out, ``0 <= val_fraction < 1``; the validation size is
-            ``round(n * val_fraction)``, at least 1 when ``val_fraction > 0``.
-        seed: seed of the permutation (same seed, same split).
-
-    Returns:
-        ``(train_idx, val_idx)``, int64, each sorted ascending, disjoint, together ``range(n)``.
-
-    Raises:
-        ValueError: ``val_fraction`` out of range, or a split that leaves a side empty.
-    """
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"linear: 'val_fraction' = {val_fraction!r}; allowed: 0 <= x < 1")
-    n_val = 0 if val_fraction == 0 else max(1, round(n * val_fraction))
-    if n - n_val < 1:
-        raise ValueError(f"linear: val_fraction {val_fraction} of {n} samples leaves no train set")
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    return perm[n_val:].sort().values, perm[:n_val].sort().values
 
 
 def _normalize(x: Tensor, feature_norm: str) -> Tensor:
@@ -248,8 +188,7 @@ def _fit(
 
 
 def _check_common(feature_norm: str, momentum: float, weight_decay: float) -> None:
-    if feature_norm not in FEATURE_NORMS:
-        raise ValueError(f"linear: 'feature_norm' = {feature_norm!r}; allowed: {FEATURE_NORMS}")
+    FeatureNorm.parse(feature_norm, "linear.feature_norm")
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"linear: 'momentum' = {momentum!r}; allowed: 0 <= x < 1")
     if not (weight_decay >= 0 and math.isfinite(weight_decay)):
@@ -334,8 +273,8 @@ def train_linear_on_features(
     if len(train) == 0 or len(test) == 0:
         raise ValueError("linear: the train and test sets must not be empty (labelled rows)")
     device = torch.device(device)
-    lrs = lr_per_epoch(lr=lr, batch_size=batch_size, epochs=epochs, lr_schedule=lr_schedule,
-                       milestones=milestones)
+    lrs = lr_schedule_(base_lr=lr, batch_size=batch_size, total_steps=epochs,
+                       steps_per_epoch=1, schedule=lr_schedule, milestones=milestones)
     classes, (y_train, y_test) = contiguous_labels(train.labels, test.labels)
     tr_idx, val_idx = split_train_val(len(train), val_fraction, seed)
     x_all = train.features.to(device, torch.float32)
@@ -528,8 +467,8 @@ def train_linear_augment(
         raise ValueError(f"linear: num_features = {num_features}, num_classes = {num_classes}; "
                          "allowed: >= 1")
     device = torch.device(device)
-    lrs = lr_per_epoch(lr=lr, batch_size=batch_size, epochs=epochs, lr_schedule=lr_schedule,
-                       milestones=milestones)
+    lrs = lr_schedule_(base_lr=lr, batch_size=batch_size, total_steps=epochs,
+                       steps_per_epoch=1, schedule=lr_schedule, milestones=milestones)
     snapshot = {n: t.detach().clone() for n, t in _tensors(backbone).items()}
     modes = [(m, m.training) for m in backbone.modules()]
     encode = _frozen_encoder(backbone, num_features)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -110,6 +111,27 @@ class ClassificationMetrics:
         out = {"top1": self.top1, "top5": self.top5}
         out.update({f"class_{c}_top1": a for c, a in self.per_class_accuracy.items()})
         return out
+
+    def details(self, class_names: list[str]) -> dict[str, Any]:
+        """Per-class accuracy and confusion matrix in class-name order (``eval/*_details.json``).
+
+        Args:
+            class_names: the C names of the manifest; label ``i`` is ``class_names[i]``.
+
+        Returns:
+            ``class_names``; ``per_class_accuracy`` (C values, %, None for a class absent from
+            the test set); ``confusion_matrix`` (C x C counts, rows = true class).
+        """
+        idx = {c: i for i, c in enumerate(self.classes)}
+        n = len(class_names)
+        conf = [[0] * n for _ in range(n)]
+        for a, ra in idx.items():
+            for b, rb in idx.items():
+                if 0 <= a < n and 0 <= b < n:
+                    conf[a][b] = int(self.confusion[ra][rb])
+        return {"class_names": class_names,
+                "per_class_accuracy": [self.per_class_accuracy.get(i) for i in range(n)],
+                "confusion_matrix": conf}
 
 
 def contiguous_labels(*label_sets: Tensor) -> tuple[Tensor, list[Tensor]]:

@@ -15,15 +15,21 @@ import torch
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
+from pipeline.config import Backbone, Head
+
 _BACKBONES: dict[str, Callable[..., nn.Module]] = {}
 
 
 def register_backbone(name: str) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
     """Decorator registering a factory ``f(*, width, in_channels, small_stem, stem_stride)``.
 
+    Args:
+        name: a :class:`pipeline.config.Backbone` name (the schema of ``model.backbone``).
+
     Raises:
-        ValueError: the name is already registered.
+        ValueError: the name is not a ``Backbone`` or is already registered.
     """
+    name = Backbone.parse(name, "register_backbone")
 
     def decorator(factory: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         if name in _BACKBONES:
@@ -227,17 +233,14 @@ def build_head(kind: str, in_dim: int, hidden: int, dim: int) -> nn.Sequential:
     Raises:
         ValueError: unknown kind or a non-positive width.
     """
-    if min(in_dim, dim) < 1 or (kind == "mlp" and hidden < 1):
+    kind = Head.parse(kind, "model.head")
+    if min(in_dim, dim) < 1 or (kind == Head.mlp and hidden < 1):
         raise ValueError(
             f"build_head: widths must be >= 1, got in_dim={in_dim}, hidden={hidden}, dim={dim}"
         )
-    if kind == "linear":
+    if kind == Head.linear:
         return nn.Sequential(nn.Linear(in_dim, dim))
-    if kind == "mlp":
-        return nn.Sequential(
-            nn.Linear(in_dim, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, dim)
-        )
-    raise ValueError(f"model.head must be linear or mlp; got {kind!r}")
+    return nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, dim))
 
 
 def export_state_dict(backbone: nn.Module) -> dict[str, torch.Tensor]:

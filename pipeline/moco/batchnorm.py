@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BN_MODES = ("split", "shuffle", "sync", "none")
+from pipeline.config import BnMode
 
 
 class SplitBatchNorm2d(nn.BatchNorm2d):
@@ -185,8 +185,7 @@ def prepare_bn(module: nn.Module, bn: str, bn_splits: int = 8) -> nn.Module:
     Raises:
         ValueError: unknown ``bn`` or ``bn_splits < 1``.
     """
-    if bn not in BN_MODES:
-        raise ValueError(f"moco.bn must be one of {', '.join(BN_MODES)}; got {bn!r}")
+    bn = BnMode.parse(bn, "moco.bn")
     if bn == "split":
         return convert_split_bn(module, bn_splits)
     if bn == "sync":
@@ -218,8 +217,7 @@ def check_bn_mode(bn: str, batch_per_rank: int | None, bn_splits: int, world_siz
     Raises:
         ValueError: an invalid combination, with a message naming the keys.
     """
-    if bn not in BN_MODES:
-        raise ValueError(f"moco.bn must be one of {', '.join(BN_MODES)}; got {bn!r}")
+    bn = BnMode.parse(bn, "moco.bn")
     if (batch_per_rank is not None and batch_per_rank < 1) or world_size < 1:
         raise ValueError(
             f"batch per rank ({batch_per_rank}) and world size ({world_size}) must be >= 1"

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.config import BnMode
 from pipeline.moco.backbones import export_state_dict
-from pipeline.moco.batchnorm import BN_MODES, check_bn_mode, prepare_bn, shuffle_batch, unshuffle
+from pipeline.moco.batchnorm import check_bn_mode, prepare_bn, shuffle_batch, unshuffle
 from pipeline.moco.distributed import batch_shuffle_ddp, batch_unshuffle_ddp, concat_all_gather
 from pipeline.moco.loss import info_nce, instance_accuracy
 from pipeline.moco.momentum import make_key_encoder, momentum_update
@@ -111,8 +112,7 @@ class MoCo(nn.Module):
             raise ValueError(f"moco.m must be in [0, 1], got {m}")
         if not T > 0:
             raise ValueError(f"moco.T must be > 0, got {T}")
-        if bn not in BN_MODES:
-            raise ValueError(f"moco.bn must be one of {', '.join(BN_MODES)}; got {bn!r}")
+        bn = BnMode.parse(bn, "moco.bn")
         if bn_splits < 1:
             raise ValueError(f"moco.bn_splits must be >= 1, got {bn_splits}")
         if world_size is not None:

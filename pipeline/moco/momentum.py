@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-M_SCHEDULES = ("constant", "cosine")
+from pipeline.config import MSchedule
 
 
 def make_key_encoder(query_encoder: nn.Module) -> nn.Module:
@@ -84,17 +84,12 @@ def momentum_schedule(base_m: float, total_steps: int, kind: str = "constant") -
         raise ValueError(f"momentum_schedule: base_m (moco.m) must be in [0, 1], got {base_m}")
     if total_steps < 1:
         raise ValueError(f"momentum_schedule: total_steps must be >= 1, got {total_steps}")
-    if kind == "constant":
+    if MSchedule.parse(kind, "moco.m_schedule") == MSchedule.constant:
         schedule = [float(base_m)] * total_steps
-    elif kind == "cosine":
+    else:
         schedule = [
             1.0 - (1.0 - base_m) * (math.cos(math.pi * t / total_steps) + 1.0) / 2.0
             for t in range(total_steps)
         ]
-    else:
-        raise ValueError(
-            f"momentum_schedule: kind (moco.m_schedule) must be one of "
-            f"{', '.join(M_SCHEDULES)}; got {kind!r}"
-        )
     assert len(schedule) == total_steps
     return schedule

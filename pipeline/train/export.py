@@ -7,14 +7,12 @@ from typing import Any
 
 import torch
 
-from pipeline.atomic import write_tsv
-from pipeline.checkpoint import save_atomic
+from pipeline.atomic import save_torch, write_json, write_metrics, write_tsv
 from pipeline.config import ModelParams
 from pipeline.moco.backbones import resolve_small_stem, resolve_stem_stride
 from pipeline.moco.model import MoCo
-from pipeline.tracking import write_json_atomic
+from pipeline.train.checkpoint import TrainState
 from pipeline.train.logging import PLOT_COLUMNS
-from pipeline.train.state import TrainState
 
 
 def encoder_meta(model: ModelParams, *, in_channels: int, image_size: int,
@@ -64,15 +62,15 @@ def export_outputs(net: MoCo, model: ModelParams, *, in_channels: int, image_siz
 
     Every file is written atomically (temp file + rename).
     """
-    save_atomic(net.export_backbone(), encoder_path)
+    save_torch(net.export_backbone(), encoder_path)
     head = net.encoder_q.head
-    save_atomic({"kind": model.head, "in_dim": net.encoder_q.backbone.num_features,
+    save_torch({"kind": model.head, "in_dim": net.encoder_q.backbone.num_features,
                  "hidden": model.head_hidden, "dim": model.dim,
                  "state_dict": {k: v.detach().cpu() for k, v in head.state_dict().items()}},
                 encoder_path.with_name("head.pt"))
-    write_json_atomic(encoder_path.with_suffix(".json"), encoder_meta(
+    write_json(encoder_path.with_suffix(".json"), encoder_meta(
         model, in_channels=in_channels, image_size=image_size,
         num_features=net.encoder_q.backbone.num_features))
-    write_json_atomic(metrics_path, metrics)
+    write_metrics(metrics_path, metrics)
     write_tsv(plots_path, PLOT_COLUMNS, state.rows)
     write_tsv(knn_plots_path, ("epoch", "step", "knn_top1", "knn_top5"), state.knn_rows)

@@ -7,10 +7,11 @@ NCCL on GPU). The device is chosen once in :func:`setup_device` and passed along
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -223,6 +224,57 @@ def choose_threads(candidates: list[int], probe: Callable[[], None], repeats: in
             best = n
     torch.set_num_threads(best)
     return best
+
+
+@contextlib.contextmanager
+def kept_threads() -> Iterator[None]:
+    """Restore torch's intra-op thread count on exit: a run's thread choice is that run's only."""
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def setup_threads(*, requested: int, resumed: int, num_workers: int, device: torch.device,
+                  probe_model: nn.Module, input_shape: tuple[int, ...]) -> int:
+    """CPU intra-op threads: ``pretrain.num_threads``, else the resumed run's, else probed.
+
+    A resumed run keeps the thread count it started with (float reductions depend on it, so
+    resume stays bit-identical). Otherwise :func:`choose_threads` times one training-sized
+    forward+backward of a copy of ``probe_model`` for each of :func:`thread_candidates`.
+
+    Args:
+        requested: ``pretrain.num_threads`` (0 = choose).
+        resumed: the checkpoint's thread count (0 = none).
+        num_workers: loader workers (``pretrain.num_workers``).
+        device: the training device (CUDA: torch's default, no probe).
+        probe_model: the query encoder, copied for the probe (its weights are untouched).
+        input_shape: ``(B, C, S, S)`` of one rank's step.
+
+    Returns:
+        The thread count now set.
+    """
+    if requested > 0 or resumed > 0:
+        n = requested or resumed
+        if n > usable_cores():
+            log.warning("pretrain.num_threads = %d exceeds the %d usable cores: threads will "
+                        "compete for them", n, usable_cores())
+        torch.set_num_threads(n)
+        return n
+    if device.type == "cuda":
+        return torch.get_num_threads()
+    net = copy.deepcopy(probe_model).train()
+    with torch.random.fork_rng(devices=[]):
+        x = torch.randn(input_shape)
+
+        def probe() -> None:
+            net(x).sum().backward()
+
+        n = choose_threads(thread_candidates(num_workers), probe)
+    log.info("CPU threads: %d (pretrain.num_threads = 0: probed %s)", n,
+             thread_candidates(num_workers))
+    return n
 
 
 def wrap_model(net: nn.Module, rt: Runtime, *, channels_last: bool, compile_: bool) -> nn.Module:

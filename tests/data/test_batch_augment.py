@@ -5,7 +5,7 @@ import pytest
 import torch
 from torchvision import transforms as T
 
-from pipeline.data.batch_augment import BatchTwoCrop, batch_seed, build_batch_view
+from pipeline.data.views import BatchTwoCrop, build_batch_view
 
 RGB = ((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
 GREY = ((0.286,), (0.353,))
@@ -94,12 +94,6 @@ def test_views__normalised_identity_crop_by_hand():
     x = torch.full((4, 1, 8, 8), 204, dtype=torch.uint8)
     q, _ = BatchTwoCrop(view)(x, 0)
     assert torch.allclose(q, torch.full_like(q, (204 / 255 - 0.5) / 0.25), atol=1e-5)
-
-
-def test_batch_seed__stable_and_distinct():
-    assert batch_seed(0, 1, 2, 3) == batch_seed(0, 1, 2, 3)
-    seeds = {batch_seed(0, e, s, r) for e in range(3) for s in range(50) for r in range(2)}
-    assert len(seeds) == 300 and all(0 <= x < 2**63 for x in seeds)
 
 
 def test_build_batch_view__bad_input():

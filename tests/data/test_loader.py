@@ -14,6 +14,7 @@ import webdataset as wds
 from helpers import relabel_first_sample, rewrite_manifest
 from PIL import Image
 
+from pipeline.data.build import write_shards
 from pipeline.data.loader import (
     epoch_order,
     eval_loader,
@@ -21,7 +22,7 @@ from pipeline.data.loader import (
     reader_runs,
     train_loader,
 )
-from pipeline.data.shards import ShardError, write_shards
+from pipeline.data.shards import ShardError
 from pipeline.data.sources import Sample
 
 # 3 workers on this 2-core machine is deliberate (more workers than shards)

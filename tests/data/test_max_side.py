@@ -1,7 +1,6 @@
 """``data.max_side``: ImageFolder shards keep whole images (short side limited, no crop); the
 train loader crops each image in its workers; evaluation resizes + centre-crops once."""
 
-import random
 
 import numpy as np
 import pytest
@@ -9,12 +8,15 @@ import torch
 from PIL import Image
 
 from pipeline.config import ParamsError, from_dict
-from pipeline.data.augment import build_eval_transform
-from pipeline.data.batch_augment import BatchTwoCrop, build_batch_view
-from pipeline.data.crop import RandomResizedCrop
+from pipeline.data.build import build_all
 from pipeline.data.loader import eval_loader, train_loader
-from pipeline.data.shards import build_all, decode_record, iter_shard, read_manifest
-from pipeline.evaluate.run import _spec
+from pipeline.data.shards import decode_record, image_spec, iter_shard, read_manifest
+from pipeline.data.views import (
+    BatchTwoCrop,
+    SeededRandomResizedCrop,
+    build_batch_view,
+    build_eval_transform,
+)
 
 # (width, height) -> stored size with the short side shrunk to 32, as torchvision's Resize(32):
 # 60x40 -> 48x32 (32 * 60 / 40 = 48); 40x90 -> 32x72 (32 * 90 / 40 = 72); 30x28 fits: kept
@@ -56,7 +58,7 @@ def test_build__max_side_keeps_aspect_ratio_without_crop(shards):
 
 
 def test_train_loader__crop_gives_square_views_seeded_by_position(shards):
-    crop = RandomResizedCrop(24, scale=(0.2, 1.0))
+    crop = SeededRandomResizedCrop(24, scale=(0.2, 1.0))
     kw = dict(batch_size=4, steps=2, epoch=1, seed=5, crop=crop)
     a = list(train_loader(shards / "pretrain", **kw))
     b = list(train_loader(shards / "pretrain", num_workers=2, **kw))
@@ -75,18 +77,30 @@ def test_train_loader__crop_gives_square_views_seeded_by_position(shards):
     assert q.shape == k.shape == (4, 3, 24, 24)
 
 
-def test_random_resized_crop__matches_the_area_and_ratio_bounds():
-    crop = RandomResizedCrop(8, scale=(0.25, 0.25), ratio=(1.0, 1.0))
-    rng = random.Random(0)
-    top, left, h, w = crop.params(40, 20, rng)  # a quarter of 800 px^2, square: 14 x 14
+def test_seeded_random_resized_crop__a_quarter_square_of_the_image_by_seed():
+    # scale 0.25 and ratio 1 of a 40 x 20 image: a 14 x 14 crop (round(sqrt(200)) = 14) of
+    # that image, resized to 8 x 8; the same seed gives the same crop, another seed another one
+    img = Image.fromarray(np.arange(800, dtype=np.uint8).reshape(20, 40) % 251)
+    crop = SeededRandomResizedCrop(8, scale=(0.25, 0.25), ratio=(1.0, 1.0))
+    a, b, c = crop(img, 0), crop(img, 0), crop(img, 1)
+    assert a.size == (8, 8) and a.mode == "L"
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(np.asarray(a), np.asarray(c))
+    # against torchvision's own parameter search under the same seed
+    from torchvision.transforms import RandomResizedCrop
+    from torchvision.transforms import functional as F
+
+    torch.manual_seed(0)
+    top, left, h, w = RandomResizedCrop.get_params(img, (0.25, 0.25), (1.0, 1.0))
     assert (h, w) == (14, 14) and 0 <= top <= 6 and 0 <= left <= 26
-    img = Image.new("RGB", (40, 20))
-    assert crop(img, random.Random(0)).size == (8, 8)
+    ref = F.resized_crop(img, top, left, h, w, [8, 8], antialias=True)
+    assert np.array_equal(np.asarray(a), np.asarray(ref))
 
 
 def test_eval__resizes_and_centre_crops_once(shards):
-    m, size, mean, std = _spec(shards / "test")
-    assert size == 24 and len(mean) == 3
+    spec = image_spec(read_manifest(shards / "test"), shards / "test")
+    size, mean, std = spec.size, spec.mean, spec.std
+    assert size == 24 and len(mean) == 3 and spec.variable
     x, y, keys = next(iter(eval_loader(shards / "test", batch_size=4,
                                        transform=build_eval_transform(size, mean, std))))
     assert x.shape[1:] == (3, 24, 24) and len(keys) == len(y)
@@ -102,7 +116,7 @@ def test_config__max_side_only_for_imagefolder():
 def test_pretrain__max_side_shards_train_on_per_image_crops(shards, tmp_path):
     from helpers import run_pretrain
 
-    from pipeline.evaluate.run import load_encoder
+    from pipeline.evaluate.run.embed import load_encoder
 
     m = run_pretrain(shards, tmp_path, {"moco": {"K": 8}, "pretrain": {
         "batch_size": 4, "epochs": 2, "knn_every_epochs": 1, "knn_monitor_train_images": 8,

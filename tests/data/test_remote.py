@@ -10,10 +10,10 @@ import torch
 from helpers import build_tiny_shards
 
 from pipeline.data import remote
-from pipeline.data.augment import build_eval_transform
 from pipeline.data.loader import eval_loader, train_loader
 from pipeline.data.remote import RemoteError, ShardURL, open_stream, read_url, shards_location
 from pipeline.data.shards import ShardError, read_manifest
+from pipeline.data.views import build_eval_transform
 
 
 class _Server:
@@ -216,7 +216,7 @@ def test_eval_loader__altered_url_shard_fails_on_sha256(broken):
 def test_verify_shards__url_root_and_altered_shard(served, broken, capsys):
     from helpers import relabel_first_sample
 
-    from pipeline.data.shards import verify_main
+    from pipeline.__main__ import verify_main
 
     _, server = served
     assert verify_main(server.url) == 0
@@ -233,7 +233,7 @@ def test_verify_shards__url_root_and_altered_shard(served, broken, capsys):
 
 def test_build_all__refuses_a_url_shards_dir():
     from pipeline.config import from_dict
-    from pipeline.data.shards import build_all
+    from pipeline.data.build import build_all
 
     p = from_dict({"data": {"shards_dir": "https://example.org/shards"}})
     with pytest.raises(ShardError, match=r"^data.shards_dir = https://example.org/shards: "

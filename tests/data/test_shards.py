@@ -13,15 +13,10 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
+from pipeline.__main__ import verify_main
 from pipeline.config import DataParams
-from pipeline.data.shards import (
-    ShardError,
-    build_all,
-    read_manifest,
-    verify_main,
-    verify_shards,
-    write_shards,
-)
+from pipeline.data.build import build_all, write_shards
+from pipeline.data.shards import ShardError, read_manifest, verify_shards
 from pipeline.data.sources import Sample
 
 FASHION_REAL = Path("/usr/share/datasets/fashion-mnist")

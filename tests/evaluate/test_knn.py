@@ -278,10 +278,10 @@ def test_knn_eval__val_top1_scores_the_linear_probe_split_against_the_rest(tmp_p
     # val_top1 = kNN of the held-out TRAIN rows (split_train_val, the linear probe's split)
     # against the remaining train rows; the test score still uses the whole train bank.
     from pipeline.config import KnnParams
-    from pipeline.evaluate import run
     from pipeline.evaluate.features import FeatureSet, save_features
-    from pipeline.evaluate.linear import split_train_val
-    from pipeline.evaluate.run import knn_eval
+    from pipeline.evaluate.heldout import split_train_val
+    from pipeline.evaluate.run import knn as run
+    from pipeline.evaluate.run.knn import knn_eval
 
     x_tr, y_tr, x_te, y_te = _random_problem(3)
     save_features(FeatureSet(x_tr, y_tr, [f"tr{i}" for i in range(len(y_tr))]),
@@ -307,11 +307,11 @@ def test_knn_eval__select_val_chooses_k_T_on_train_only(tmp_path, monkeypatch):
     # baseline's split); reference = every grid point scored by plain knn_classify, best first
     # (ties to the earlier point); the test score uses the whole bank with the chosen values.
     from pipeline.config import KnnParams
-    from pipeline.evaluate import run
     from pipeline.evaluate.features import FeatureSet, save_features
+    from pipeline.evaluate.heldout import KNN_SELECT_VAL_FRACTION, split_train_val
     from pipeline.evaluate.knn import GRID_K, GRID_T
-    from pipeline.evaluate.linear import split_train_val
-    from pipeline.evaluate.run import KNN_SELECT_VAL_FRACTION, knn_eval
+    from pipeline.evaluate.run import knn as run
+    from pipeline.evaluate.run.knn import knn_eval
 
     x_tr, y_tr, x_te, y_te = _random_problem(4, n=400, m=60)
     tr, va = split_train_val(len(y_tr), KNN_SELECT_VAL_FRACTION, 2)

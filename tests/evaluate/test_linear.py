@@ -6,12 +6,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.evaluate.features import FeatureSet
-from pipeline.evaluate.linear import (
-    lr_per_epoch,
-    split_train_val,
-    train_linear_augment,
-    train_linear_on_features,
-)
+from pipeline.evaluate.heldout import split_train_val
+from pipeline.evaluate.linear import train_linear_augment, train_linear_on_features
+from pipeline.train.schedules import lr_schedule
+
+
+def lr_per_epoch(*, lr, batch_size, epochs, lr_schedule: str, milestones):
+    """The probe's per-epoch lrs: the one schedule, one step per epoch (as the probe asks)."""
+    return lr_schedule_fn(base_lr=lr, batch_size=batch_size, total_steps=epochs,
+                          steps_per_epoch=1, schedule=lr_schedule, milestones=milestones)
+
+
+lr_schedule_fn = lr_schedule
 
 
 def _blobs(seed, n, sep, d=8, c=3, label_noise=0.0, prefix="k"):

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from pipeline.config import LinearParams
-from pipeline.evaluate import run
 from pipeline.evaluate.features import load_features
-from pipeline.evaluate.linear import split_train_val
+from pipeline.evaluate.heldout import split_train_val
+from pipeline.evaluate.run import linear as run
+from pipeline.evaluate.run.embed import embed
 from pipeline.moco.backbones import build_backbone
 
 
@@ -25,8 +26,8 @@ def probe_inputs(tiny_shards, tmp_path_factory) -> tuple[Path, Path]:
     (out / "encoder.json").write_text(json.dumps({
         "backbone": "resnet18", "width": 4, "in_channels": 1, "small_stem": True,
         "image_size": 16, "num_features": bb.num_features}))
-    run.embed(encoder_path=out / "encoder.pt", shards_dir=tiny_shards, out_dir=out / "features",
-              batch_size=32)
+    embed(encoder_path=out / "encoder.pt", shards_dir=tiny_shards, out_dir=out / "features",
+          batch_size=32)
     return out, out / "features"
 
 

@@ -6,9 +6,12 @@ import pytest
 import torch
 
 from pipeline.config import LinearParams
-from pipeline.evaluate import run
 from pipeline.evaluate.features import load_features
 from pipeline.evaluate.pooling import GridPool, set_pool_grid
+from pipeline.evaluate.run import baselines as run_baselines
+from pipeline.evaluate.run import linear as run_linear
+from pipeline.evaluate.run.embed import embed
+from pipeline.evaluate.run.linear import linear_probe
 from pipeline.moco.backbones import build_backbone
 
 
@@ -84,7 +87,7 @@ def test_embed__pool_grid_2_writes_cells_whose_mean_is_the_global_feature(tiny_s
                                                                          encoder_dir):
     feats = {}
     for g in (1, 2):
-        m = run.embed(encoder_path=encoder_dir / "encoder.pt", shards_dir=tiny_shards,
+        m = embed(encoder_path=encoder_dir / "encoder.pt", shards_dir=tiny_shards,
                       out_dir=encoder_dir / f"f{g}", batch_size=32, pool_grid=g)
         assert (m["dim"], m["pool_grid"]) == (32 * g * g, g)
         feats[g] = load_features(encoder_dir / f"f{g}" / "test.pt")
@@ -98,17 +101,17 @@ def test_embed__grid_larger_than_the_map_or_with_the_head_fails_and_writes_nothi
         tiny_shards, encoder_dir):
     out = encoder_dir / "f3"
     with pytest.raises(ValueError, match="embed.pool_grid = 3"):
-        run.embed(encoder_path=encoder_dir / "encoder.pt", shards_dir=tiny_shards, out_dir=out,
+        embed(encoder_path=encoder_dir / "encoder.pt", shards_dir=tiny_shards, out_dir=out,
                   batch_size=32, pool_grid=3)
     with pytest.raises(ValueError, match="embed.use_head"):
-        run.embed(encoder_path=encoder_dir / "encoder.pt", shards_dir=tiny_shards, out_dir=out,
+        embed(encoder_path=encoder_dir / "encoder.pt", shards_dir=tiny_shards, out_dir=out,
                   batch_size=32, pool_grid=2, use_head=True, head_path=encoder_dir / "x.pt")
     assert not out.exists() or not any(out.iterdir())
 
 
 def test_linear_probe__augment_mode_runs_the_backbone_with_the_same_grid(
         tiny_shards, encoder_dir, tmp_path, monkeypatch):
-    run.embed(encoder_path=encoder_dir / "encoder.pt", shards_dir=tiny_shards,
+    embed(encoder_path=encoder_dir / "encoder.pt", shards_dir=tiny_shards,
               out_dir=tmp_path / "f", batch_size=32, pool_grid=2)
     got = {}
 
@@ -118,9 +121,9 @@ def test_linear_probe__augment_mode_runs_the_backbone_with_the_same_grid(
             got["dim"], got["num_features"] = backbone.eval()(x).shape[1], kw["num_features"]
         raise StopIteration
 
-    monkeypatch.setattr(run, "train_linear_augment", fake_train)
+    monkeypatch.setattr(run_linear, "train_linear_augment", fake_train)
     with pytest.raises(StopIteration):
-        run.linear_probe(features_dir=tmp_path / "f", shards_dir=tiny_shards,
+        linear_probe(features_dir=tmp_path / "f", shards_dir=tiny_shards,
                          encoder_path=encoder_dir / "encoder.pt",
                          linear=LinearParams(mode="augment", epochs=1, batch_size=32), seed=0,
                          details_path=tmp_path / "d.json", plots_path=tmp_path / "p.tsv",
@@ -132,14 +135,14 @@ def test_baselines__random_encoder_uses_the_embed_layout(tiny_shards, monkeypatc
     from pipeline.config import ModelParams
 
     dims = []
-    real = run.knn_classify
+    real = run_baselines.knn_classify
 
     def spy(train_f, *a, **kw):
         dims.append(train_f.shape[1])
         return real(train_f, *a, **kw)
 
-    monkeypatch.setattr(run, "knn_classify", spy)
+    monkeypatch.setattr(run_baselines, "knn_classify", spy)
     model = ModelParams(width=4, stem_stride=1)
-    run.baselines(shards_dir=tiny_shards, model=model, seed=0, batch_size=32, pool_grid=2)
+    run_baselines.baselines(shards_dir=tiny_shards, model=model, seed=0, batch_size=32, pool_grid=2)
     # raw pixels: 1 x 16 x 16; the random width-4 ResNet-18: 32 channels x 2 x 2 cells
     assert dims[0] == 256 and dims[-1] == 32 * 4

@@ -30,7 +30,7 @@ from relhelpers import (
     write_params,
 )
 
-from pipeline.checkpoint import load_checkpoint
+from pipeline.train.checkpoint import load_checkpoint
 
 
 def kill_point(seed: int, first: int) -> tuple[int, float]:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from relhelpers import mlflow_runs, stage_cmd, stage_env, write_params
+from relhelpers import ROOT, mlflow_runs, stage_cmd, stage_env, write_params
 
 SIGS = [signal.SIGTERM, signal.SIGINT]
 IDS = ["SIGTERM", "SIGINT"]
@@ -79,7 +79,7 @@ def test_stage__signal_at_startup__one_line_conventional_exit_nothing_written(
 
 def test_check_params__signal_at_startup__one_line_exit_143(tmp_path):
     write_params(tmp_path / "params.yaml", mlflow=False)
-    cmd = [sys.executable, "-m", "pipeline", "check-params", "--stamp", "runs/x.json"]
+    cmd = [sys.executable, str(ROOT / "stages/check_params.py"), "--stamp", "runs/x.json"]
     rc, err, _ = signal_when_handled(cmd, tmp_path, stage_env(None), signal.SIGTERM)
     assert rc == 143, err
     one_error_line(err)

@@ -15,8 +15,8 @@ import torch
 from helpers import make_samples, run_pretrain
 from relhelpers import TOTAL_STEPS, load_state, run_stage, same_tensors
 
-from pipeline.checkpoint import load_checkpoint
-from pipeline.data.shards import write_shards
+from pipeline.data.build import write_shards
+from pipeline.train.checkpoint import load_checkpoint
 
 
 def other_pixels_shards(root, tiny_shards):

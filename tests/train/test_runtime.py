@@ -9,6 +9,8 @@ import pytest
 import torch
 from helpers import run_pretrain
 
+from pipeline.signals import stop_on_signals
+from pipeline.train.checkpoint import CheckpointPolicy
 from pipeline.train.logging import LogWindow
 from pipeline.train.runtime import (
     CPU_COMPILE_MIN_IMAGES,
@@ -19,8 +21,6 @@ from pipeline.train.runtime import (
     resolve_switch,
     thread_candidates,
 )
-from pipeline.train.signals import stop_on_signals
-from pipeline.train.state import CheckpointPolicy
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -151,7 +151,7 @@ def test_pretrain__compile_on_cpu_and_resume_bit_identical(tiny_shards, tmp_path
 
 def test_plan_error__bad_bn_mode_is_a_one_line_user_error(tiny_shards, tmp_path):
     from pipeline.cli import _user_errors
-    from pipeline.train import PlanError
+    from pipeline.train.plan import PlanError
 
     with pytest.raises(PlanError, match="moco.bn"):
         run_pretrain(tiny_shards, tmp_path, {"moco": {"bn": "shuffle"}})

@@ -30,7 +30,7 @@ Modules (import the public names from this package, not from the modules):
 - ``imagefolder``: class-folder trees of image files.
 - ``modes``: every PIL image mode to 8-bit ``L`` or ``RGB`` (scaled, composited on white, or
   refused), and the grey/colour rule that sets a folder's channel count.
-- ``registry``: :func:`open_source`, ``SOURCE_NAMES``.
+- ``registry``: :func:`open_source` (the names: :class:`pipeline.config.DataSource`).
 """
 
 from pipeline.data.sources.base import (
@@ -49,7 +49,7 @@ from pipeline.data.sources.idx import (
     FashionMnistSource,
 )
 from pipeline.data.sources.imagefolder import IMAGE_EXTENSIONS, ImageFolderSource
-from pipeline.data.sources.registry import SOURCE_NAMES, open_source
+from pipeline.data.sources.registry import open_source
 from pipeline.data.sources.stl10 import Stl10Source
 
 __all__ = [
@@ -57,7 +57,6 @@ __all__ = [
     "FASHION_MNIST_CHECKSUMS",
     "FASHION_MNIST_CLASSES",
     "IMAGE_EXTENSIONS",
-    "SOURCE_NAMES",
     "SPLITS",
     "Checksum",
     "ChecksumError",

@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from pipeline.config import DataSource
 from pipeline.data.sources.base import Source
 from pipeline.data.sources.checksum import Checksum
 from pipeline.data.sources.cifar import CifarSource
 from pipeline.data.sources.idx import FashionMnistSource
 from pipeline.data.sources.imagefolder import ImageFolderSource
 from pipeline.data.sources.stl10 import Stl10Source
-
-SOURCE_NAMES = ("fashion_mnist", "cifar10", "cifar100", "stl10", "imagefolder")
 
 
 def open_source(name: str, root: str | Path = "", *, download: bool = False,
@@ -21,7 +20,7 @@ def open_source(name: str, root: str | Path = "", *, download: bool = False,
     """Open a dataset by name (``data.source``).
 
     Args:
-        name: one of :data:`SOURCE_NAMES`.
+        name: a :class:`pipeline.config.DataSource` name.
         root: raw-data directory; "" = the source's default (``DEFAULT_ROOTS``).
         download: let torchvision download missing files (not for imagefolder).
         test_fraction: ImageFolder held-out share when there is no train/test split on disk.
@@ -44,4 +43,4 @@ def open_source(name: str, root: str | Path = "", *, download: bool = False,
         return Stl10Source(root, download=download)
     if name == "imagefolder":
         return ImageFolderSource(root, test_fraction=test_fraction, seed=seed)
-    raise ValueError(f"unknown data source {name!r}; known: {', '.join(SOURCE_NAMES)}")
+    raise ValueError(f"unknown data source {name!r}; known: {', '.join(DataSource.names())}")

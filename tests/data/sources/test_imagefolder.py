@@ -11,7 +11,8 @@ from PIL import Image
 from srchelpers import KEY_CHARS, save
 
 from pipeline.config import DataParams
-from pipeline.data.shards import build_all, iter_shard
+from pipeline.data.build import build_all
+from pipeline.data.shards import iter_shard
 from pipeline.data.sources import SourceError, open_source
 
 

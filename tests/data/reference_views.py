@@ -1,34 +1,30 @@
-"""MoCo augmentation presets, the evaluation transform and the two-crop transform.
+"""The per-image torchvision MoCo recipes: the TEST REFERENCE for :mod:`pipeline.data.views`.
 
-Presets (PIL image in, ``(C, H, W)`` float tensor out), with the published parameters and order:
+Training makes its views batched on the device with kornia (:mod:`pipeline.data.views`). This
+module keeps the same presets written the way the official MoCo code writes them (PIL image in,
+``(C, H, W)`` float tensor out), so tests can check the batched presets op by op against the
+published tables, and ``benchmarks/data_throughput.py`` can time the per-image way.
 
-* ``v1`` (He et al., CVPR 2020, Sec. 4.1; official ``main_moco.py``): RandomResizedCrop(scale
-  0.2–1), RandomGrayscale(p=0.2), ColorJitter(0.4, 0.4, 0.4, 0.4) always, horizontal flip.
-* ``v2`` (Chen et al., 2020, "aug+"; official ``main_moco.py --aug-plus``): RandomResizedCrop
-  (scale 0.2–1), ColorJitter(0.4, 0.4, 0.4, 0.1) with p=0.8, RandomGrayscale(p=0.2), Gaussian
-  blur σ ∈ [0.1, 2] with p=0.5, horizontal flip.
-* ``v2_small``: ``v2`` without blur, for images ≤ 64 px (the MoCo CIFAR-10 demo's recipe, which
-  blurs nothing at 32 px).
-* ``v2_grey``: for 1-channel images: RandomResizedCrop, ColorJitter(brightness=0.4,
-  contrast=0.4) with p=0.8, horizontal flip (saturation, hue and grayscale do nothing to a
-  grey image).
+* ``v1`` (He et al., CVPR 2020, Sec. 4.1): RandomResizedCrop(scale 0.2-1), RandomGrayscale(0.2),
+  ColorJitter(0.4, 0.4, 0.4, 0.4) always, horizontal flip.
+* ``v2`` (Chen et al., 2020, "aug+"): RandomResizedCrop(0.2-1), ColorJitter(0.4, 0.4, 0.4, 0.1)
+  with p=0.8, RandomGrayscale(0.2), Gaussian blur σ ∈ [0.1, 2] with p=0.5, horizontal flip.
+* ``v2_small``: ``v2`` without blur. ``v2_grey``: RandomResizedCrop, ColorJitter(brightness=0.4,
+  contrast=0.4) with p=0.8, horizontal flip.
 
-Every preset ends with ToTensor and Normalize(mean, std), the dataset statistics given by the
-caller. All randomness comes from the torch CPU RNG (the transforms used draw nothing from
-Python's ``random``), so :class:`TwoCropTransform` makes each pair a pure function of a seed.
+Every preset ends with ToTensor and Normalize(mean, std).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
 from PIL import Image, ImageFilter
 from torchvision import transforms as T
 
-PRESETS = ("v1", "v2", "v2_small", "v2_grey")
-EVAL_CROP_RATIO = 0.875  # resize 256 → center-crop 224, the ImageNet evaluation protocol
+from pipeline.config import AugPreset
+from pipeline.seeds import derive_seed
 
 
 class RandomGaussianBlur:
@@ -86,11 +82,9 @@ def build_pretrain_transform(
         ValueError: unknown preset, ``image_size < 1``, ``crop_min_scale`` outside (0, 1], or
             ``mean``/``std`` of different lengths.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"augment.preset must be one of {', '.join(PRESETS)}; got {preset!r}")
+    preset = AugPreset.parse(preset, "augment.preset")
     if not 0 < crop_min_scale <= 1:
         raise ValueError(f"augment.crop_min_scale must be in (0, 1], got {crop_min_scale}")
-    _check_common(image_size, mean, std)
     crop = T.RandomResizedCrop(image_size, scale=(crop_min_scale, 1.0))
     tail = [T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(tuple(mean), tuple(std))]
     if preset == "v1":
@@ -112,62 +106,9 @@ def build_pretrain_transform(
     return T.Compose(ops + tail)
 
 
-def build_eval_transform(image_size: int, mean: Sequence[float], std: Sequence[float]) -> T.Compose:
-    """Deterministic transform for evaluation (kNN bank, features, linear probe).
-
-    For ``image_size >= 128`` the ImageNet protocol: resize the shorter side to
-    ``int(image_size / 0.875)`` (224 → 256) then center-crop ``image_size``. For small images
-    resize the shorter side to ``image_size`` then center-crop (the identity for square images
-    already of that size).
-
-    Args:
-        image_size: output side in pixels.
-        mean: per-channel dataset mean.
-        std: per-channel dataset standard deviation.
-
-    Returns:
-        A transform PIL image → ``(C, image_size, image_size)`` float32 tensor.
-
-    Raises:
-        ValueError: ``image_size < 1`` or ``mean``/``std`` of different lengths.
-    """
-    _check_common(image_size, mean, std)
-    resize = int(image_size / EVAL_CROP_RATIO) if image_size >= 128 else image_size
-    return T.Compose(
-        [
-            T.Resize(resize),
-            T.CenterCrop(image_size),
-            T.ToTensor(),
-            T.Normalize(tuple(mean), tuple(std)),
-        ]
-    )
-
-
-def _check_common(image_size: int, mean: Sequence[float], std: Sequence[float]) -> None:
-    if image_size < 1:
-        raise ValueError(f"image_size must be >= 1, got {image_size}")
-    if len(mean) != len(std) or len(mean) == 0:
-        raise ValueError(f"mean and std must have one entry per channel, got {mean} and {std}")
-
-
 def sample_seed(seed: int, epoch: int, key: str, draw: int = 0) -> int:
-    """A seed for one sample's augmentation, stable across processes, machines and runs.
-
-    BLAKE2b of ``"{seed}|{epoch}|{draw}|{key}"`` (never Python's salted ``hash()``), truncated
-    to 63 bits.
-
-    Args:
-        seed: the run's seed (``seed`` in params).
-        epoch: the epoch (or any counter that must change the views).
-        key: the sample's unique key in the shards.
-        draw: index of a further independent draw for the same sample and epoch.
-
-    Returns:
-        An int in ``[0, 2**63)``.
-    """
-    msg = f"{int(seed)}|{int(epoch)}|{int(draw)}|{key}".encode()
-    digest = hashlib.blake2b(msg, digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+    """A per-sample seed (:func:`pipeline.seeds.derive_seed` of seed, epoch, draw and key)."""
+    return derive_seed(int(seed), int(epoch), int(draw), key)
 
 
 class TwoCropTransform:

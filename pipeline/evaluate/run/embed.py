@@ -1,0 +1,125 @@
+"""The ``embed`` stage: frozen features of the labelled train and test shards."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.data.loader import eval_loader
+from pipeline.data.remote import ShardURL
+from pipeline.data.shards import image_spec, read_manifest
+from pipeline.data.views import build_eval_transform
+from pipeline.evaluate.features import FeatureSet, extract_features, pick_device, save_features
+from pipeline.evaluate.pooling import set_pool_grid
+from pipeline.moco.backbones import build_backbone, build_head
+
+log = logging.getLogger(__name__)
+
+
+def load_encoder(encoder_path: Path, *, pool_grid: int = 1) -> tuple[nn.Module, dict[str, Any]]:
+    """Rebuild the exported backbone from ``encoder.pt`` + ``encoder.json``.
+
+    Args:
+        encoder_path: ``models/encoder.pt`` (its ``.json`` sidecar next to it).
+        pool_grid: ``embed.pool_grid``: the last stage average-pooled to ``g x g`` cells and
+            flattened (see :class:`~pipeline.moco.backbones.GridPool`); 1 = global pooling.
+
+    Returns:
+        (backbone with ``fc = Identity`` giving ``(N, num_features)`` features, metadata whose
+        ``num_features`` is that width: ``C * pool_grid**2``).
+
+    Raises:
+        FileNotFoundError: a file is missing.
+        RuntimeError: the weights do not fit the recorded architecture (anything but ``fc.*``
+            missing, or unexpected keys).
+        ValueError: ``pool_grid < 1``.
+    """
+    meta = json.loads(Path(encoder_path).with_suffix(".json").read_text())
+    backbone = build_backbone(meta["backbone"], width=meta["width"],
+                              in_channels=meta["in_channels"], small_stem=meta["small_stem"],
+                              stem_stride=meta.get("stem_stride", 1))
+    sd = torch.load(encoder_path, map_location="cpu", weights_only=True)
+    missing, unexpected = backbone.load_state_dict(sd, strict=False)
+    if unexpected or any(not k.startswith("fc.") for k in missing):
+        raise RuntimeError(f"{encoder_path} does not fit {meta['backbone']} width "
+                           f"{meta['width']}: missing {missing}, unexpected {unexpected}")
+    meta = {**meta, "num_features": set_pool_grid(backbone, pool_grid), "pool_grid": pool_grid}
+    return backbone, meta
+
+
+def embed(*, encoder_path: Path, shards_dir: Path | ShardURL, out_dir: Path, batch_size: int,
+          use_head: bool = False, head_path: Path | None = None,
+          num_workers: int = 0, pool_grid: int = 1) -> dict[str, float]:
+    """Frozen features of the labelled train and test shards (eval transform, BN in eval mode).
+
+    The features are the backbone's last stage average-pooled to ``pool_grid x pool_grid``
+    cells and flattened (``embed.pool_grid``; 1 = global average pooling, the MoCo protocol),
+    or, with ``use_head``, the projection head's output on the globally pooled features.
+
+    Writes ``out_dir/train.pt`` and ``out_dir/test.pt`` (``FeatureSet``: (N, D) float32,
+    (N,) labels, keys).
+
+    Returns:
+        ``{split}_images``, ``{split}_images_per_s`` (extraction only), ``dim`` (D),
+        ``images_per_s`` (both splits, extraction only), ``pool_grid`` and ``wall_time_s``
+        (seconds, from loading the encoder to the saved features).
+
+    Raises:
+        FileNotFoundError: the encoder or the shards are missing.
+        ValueError: ``pool_grid`` > 1 with ``use_head`` (the head takes ``(N, C)`` pooled
+            features), or larger than the last stage's map (nothing is written then).
+    """
+    t_start = time.time()
+    if use_head and pool_grid != 1:
+        raise ValueError(f"embed.pool_grid = {pool_grid} with embed.use_head: the projection "
+                         "head takes globally pooled features; set embed.pool_grid: 1")
+    device = pick_device()
+    backbone, _ = load_encoder(encoder_path, pool_grid=pool_grid)
+    head = None
+    if use_head:
+        if head_path is None or not Path(head_path).is_file():
+            raise FileNotFoundError(f"embed.use_head is true but {head_path} is missing")
+        head = torch.load(head_path, map_location="cpu", weights_only=True)
+        head = _load_head(head)
+    metrics: dict[str, float] = {"pool_grid": pool_grid}
+    done: dict[str, FeatureSet] = {}
+    embed_s: dict[str, float] = {}
+    for split in ("train", "test"):
+        spec = image_spec(read_manifest(shards_dir / split), shards_dir / split)
+        t0 = time.time()
+        fs = extract_features(backbone, eval_loader(
+            shards_dir / split, transform=build_eval_transform(spec.size, spec.mean, spec.std),
+            batch_size=batch_size, num_workers=num_workers), device=device, head=head,
+            desc=f"embed {split}", progress=sys.stderr.isatty())
+        dt = embed_s[split] = time.time() - t0
+        done[split] = fs
+        metrics[f"{split}_images"] = len(fs)
+        metrics[f"{split}_images_per_s"] = len(fs) / max(dt, 1e-9)
+        metrics["dim"] = fs.features.shape[1]
+        log.info("embedded %d %s images in %.1fs", len(fs), split, dt)
+    # written only once both splits are embedded: a failure leaves the previous pair intact
+    for split, fs in done.items():
+        save_features(fs, out_dir / f"{split}.pt")
+    n_images = sum(len(fs) for fs in done.values())
+    metrics["images_per_s"] = n_images / max(sum(embed_s.values()), 1e-9)
+    metrics["wall_time_s"] = time.time() - t_start
+    return metrics
+
+
+def _load_head(payload: dict[str, Any]) -> nn.Module:
+    head = build_head(payload["kind"], payload["in_dim"], payload["hidden"], payload["dim"])
+    head.load_state_dict(payload["state_dict"])
+    return head
+
+
+def _load_head(payload: dict[str, Any]) -> nn.Module:
+    head = build_head(payload["kind"], payload["in_dim"], payload["hidden"], payload["dim"])
+    head.load_state_dict(payload["state_dict"])
+    return head

@@ -1,0 +1,172 @@
+"""dvc.yaml deps follow the imports: every pipeline module a stage runs is a dep of that stage.
+
+DVC reruns a stage only when one of its deps changes. A stage whose script imports a module that
+is not a dep would keep stale outputs after that module changes, so this test computes each
+stage's import closure inside ``pipeline/`` (the way Python executes it: ``import a.b.c`` runs
+``a/__init__.py``, ``a/b/__init__.py`` and ``a/b/c.py``) and requires every module in it to be
+covered by a dep (the file itself, or a directory above it), or to be in :data:`NOT_OUTPUT_CODE`.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Modules that provably never change an output's bytes, with the reason. They are not deps (a
+# logging tweak must not rerun pretraining), and their own imports are not followed: what they
+# import serves logging, signal handling or error messages.
+NOT_OUTPUT_CODE = {
+    # the stage entry: argument parsing, logging set-up, exception -> one `error:` line
+    "pipeline/cli.py",
+    # SIGTERM/SIGINT -> Terminated, exit codes (standard library only)
+    "pipeline/signals.py",
+    # MLflow runs; writes only runs/<stage>.json, whose run id is new at every execution anyway
+    "pipeline/tracking.py",
+}
+
+
+def _type_checking_block(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Dotted ``pipeline.*`` names whose import a file executes (TYPE_CHECKING blocks skipped)."""
+    names: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if _type_checking_block(node):
+            for child in node.orelse:  # the `else:` of `if TYPE_CHECKING` does run
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)  # maybe submodules
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return {n for n in names if n == "pipeline" or n.startswith("pipeline.")}
+
+
+def _module_files(dotted: str) -> list[Path]:
+    """The files executed by importing ``dotted`` (each package ``__init__`` on the way)."""
+    parts = dotted.split(".")
+    files = []
+    for i in range(1, len(parts) + 1):
+        base = REPO.joinpath(*parts[:i])
+        if (base / "__init__.py").is_file():
+            files.append(base / "__init__.py")
+        elif base.with_suffix(".py").is_file():
+            files.append(base.with_suffix(".py"))
+        else:
+            break  # `from pipeline.x import name`: name is not a module
+    return files
+
+
+def import_closure(script: Path) -> set[str]:
+    """Repo-relative paths of every pipeline module that running ``script`` may import."""
+    seen: set[str] = set()
+    todo = [script]
+    while todo:
+        f = todo.pop()
+        rel = f.relative_to(REPO).as_posix()
+        if rel in seen:
+            continue
+        seen.add(rel)
+        if rel in NOT_OUTPUT_CODE:
+            continue
+        for name in _imported_modules(f):
+            todo.extend(_module_files(name))
+    seen.discard(script.relative_to(REPO).as_posix())
+    return {m for m in seen if m.startswith("pipeline/")}
+
+
+def _stage_script(cmd: str) -> Path:
+    if m := re.search(r"python (stages/\w+\.py)", cmd):
+        return REPO / m.group(1)
+    if "python -m pipeline" in cmd:
+        return REPO / "pipeline/__main__.py"
+    raise AssertionError(f"cannot tell the script of stage command {cmd!r}")
+
+
+def _stages() -> dict[str, dict]:
+    return yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+
+
+def _covered(module: str, deps: list[str]) -> bool:
+    return any(module == d or module.startswith(d.rstrip("/") + "/") for d in deps)
+
+
+def docstring_only(module: str) -> bool:
+    """Whether a module holds nothing but a docstring (a package ``__init__`` runs no code)."""
+    body = ast.parse((REPO / module).read_text()).body
+    return all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+               and isinstance(n.value.value, str) for n in body)
+
+
+def missing_deps(stage: dict) -> list[str]:
+    """Modules in a stage's import closure that no dep, NOT_OUTPUT_CODE or emptiness covers."""
+    script = _stage_script(stage["cmd"])
+    deps = [d if isinstance(d, str) else next(iter(d)) for d in stage.get("deps", [])]
+    assert script.relative_to(REPO).as_posix() in deps, f"{script} is not a dep of its stage"
+    return sorted(m for m in import_closure(script)
+                  if m not in NOT_OUTPUT_CODE and not _covered(m, deps)
+                  and not docstring_only(m))
+
+
+@pytest.mark.parametrize("name", sorted(_stages()))
+def test_dvc_deps__cover_the_stage_import_closure(name):
+    assert missing_deps(_stages()[name]) == [], (
+        f"stage {name}: add these to its deps in dvc.yaml (or, if they provably never change "
+        "an output's bytes, to NOT_OUTPUT_CODE with the reason)")
+
+
+@pytest.mark.parametrize("name", sorted(_stages()))
+def test_dvc_deps__no_code_dep_outside_the_import_closure(name):
+    # a listed module the stage never imports reruns it for nothing (and hides a stale list)
+    stage = _stages()[name]
+    closure = import_closure(_stage_script(stage["cmd"]))
+    for dep in stage["deps"]:
+        if isinstance(dep, str) and dep.startswith("pipeline/"):
+            assert any(m == dep or m.startswith(dep + "/") for m in closure), (
+                f"stage {name}: dep {dep} is not imported by the stage")
+
+
+def test_dvc_deps__closure_follows_packages_and_lazy_imports(tmp_path):
+    # worked by hand on the real tree: stages/knn.py imports pipeline.evaluate.run.knn inside
+    # run() (lazily), which imports pipeline.evaluate.knn at module level; the package
+    # __init__ files on the way run too. TYPE_CHECKING imports do not run.
+    closure = import_closure(REPO / "stages/knn.py")
+    assert {"pipeline/__init__.py", "pipeline/evaluate/__init__.py",
+            "pipeline/evaluate/run/__init__.py", "pipeline/evaluate/run/knn.py",
+            "pipeline/evaluate/knn.py"} <= closure
+    assert "pipeline/data/loader.py" not in closure  # the kNN stage reads features only
+    assert "pipeline/cli.py" in closure  # reached, but not followed further
+    script = tmp_path / "s.py"
+    script.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                      "    from pipeline.config import Params\n")
+    script_rel = REPO / "tests" / "_tmp_deps_script.py"
+    shutil.copy(script, script_rel)
+    try:
+        assert import_closure(script_rel) == set()
+    finally:
+        script_rel.unlink()
+
+
+def test_dvc_deps__removing_a_dep_is_caught():
+    # the test must fail when a real dep goes: drop pipeline/data/loader.py from embed
+    stage = dict(_stages()["embed"])
+    stage["deps"] = [d for d in stage["deps"] if d != "pipeline/data/loader.py"]
+    assert "pipeline/data/loader.py" in missing_deps(stage)
