@@ -10,7 +10,7 @@ FMNIST := /usr/share/datasets/fashion-mnist
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# torch/torchvision first, pinned to the pair that imports together here (see README).
+# torch/torchvision first, pinned to the pair that imports together here (docs/pipeline.md).
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --disable-pip-version-check -q torch==2.14.1 torchvision==0.29.1
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
@@ -23,7 +23,7 @@ data:
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	    (apt-get install -y -q dataset-fashion-mnist || \
 	     (apt-get update -q && apt-get install -y -q dataset-fashion-mnist)) >/dev/null; \
-	  else echo "note: $(FMNIST) missing and apt unavailable: set data.download: true"; fi; \
+	  else echo "note: $(FMNIST) missing and apt unavailable: set data.download: true and data.root: data/raw/fashion-mnist"; fi; \
 	fi
 
 setup: $(VENV)/.installed data
