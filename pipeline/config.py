@@ -102,7 +102,7 @@ class PrecisionName(Choice):
 
 
 class LrSchedule(Choice):
-    """``pretrain.lr_schedule`` / ``linear.lr_schedule`` (:mod:`pipeline.train.schedules`)."""
+    """``pretrain.lr_schedule`` / ``linear.lr_schedule`` (:mod:`pipeline.schedules`)."""
 
     cosine = "cosine"
     step = "step"
@@ -179,10 +179,11 @@ class DataParams:
 
 @dataclass
 class AugmentParams:
-    """Two-crop augmentation preset (see pipeline.data.augment for the published tables)."""
+    """Two-crop augmentation preset (:mod:`pipeline.data.views` has the published tables)."""
 
     preset: AugPreset = AugPreset.v2_grey
-    crop_min_scale: float = 0.5  # RandomResizedCrop scale lower bound (MoCo v1/v2: 0.2; sweep)
+    # RandomResizedCrop scale lower bound (MoCo v1/v2: 0.2; 0.5 for 28 px: results/sweep-*.md)
+    crop_min_scale: float = 0.5
 
 
 @dataclass
@@ -191,7 +192,7 @@ class ModelParams:
 
     backbone: Backbone = Backbone.resnet18
     width: int = 32  # channels of the first stage (torchvision: 64); 32 = 256-d features
-    small_stem: str = "auto"  # auto|true|false; auto = 3x3 stride-1 stem, no max-pool below 64 px
+    small_stem: str = "auto"  # auto|true|false; auto = 3x3 stem, no max-pool below 64 px
     stem_stride: int = 2  # stride of the small stem's 3x3 conv: 1 (CIFAR demo) or 2 (28 px -> 14)
     head: Head = Head.mlp  # linear (MoCo v1) or mlp (MoCo v2)
     head_hidden: int = 512  # MLP hidden width (MoCo v2 uses the backbone's feature width)
@@ -218,7 +219,7 @@ class PretrainParams:
     epochs: int = 7
     steps_per_epoch: int = 0  # 0 = pretrain images // batch_size (true epoch); at most that
     batch_size: int = 64  # global batch (split across DDP ranks)
-    lr: float = 0.12  # per 256 images (sweep; MoCo CIFAR demo: 0.03 per 256)
+    lr: float = 0.12  # per 256 images (MoCo CIFAR demo: 0.03; results/sweep-*.md)
     lr_schedule: LrSchedule = LrSchedule.cosine
     lr_milestones: list[int] = field(default_factory=lambda: [120, 160])  # epochs, step schedule
     warmup_epochs: float = 0.25

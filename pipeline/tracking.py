@@ -397,7 +397,6 @@ def mark_stale_runs(uri: str, experiment_id: str, stage: str, root: Path) -> lis
 def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), rank: int = 0,
               extra_tags: dict[str, str] | None = None,
               system_metrics: bool = False) -> Iterator[StageRun]:
-    # Long only by its signature and docstring (the protocol, shapes, errors): the body is 42 lines.
     """One MLflow run for one executed stage, written to ``runs/<stage>.json`` at the end.
 
     The run ends FINISHED only when the block completes; from that moment a stage entry point

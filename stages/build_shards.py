@@ -11,14 +11,13 @@ if TYPE_CHECKING:
 
 
 def run(p: Params) -> None:
-    import sys
     from pathlib import Path
 
     from pipeline.data.build import build_all
     from pipeline.tracking import stage_run
 
     with stage_run("build_shards", p) as mlrun:
-        manifests = build_all(p.data, p.seed, progress=sys.stderr.isatty())
+        manifests = build_all(p.data, p.seed)
         for split, m in manifests.items():
             mlrun.log_metrics({f"{split}_images": m["num_samples"],
                                f"{split}_shards": len(m["shards"])})

@@ -15,11 +15,10 @@ if TYPE_CHECKING:
     from pipeline.config import Params
     from pipeline.data.remote import ShardURL
 
-# Resume state: NOT a DVC output (gitignored and dvcignored). As a `persist: true, cache: false`
-# output it switched off DVC's run cache for the stage and could not be restored by `dvc pull`
-# or in a `--queue`/`--temp` workspace, so those retrained. Here it only serves a killed
-# `dvc repro` in the same workspace; `last.pt` holds the fingerprint of the params, shards and
-# training code it was made with, and a checkpoint with another fingerprint is never resumed.
+# Resume state is not a DVC output (it is gitignored and dvcignored): a `persist: true` output
+# would switch off DVC's run cache for the stage. `last.pt` holds the fingerprint of the params,
+# shards and training code it was made with; a checkpoint with another fingerprint is never
+# resumed.
 CHECKPOINT_DIR = ".checkpoints/pretrain"
 
 

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -127,27 +126,25 @@ def _replace_dir(tmp: Path, out_dir: Path) -> None:
 
 
 class _Progress:
-    """tqdm on a terminal, otherwise a log line per finished shard."""
+    """A tqdm bar (tqdm shows it on a terminal only), else a log line per finished shard."""
 
     def __init__(self, split: str, total: int | None, enabled: bool):
         self.split, self.total, self.enabled = split, total, enabled
-        self.bar = (tqdm(total=total, desc=f"shards {split}", unit="img")
-                    if enabled and sys.stderr.isatty() else None)
+        self.bar = tqdm(total=total, desc=f"shards {split}", unit="img",
+                        disable=None if enabled else True)
         self.start = time.monotonic()
 
     def update(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
+        self.bar.update(n)
 
     def shard_done(self, name: str, written: int) -> None:
-        if self.enabled and self.bar is None:
+        if self.enabled and self.bar.disable:
             rate = written / max(time.monotonic() - self.start, 1e-9)
             of = f"/{self.total}" if self.total else ""
             log.info("%s: wrote %s, %d%s images (%.0f img/s)", self.split, name, written, of, rate)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
 
 def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, source: str,
@@ -330,7 +327,6 @@ def _chain(first: Sample, rest: Iterator[Sample]) -> Iterator[Sample]:
 
 
 def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[str, dict[str, Any]]:
-    # Long only by its signature and docstring (the protocol, shapes, errors): the body is 41 lines.
     """Build the ``pretrain``, ``train`` and ``test`` shards under ``params.shards_dir``.
 
     Each split is written in a seeded random order (so a shard, and any prefix a loader takes

@@ -289,7 +289,6 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
                  skip_batches: int = 0, shuffle_buffer: int = 0,
                  pin_memory: bool = False, crop: Crop | None = None,
                  views: int = 2) -> DataLoader:
-    # Long only by its signature and docstring (the protocol, shapes, errors): the body is 22 lines.
     """One rank's batches of one epoch, as uint8 images (augmentation happens on the device).
 
     Every image of the split is yielded at most once per epoch across all ranks and workers:

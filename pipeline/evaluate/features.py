@@ -86,7 +86,6 @@ def extract_features(
     progress: bool = True,
     desc: str = "features",
 ) -> FeatureSet:
-    # Long only by its signature and docstring (the protocol, shapes, errors): the body is 32 lines.
     """Run a frozen backbone (optionally + projection head) over batches and collect features.
 
     The modules are put in eval mode (BatchNorm uses its running statistics) and run under
@@ -102,7 +101,7 @@ def extract_features(
             once, in order.
         device: where images are sent before the forward pass.
         head: applied to the backbone output when given (``embed.use_head``).
-        progress: show a tqdm progress bar.
+        progress: show a tqdm bar (tqdm draws it on a terminal only).
         desc: the progress bar's label.
 
     Returns:
@@ -121,7 +120,8 @@ def extract_features(
     try:
         for top in modules:
             top.eval()
-        for images, y, k in tqdm(batches, desc=desc, disable=not progress, unit="batch"):
+        bar = tqdm(batches, desc=desc, disable=None if progress else True, unit="batch")
+        for images, y, k in bar:
             b = images.shape[0]
             y = torch.as_tensor(y, dtype=torch.long).cpu()
             if y.shape != (b,) or len(k) != b:

@@ -85,7 +85,6 @@ def knn_predict(
     bank_chunk_size: int = DEFAULT_BANK_CHUNK_SIZE,
     device: torch.device | str | None = None,
 ) -> Tensor:
-    # Long only by its signature and docstring (the protocol, shapes, errors): the body is 39 lines.
     """Weighted kNN class scores (InstDisc; k=200, T=0.1 as in InstDisc / the MoCo CIFAR demo).
 
     Both feature sets are L2-normalised here (cosine similarity ``s``). Each test row takes its
@@ -256,7 +255,6 @@ def knn_classify(
     bank_chunk_size: int = DEFAULT_BANK_CHUNK_SIZE,
     device: torch.device | str | None = None,
 ) -> KnnResult:
-    # Long only by its signature and docstring (the protocol, shapes, errors): the body is 19 lines.
     """Weighted kNN accuracy of a test set against a train bank (InstDisc, MoCo CIFAR demo).
 
     Labels may be any integers (e.g. {3, 7, 42}): the class set is the sorted union of train and

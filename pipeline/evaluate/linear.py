@@ -55,7 +55,7 @@ from pipeline.evaluate.metrics import (
     contiguous_labels,
     labelled_mask,
 )
-from pipeline.train.schedules import lr_schedule as lr_schedule_
+from pipeline.schedules import lr_schedule as lr_schedule_
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,8 @@ def _fit(
     opt = torch.optim.SGD(clf.parameters(), lr=lrs[0], momentum=momentum,
                           weight_decay=weight_decay)
     history: list[dict[str, float]] = []
-    for epoch, lr in enumerate(tqdm(lrs, desc="linear", unit="epoch", disable=not progress)):
+    bar = tqdm(lrs, desc="linear", unit="epoch", disable=None if progress else True)
+    for epoch, lr in enumerate(bar):
         for group in opt.param_groups:
             group["lr"] = lr
         clf.train()
@@ -225,7 +226,6 @@ def train_linear_on_features(
     device: torch.device | str = "cpu",
     progress: bool = False,
 ) -> LinearResult:
-    # Long only by its signature and docstring (the protocol, shapes, errors): the body is 42 lines.
     """Linear probe on precomputed frozen features (fast mode, no augmentation).
 
     Defaults are MoCo's protocol: lr 30 per 256 images, SGD momentum 0.9, wd 0, 100 epochs,
@@ -414,7 +414,6 @@ def train_linear_augment(
     device: torch.device | str = "cpu",
     progress: bool = False,
 ) -> LinearResult:
-    # Long only by its signature and docstring (the protocol, shapes, errors): the body is 30 lines.
     """Linear probe with train-time augmentation through the frozen backbone (MoCo protocol).
 
     The backbone runs in eval mode (BatchNorm uses, and never updates, its running statistics)

@@ -5,8 +5,8 @@
   and the driver.
 * :mod:`~pipeline.train.plan` — sizes and schedules checked against the data; the MoCo model.
 * :mod:`~pipeline.train.runtime` — device, DDP, precision, CPU threads, channels_last, compile.
-* :mod:`~pipeline.train.schedules` — per-step learning rates (momentum schedule:
-  :mod:`pipeline.moco.momentum`).
+* :mod:`pipeline.schedules` — per-step learning rates, shared with the linear probe (momentum
+  schedule: :mod:`pipeline.moco.momentum`).
 * :mod:`~pipeline.train.checkpoint` — what a checkpoint holds, when it is written, resume.
 * :mod:`~pipeline.train.logging` — logging windows (loss, instance accuracy, img/s, data wait).
 * :mod:`~pipeline.train.monitor` — the kNN monitor.

@@ -32,7 +32,7 @@ from pipeline.config import (
 log = logging.getLogger(__name__)
 
 # Library modules whose source is part of the fingerprint (changing them restarts training).
-TRAINING_CODE = ("train/engine.py", "train/plan.py", "train/runtime.py", "train/schedules.py",
+TRAINING_CODE = ("train/engine.py", "train/plan.py", "train/runtime.py", "schedules.py",
                  "train/checkpoint.py", "moco/queue.py", "moco/momentum.py", "moco/loss.py",
                  "moco/batchnorm.py", "moco/backbones.py", "moco/model.py", "moco/distributed.py",
                  "data/views.py", "data/loader.py", "seeds.py")

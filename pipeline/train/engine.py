@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,6 @@ from pipeline.data.views import (
 from pipeline.moco.model import MoCo, MocoOutput
 from pipeline.seeds import batch_seed
 from pipeline.signals import StopFlag, Terminated, signal_name, stop_on_signals
-from pipeline.tracking import StageRun
 from pipeline.train.checkpoint import (
     Checkpointer,
     CheckpointPolicy,
@@ -54,6 +54,9 @@ from pipeline.train.runtime import (
     setup_threads,
     wrap_model,
 )
+
+if TYPE_CHECKING:
+    from pipeline.tracking import StageRun
 
 log = logging.getLogger(__name__)
 

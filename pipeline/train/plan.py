@@ -24,7 +24,7 @@ from pipeline.moco.backbones import (
 from pipeline.moco.batchnorm import check_bn_mode
 from pipeline.moco.model import MoCo
 from pipeline.moco.momentum import momentum_schedule
-from pipeline.train.schedules import lr_schedule
+from pipeline.schedules import lr_schedule
 
 log = logging.getLogger(__name__)
 

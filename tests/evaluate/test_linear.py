@@ -8,7 +8,7 @@ from torch import nn
 from pipeline.evaluate.features import FeatureSet
 from pipeline.evaluate.heldout import split_train_val
 from pipeline.evaluate.linear import train_linear_augment, train_linear_on_features
-from pipeline.train.schedules import lr_schedule
+from pipeline.schedules import lr_schedule
 
 
 def lr_per_epoch(*, lr, batch_size, epochs, lr_schedule: str, milestones):

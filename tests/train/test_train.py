@@ -14,9 +14,9 @@ import torchvision
 from helpers import build_tiny_shards, run_pretrain
 
 from pipeline.evaluate.run.embed import load_encoder
+from pipeline.schedules import lr_schedule
 from pipeline.train.engine import NonFiniteLossError
 from pipeline.train.runtime import resolve_precision
-from pipeline.train.schedules import lr_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 

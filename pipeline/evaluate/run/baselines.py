@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -65,8 +64,7 @@ def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
         t0 = time.time()
         tr, te = (extract_features(net, eval_loader(shards_dir / s, transform=tf,
                                                     batch_size=batch_size),
-                                   device=device, desc=f"{name} {s}",
-                                   progress=sys.stderr.isatty()) for s in ("train", "test"))
+                                   device=device, desc=f"{name} {s}") for s in ("train", "test"))
         res = knn_classify(tr.features, tr.labels, te.features, te.labels, k=DEFAULT_K,
                            T=DEFAULT_T, num_classes=num_classes, device=device)
         out[f"{name}_top1"], out[f"{name}_top5"] = res.top1, res.top5

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ def load_encoder(encoder_path: Path, *, pool_grid: int = 1) -> tuple[nn.Module, 
     Args:
         encoder_path: ``models/encoder.pt`` (its ``.json`` sidecar next to it).
         pool_grid: ``embed.pool_grid``: the last stage average-pooled to ``g x g`` cells and
-            flattened (see :class:`~pipeline.moco.backbones.GridPool`); 1 = global pooling.
+            flattened (see :class:`~pipeline.evaluate.pooling.GridPool`); 1 = global pooling.
 
     Returns:
         (backbone with ``fc = Identity`` giving ``(N, num_features)`` features, metadata whose
@@ -97,7 +96,7 @@ def embed(*, encoder_path: Path, shards_dir: Path | ShardURL, out_dir: Path, bat
         fs = extract_features(backbone, eval_loader(
             shards_dir / split, transform=build_eval_transform(spec.size, spec.mean, spec.std),
             batch_size=batch_size, num_workers=num_workers), device=device, head=head,
-            desc=f"embed {split}", progress=sys.stderr.isatty())
+            desc=f"embed {split}")
         dt = embed_s[split] = time.time() - t0
         done[split] = fs
         metrics[f"{split}_images"] = len(fs)

@@ -1,0 +1,138 @@
+"""The house rules of pipeline/: layers only import downwards, no import cycles, short functions.
+
+Layers, lowest first: a module may import its own layer and the layers below it, never above.
+A new module must be given a layer here (the test fails for a module it cannot place).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "pipeline"
+
+# (layer, module prefixes); the longest matching prefix decides
+LAYERS = [
+    (0, ["pipeline.config", "pipeline.atomic", "pipeline.signals", "pipeline.seeds",
+         "pipeline.schedules", "pipeline"]),
+    (1, ["pipeline.data.remote", "pipeline.data.sources"]),
+    (2, ["pipeline.data"]),  # shards, build, views, loader
+    (3, ["pipeline.moco"]),
+    (4, ["pipeline.evaluate"]),  # features, pooling, metrics, heldout, knn, linear
+    (5, ["pipeline.train"]),
+    (6, ["pipeline.evaluate.run", "pipeline.report"]),
+    (7, ["pipeline.tracking"]),
+    (8, ["pipeline.cli", "pipeline.__main__"]),
+]
+MAX_BODY_LINES = 60  # a longer function says why in its docstring ("Long because ...")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in PKG.rglob("*.py"):
+        parts = list(f.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = f
+    return out
+
+
+def layer(module: str) -> int:
+    best, found = -1, None
+    for n, prefixes in LAYERS:
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, found = len(p), n
+    assert found is not None, f"{module}: no layer in tests/test_layout.py"
+    return found
+
+
+def _imports(path: Path, *, module_level_only: bool) -> set[str]:
+    """pipeline.* modules a file imports (TYPE_CHECKING blocks skipped)."""
+    known = _modules()
+    names: set[str] = set()
+
+    def visit(node: ast.AST, top: bool) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and (top or not module_level_only):
+            if isinstance(node, ast.Import):
+                cands = [a.name for a in node.names]
+            elif node.module and node.level == 0:
+                cands = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                cands = []
+            names.update(c for c in cands if c in known)
+        inner = top and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                               ast.ClassDef))
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        visit(node, True)
+    return names
+
+
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_layout__imports_only_go_down(module):
+    mine = layer(module)
+    up = sorted(m for m in _imports(_modules()[module], module_level_only=False)
+                if layer(m) > mine and not module.startswith(m))
+    assert up == [], f"{module} (layer {mine}) imports a higher layer: {up}"
+
+
+def test_layout__no_import_cycles_at_module_level():
+    mods = _modules()
+    graph = {m: {i for i in _imports(f, module_level_only=True) if i != m and not
+                 m.startswith(i + ".")} for m, f in mods.items()}
+    state: dict[str, int] = {}
+
+    def dfs(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path + [m, n]))
+            if n not in state:
+                dfs(n, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            dfs(m, [])
+
+
+def _long_functions() -> list[str]:
+    out = []
+    for m, f in sorted(_modules().items()):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body
+            doc = ast.get_docstring(node) or ""
+            if body and isinstance(body[0], ast.Expr) and isinstance(
+                    getattr(body[0], "value", None), ast.Constant):
+                body = body[1:]
+            if not body:
+                continue
+            n = body[-1].end_lineno - body[0].lineno + 1
+            if n > MAX_BODY_LINES and "Long because" not in doc:
+                out.append(f"{m}.{node.name}: {n} lines")
+    return out
+
+
+def test_layout__functions_are_short_or_say_why():
+    assert _long_functions() == []
+
+
+def test_layout__the_checks_catch_what_they_claim(tmp_path):
+    # worked by hand: pipeline.moco (layer 3) importing pipeline.train (layer 5) goes up
+    assert layer("pipeline.moco.queue") == 3 and layer("pipeline.train.engine") == 5
+    assert layer("pipeline.evaluate.run.knn") == 6 and layer("pipeline.evaluate.knn") == 4
+    src = "import x\n" + "\n".join(f"    y{i} = {i}" for i in range(61))
+    tree = ast.parse("def f():\n" + src.split("\n", 1)[1])
+    fn = tree.body[0]
+    assert fn.body[-1].end_lineno - fn.body[0].lineno + 1 == 61 > MAX_BODY_LINES
