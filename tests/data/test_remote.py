@@ -192,7 +192,8 @@ def test_train_loader__connection_dropped_mid_shard_resumes(served, fast_retries
 
 @pytest.fixture
 def blob(tmp_path):
-    """A 256 KiB file of seeded random bytes on a fresh server that honours ``Range``."""
+    """``serve(**server_kw)`` -> ``(data, server, url)``: 256 KiB of seeded random bytes on a
+    fresh :class:`_Server`."""
     data = torch.randint(0, 256, (1 << 18,), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(0)).numpy().tobytes()
     (tmp_path / "blob.bin").write_bytes(data)
