@@ -1,31 +1,45 @@
 """Shard locations that are URLs: joining, and byte streams with retries and a running sha256.
 
-``data.shards_dir`` is a local directory or a URL: ``http(s)://…`` (read with the standard
-library) or any other ``scheme://…`` that `fsspec <https://filesystem-spec.readthedocs.io>`_
-understands (``s3://`` needs ``s3fs``, ``gs://`` needs ``gcsfs``; ``file://`` always works).
+``data.shards_dir`` is a local directory or a URL that `fsspec
+<https://filesystem-spec.readthedocs.io>`_ understands: ``http(s)://`` (aiohttp, installed with
+fsspec's ``http`` extra), ``s3://`` (needs ``s3fs``), ``gs://`` (``gcsfs``), ``file://``.
 :func:`shards_location` turns the param into a :class:`~pathlib.Path` or a :class:`ShardURL`;
 both join with ``/`` (``shards_location(p.data.shards_dir) / "pretrain"``), so code written
 for directories works unchanged for URLs.
 
-:func:`open_stream` reads a URL front to back. Transient failures (connection refused or reset,
-timeouts, HTTP 408/425/429/5xx, a body shorter than its ``Content-Length``) are retried up to
-``RETRIES`` times with exponential backoff, resuming at the byte reached (HTTP ``Range``, or
-re-reading and discarding the prefix when the server ignores it); a permanent failure (HTTP
-404, 403, …, a missing fsspec object) fails at once. Either way :class:`RemoteError` carries
-one line naming the URL.
+:func:`open_stream` reads a URL front to back through fsspec (HTTP in streaming mode,
+``block_size=0``). Transient failures (connection refused or reset, timeouts, HTTP
+408/425/429/5xx, a body shorter than its ``Content-Length``) are retried up to ``RETRIES``
+times with exponential backoff, resuming at the byte reached; a permanent failure (HTTP 404,
+403, ..., a missing object, a missing fsspec backend) fails at once. Either way
+:class:`RemoteError` carries one line naming the URL.
+
+What fsspec 2026.9 does not do, and this module therefore does itself (measured against a
+local server, see ``tests/data/test_remote.py``):
+
+- Retry. ``HTTPFileSystem`` has no retry loop; a 503, a reset or a cut body raises once.
+- Resume. The streaming file cannot seek, so a retry reopens with ``Range: bytes=<pos>-`` and,
+  when the server ignores it (200 instead of 206, as ``python -m http.server`` does), reads
+  and discards the prefix. Other schemes reopen and ``seek``.
+- Tell a 404 from a 503 or a dead server. Opening an HTTP URL first asks ``info()`` (HEAD, then
+  GET), which turns every failure into ``FileNotFoundError(url)``; the real cause (an
+  ``aiohttp.ClientResponseError`` with the status, a ``ClientConnectorError``, ...) is its
+  ``__cause__``, and that decides.
+- Hash. The running byte count and sha256 follow the bytes delivered.
+
+fsspec (aiohttp) does detect a body shorter than its ``Content-Length`` (``ClientPayloadError``,
+also for a reset mid-body); a body without ``Content-Length`` cut early reads as a short file,
+which the manifest's byte count catches. aiohttp's default 5-minute total timeout would end any
+long download, so the session has none; :data:`TIMEOUT_S` bounds connecting and each read.
 """
 
 from __future__ import annotations
 
 import hashlib
-import http.client
 import io
 import re
-import socket
 import ssl
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +48,7 @@ __all__ = ["RemoteError", "ShardURL", "is_url", "open_stream", "read_url", "shar
 RETRIES = 5  # attempts after the first failure of one read (per failure episode)
 BACKOFF_S = 0.5  # first wait; doubled after each failed attempt, capped at BACKOFF_MAX_S
 BACKOFF_MAX_S = 8.0
-TIMEOUT_S = 60.0  # socket timeout of one HTTP request (connect and each read), seconds
+TIMEOUT_S = 60.0  # HTTP: connecting, and each read of the body, seconds
 TRANSIENT_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _CHUNK = 1 << 20
@@ -119,8 +133,28 @@ def _backoff(attempt: int) -> float:
     return min(BACKOFF_MAX_S, BACKOFF_S * 2**attempt)
 
 
-class _Transient(Exception):
-    """A failure worth retrying (internal)."""
+def _failure(e: BaseException) -> tuple[bool, str] | None:
+    """``(transient, one-line reason)`` for an I/O failure; None for anything else (a bug)."""
+    import aiohttp
+
+    if isinstance(e, FileNotFoundError) and isinstance(e.__cause__, aiohttp.ClientError | OSError):
+        e = e.__cause__  # fsspec's HTTP info() wraps every failure in FileNotFoundError(url)
+    if isinstance(e, aiohttp.ClientResponseError):
+        return e.status in TRANSIENT_HTTP, f"HTTP {e.status} {e.message}"
+    permanent = (FileNotFoundError, PermissionError, ImportError, ValueError,
+                 aiohttp.ClientConnectorCertificateError, ssl.SSLCertVerificationError)
+    if isinstance(e, permanent):
+        return False, _why(e)
+    if isinstance(e, OSError | aiohttp.ClientError | EOFError):  # resets, timeouts, cut bodies
+        return True, _why(e)
+    return None
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, TimeoutError):  # also fsspec's FSTimeoutError, aiohttp's socket timeouts
+        return "timed out"
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 class _Stream(io.RawIOBase):
@@ -132,99 +166,57 @@ class _Stream(io.RawIOBase):
         self.pos = 0  # bytes delivered so far
         self.sha256 = hashlib.sha256()
         self._f: Any = None
-        self._end: int | None = None  # expected total length when the server said so
-        self._retrying(self._open)
+        self._retrying(lambda: None)  # open now: a 404 fails here, not at the first read
 
-    # --- opening -------------------------------------------------------------------------
     def _open(self) -> None:
-        self._close_f()
+        import fsspec
+
         if self.url.split("://", 1)[0].lower() in ("http", "https"):
-            self._open_http()
+            import aiohttp
+
+            fs = fsspec.filesystem("http", client_kwargs={"timeout": aiohttp.ClientTimeout(
+                total=None, sock_connect=self.timeout, sock_read=self.timeout)})
+            headers = {"Range": f"bytes={self.pos}-"} if self.pos else {}
+            self._f = fs.open(self.url, "rb", block_size=0, headers=headers)
+            skip = 0 if self._f.r.status == 206 else self.pos  # .r: the aiohttp response
         else:
-            self._open_fsspec()
+            fs, path = fsspec.url_to_fs(self.url)
+            self._f = fs.open(path, "rb")
+            self._f.seek(self.pos)
+            skip = 0
+        while skip:  # the whole body again: drop what was already delivered
+            got = self._f.read(min(skip, _CHUNK))
+            if not got:
+                raise EOFError("body shorter than before on reconnect")
+            skip -= len(got)
 
-    def _open_http(self) -> None:
-        headers = {"Range": f"bytes={self.pos}-"} if self.pos else {}
-        req = urllib.request.Request(self.url, headers=headers)
-        try:
-            f = urllib.request.urlopen(req, timeout=self.timeout)  # noqa: S310 (http(s) only)
-        except urllib.error.HTTPError as e:
-            e.close()
-            if e.code in TRANSIENT_HTTP:
-                raise _Transient(f"HTTP {e.code} {e.reason}") from None
-            raise RemoteError(f"{self.url}: HTTP {e.code} {e.reason}") from None
-        except urllib.error.URLError as e:
-            if isinstance(e.reason, ssl.SSLCertVerificationError):  # not going to get better
-                raise RemoteError(f"{self.url}: {_why(e)}") from None
-            raise _Transient(_why(e)) from None
-        except (OSError, http.client.HTTPException) as e:
-            raise _Transient(_why(e)) from None
-        length = f.headers.get("Content-Length")
-        try:
-            if self.pos and f.status == 206:
-                start = self.pos
-            else:  # the whole body again: skip what was already delivered
-                start = 0
-                left = self.pos
-                while left:
-                    got = f.read(min(left, _CHUNK))
-                    if not got:
-                        raise _Transient("body shorter than before on reconnect")
-                    left -= len(got)
-        except (OSError, http.client.HTTPException) as e:
-            f.close()
-            raise _Transient(_why(e)) from None
-        self._end = start + int(length) if length and length.isdigit() else None
-        self._f = f
-
-    def _open_fsspec(self) -> None:
-        try:
-            import fsspec
-
-            f = fsspec.open(self.url, "rb").open()
-        except (FileNotFoundError, PermissionError, ImportError, ValueError) as e:
-            raise RemoteError(f"{self.url}: {_why(e)}") from None
-        except OSError as e:
-            raise _Transient(_why(e)) from None
-        if self.pos:
-            try:
-                f.seek(self.pos)
-            except OSError as e:
-                f.close()
-                raise _Transient(_why(e)) from None
-        self._f, self._end = f, None
-
-    # --- reading -------------------------------------------------------------------------
     def readable(self) -> bool:
         return True
 
     def readinto(self, b: Any) -> int:
-        data = self._retrying(lambda: self._read(len(b)))
+        data = self._retrying(lambda: self._f.read(len(b)))
         n = len(data)
         b[:n] = data
-        return n
-
-    def _read(self, n: int) -> bytes:
-        try:
-            data = self._f.read(n)
-        except (OSError, http.client.HTTPException) as e:  # reset, timeout, IncompleteRead
-            raise _Transient(_why(e)) from None
-        if not data and self._end is not None and self.pos < self._end:
-            raise _Transient(f"connection closed at byte {self.pos} of {self._end}")
-        self.pos += len(data)
+        self.pos += n
         self.sha256.update(data)
-        return data
+        return n
 
     def _retrying(self, fn: Any) -> Any:
         for attempt in range(self.retries + 1):
             try:
-                if self._f is None and fn != self._open:
+                if self._f is None:
                     self._open()
                 return fn()
-            except _Transient as e:
+            except Exception as e:  # noqa: BLE001 (classified by _failure; others re-raised)
                 self._close_f()
+                failure = _failure(e)
+                if failure is None:
+                    raise
+                transient, why = failure
+                if not transient:
+                    raise RemoteError(f"{self.url}: {why}") from None
                 if attempt == self.retries:
-                    raise RemoteError(f"{self.url}: {e} (gave up after {self.retries + 1} "
+                    raise RemoteError(f"{self.url}: {why} (gave up after {self.retries + 1} "
                                       "attempts)") from None
                 time.sleep(_backoff(attempt))
         raise AssertionError("unreachable")
@@ -242,23 +234,15 @@ class _Stream(io.RawIOBase):
         super().close()
 
 
-def _why(e: BaseException) -> str:
-    if isinstance(e, urllib.error.URLError) and not isinstance(e, urllib.error.HTTPError):
-        e = e.reason if isinstance(e.reason, BaseException) else e
-    if isinstance(e, socket.timeout | TimeoutError):
-        return "timed out"
-    text = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
 def open_stream(url: str | ShardURL, *, retries: int | None = None,
                 timeout: float = TIMEOUT_S) -> _Stream:
     """Open a URL for sequential reading; ``.pos`` and ``.sha256`` follow the bytes read.
 
     Args:
-        url: ``http(s)://`` or an fsspec URL.
+        url: an ``http(s)://`` or other fsspec URL.
         retries: attempts after a transient failure (default :data:`RETRIES`).
-        timeout: socket timeout per HTTP request, in seconds.
+        timeout: HTTP only: the limit for connecting and for each read, in seconds (default
+            :data:`TIMEOUT_S`).
 
     Returns:
         A raw binary stream (wrap it in :class:`io.BufferedReader` for small reads).
@@ -276,7 +260,4 @@ def read_url(url: str | ShardURL) -> bytes:
         RemoteError: as :func:`open_stream`.
     """
     with open_stream(url) as f:
-        out = bytearray()
-        while chunk := f.read(_CHUNK):
-            out += chunk
-    return bytes(out)
+        return f.readall()

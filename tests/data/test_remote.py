@@ -1,8 +1,13 @@
 """Shards read from URLs: a real HTTP server on 127.0.0.1, fsspec ``file://``, retries, errors."""
 
+import hashlib
 import http.server
+import re
 import shutil
+import socket
+import struct
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,39 +22,74 @@ from pipeline.data.views import build_eval_transform
 
 
 class _Server:
-    """``http.server`` on 127.0.0.1 (ephemeral port) over a directory, in a thread.
+    """``http.server`` on 127.0.0.1 (ephemeral port) over a directory, in a thread, with faults.
 
-    ``fail`` maps a URL path to a list of HTTP status codes answered (and consumed) before the
-    file is served; ``drop`` maps a URL path to a number of responses that announce the whole
-    file but close the connection halfway.
+    Each fault maps a URL path to what is left of it, consumed one per request: ``fail``,
+    status codes answered to any request (HEAD or GET) before the file is served; ``fail_get``,
+    the same for GET only; ``drop``, ``reset`` and ``stall``, numbers of GETs that announce the
+    whole body (``Content-Length``) and send half of it, then close the connection, reset it
+    (TCP RST), or wait ``stall_s`` seconds and close. ``ranges=True`` answers
+    ``Range: bytes=N-`` with 206 and the rest of the file; ``http.server`` itself ignores
+    ``Range``. ``requests`` logs ``(method, path, Range header)``.
     """
 
-    def __init__(self, directory: Path):
-        fail: dict[str, list[int]] = {}
-        drop: dict[str, int] = {}
-        self.fail, self.drop, self.requests = fail, drop, []
-        requests = self.requests
+    def __init__(self, directory: Path, *, ranges: bool = False, stall_s: float = 2.0):
+        self.fail: dict[str, list[int]] = {}
+        self.fail_get: dict[str, list[int]] = {}
+        self.drop: dict[str, int] = {}
+        self.reset: dict[str, int] = {}
+        self.stall: dict[str, int] = {}
+        self.requests: list[tuple[str, str, str | None]] = []
+        server = self
 
         class Handler(http.server.SimpleHTTPRequestHandler):
             def __init__(self, *a, **kw):
                 super().__init__(*a, directory=str(directory), **kw)
 
+            def _failed(self, *faults: dict[str, list[int]]) -> bool:
+                server.requests.append((self.command, self.path, self.headers.get("Range")))
+                for codes in faults:
+                    if codes.get(self.path):
+                        self.send_error(codes[self.path].pop(0))
+                        return True
+                return False
+
+            def do_HEAD(self):  # noqa: N802 (http.server API)
+                if not self._failed(server.fail):
+                    super().do_HEAD()
+
             def do_GET(self):  # noqa: N802 (http.server API)
-                requests.append(self.path)
-                codes = fail.get(self.path)
-                if codes:
-                    self.send_error(codes.pop(0))
+                if self._failed(server.fail, server.fail_get):
                     return
-                if drop.get(self.path):
-                    drop[self.path] -= 1
-                    data = (directory / self.path.lstrip("/")).read_bytes()
+                cut = next((k for k in ("drop", "reset", "stall")
+                            if getattr(server, k).get(self.path)), None)
+                start = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
+                if cut is None and not (ranges and start):
+                    super().do_GET()
+                    return
+                data = whole = (directory / self.path.lstrip("/")).read_bytes()
+                if ranges and start:
+                    data = whole[int(start[1]):]
+                    self.send_response(206)
+                    self.send_header("Content-Range",
+                                     f"bytes {start[1]}-{len(whole) - 1}/{len(whole)}")
+                else:
                     self.send_response(200)
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data[:len(data) // 2])
-                    self.close_connection = True
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.close_connection = True
+                if cut is None:
+                    self.wfile.write(data)
                     return
-                super().do_GET()
+                getattr(server, cut)[self.path] -= 1
+                self.wfile.write(data[:len(data) // 2])
+                self.wfile.flush()
+                if cut == "stall":
+                    time.sleep(stall_s)
+                elif cut == "reset":
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                               struct.pack("ii", 1, 0))
+                    self.connection.close()
 
             def log_message(self, *a):
                 pass
@@ -123,16 +163,20 @@ def test_read_manifest__404_names_the_url_at_once(served, fast_retries):
     before = len(server.requests)
     with pytest.raises(ShardError) as e:
         read_manifest(f"{server.url}/nope")
-    msg = str(e.value)
-    assert f"{server.url}/nope/manifest.json: HTTP 404" in msg and "\n" not in msg
-    assert len(server.requests) - before == 1  # 404 is not retried
+    assert str(e.value) == (f"{server.url}/nope/manifest.json: HTTP 404 File not found "
+                            "(manifest not found or unreadable)")
+    # one attempt (fsspec's info() asks HEAD, then GET); 404 is not retried
+    assert server.requests[before:] == [("HEAD", "/nope/manifest.json", None),
+                                        ("GET", "/nope/manifest.json", None)]
 
 
-def test_open_stream__retries_transient_errors_then_succeeds(served, fast_retries):
+@pytest.mark.parametrize("fault", ["fail", "fail_get"])
+def test_open_stream__retries_transient_errors_then_succeeds(served, fast_retries, fault):
     root, server = served
-    server.fail["/test/manifest.json"] = [503, 502]
+    getattr(server, fault)["/test/manifest.json"] = [503, 502]
     data = read_url(f"{server.url}/test/manifest.json")
     assert data == (root / "test/manifest.json").read_bytes()
+    assert getattr(server, fault)["/test/manifest.json"] == []
 
 
 def test_train_loader__connection_dropped_mid_shard_resumes(served, fast_retries):
@@ -146,25 +190,105 @@ def test_train_loader__connection_dropped_mid_shard_resumes(served, fast_retries
                for (a, ka), (b, kb) in zip(local, got, strict=True)) and len(got) == 10
 
 
-def test_open_stream__gives_up_after_the_last_retry(served, fast_retries):
-    _, server = served
-    server.fail["/test/manifest.json"] = [503] * 3  # first try + RETRIES=2
+@pytest.fixture
+def blob(tmp_path):
+    """``serve(**server_kw)`` -> ``(data, server, url)``: 256 KiB of seeded random bytes on a
+    fresh :class:`_Server`."""
+    data = torch.randint(0, 256, (1 << 18,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(0)).numpy().tobytes()
+    (tmp_path / "blob.bin").write_bytes(data)
+    servers = []
+
+    def serve(**kw):
+        servers.append(_Server(tmp_path, **kw))
+        return data, servers[-1], f"{servers[-1].url}/blob.bin"
+
+    yield serve
+    for server in servers:
+        server.close()
+
+
+def _read_all(stream) -> bytes:
+    with stream as f:
+        out = f.readall()
+    assert f.pos == len(out) and f.sha256.hexdigest() == hashlib.sha256(out).hexdigest()
+    return out
+
+
+@pytest.mark.parametrize("ranges", [True, False])
+def test_open_stream__stalled_body_times_out_and_resumes_at_the_byte_reached(blob, fast_retries,
+                                                                              ranges):
+    data, server, url = blob(ranges=ranges, stall_s=3.0)
+    server.stall["/blob.bin"] = 1  # half the body, then silence past the 0.5 s read timeout
+    assert _read_all(open_stream(url, timeout=0.5)) == data
+    gets = [r for r in server.requests if r[0] == "GET"]
+    # the retry asks for the rest; a server that ignores Range sends all again (prefix dropped)
+    assert gets == [("GET", "/blob.bin", None), ("GET", "/blob.bin", f"bytes={len(data) // 2}-")]
+
+
+@pytest.mark.parametrize("ranges", [True, False])
+def test_open_stream__reset_mid_body_once_then_serves(blob, fast_retries, ranges):
+    data, server, url = blob(ranges=ranges)
+    server.reset["/blob.bin"] = 1
+    assert _read_all(open_stream(url)) == data
+    assert server.reset["/blob.bin"] == 0 and len([r for r in server.requests
+                                                   if r[0] == "GET"]) == 2
+
+
+def test_open_stream__body_shorter_than_content_length_every_time_gives_up(blob, fast_retries):
+    _, server, url = blob()
+    server.drop["/blob.bin"] = 100
     with pytest.raises(RemoteError) as e:
-        open_stream(f"{server.url}/test/manifest.json")
-    assert str(e.value) == (f"{server.url}/test/manifest.json: HTTP 503 Service Unavailable "
-                            "(gave up after 3 attempts)")
+        _read_all(open_stream(url))
+    msg = str(e.value)
+    assert msg.startswith(f"{url}: ClientPayloadError: Response payload is not completed")
+    assert msg.endswith("(gave up after 3 attempts)") and "\n" not in msg
+    assert 100 - server.drop["/blob.bin"] >= 3  # progress resets the count of attempts
+
+
+def test_open_stream__slow_server_times_out_and_gives_up(blob, fast_retries):
+    _, server, url = blob(stall_s=2.0)
+    server.stall["/blob.bin"] = 100
+    with pytest.raises(RemoteError) as e:
+        _read_all(open_stream(url, timeout=0.3))
+    assert str(e.value) == f"{url}: timed out (gave up after 3 attempts)"
+
+
+def test_open_stream__gives_up_after_the_last_retry(blob, fast_retries):
+    _, server, url = blob()
+    server.fail["/blob.bin"] = [503] * 100  # HEAD and GET
+    with pytest.raises(RemoteError) as e:
+        open_stream(url)
+    assert str(e.value) == f"{url}: HTTP 503 Service Unavailable (gave up after 3 attempts)"
+    assert len([r for r in server.requests if r[0] == "GET"]) == 3  # first try + RETRIES=2
+
+
+@pytest.mark.parametrize("fault", ["fail", "fail_get"])
+def test_open_stream__403_fails_at_once(blob, fast_retries, fault):
+    _, server, url = blob()
+    getattr(server, fault)["/blob.bin"] = [403, 403]
+    with pytest.raises(RemoteError) as e:
+        open_stream(url)
+    assert str(e.value) == f"{url}: HTTP 403 Forbidden"
+    assert len([r for r in server.requests if r[0] == "GET"]) == 1  # not retried
+
+
+def test_open_stream__missing_fsspec_file_fails_at_once(tmp_path, fast_retries):
+    url = f"file://{tmp_path}/nope.json"
+    with pytest.raises(RemoteError) as e:
+        read_url(url)
+    assert str(e.value).startswith(f"{url}: FileNotFoundError: ") and "gave up" not in str(e.value)
 
 
 def test_open_stream__connection_refused_is_retried_and_named(fast_retries):
-    import socket
-
     with socket.socket() as s:  # a free port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}/x"
     with pytest.raises(RemoteError) as e:
         open_stream(url)
-    assert str(e.value).startswith(f"{url}: ") and "gave up after 3 attempts" in str(e.value)
+    assert str(e.value).startswith(f"{url}: ClientConnectorError: Cannot connect to host")
+    assert str(e.value).endswith("(gave up after 3 attempts)")
 
 
 @pytest.fixture
