@@ -50,6 +50,7 @@ ui: setup
 	mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
 
 bench: setup
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,bench]'
 	python benchmarks/run_all.py
 
 clean-venv:

@@ -17,7 +17,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 BENCHES = {
     "data": ["data_throughput.py"],
-    "pretrain_step": ["pretrain_step.py", "--compile"],
+    "pretrain_step": ["pretrain_step.py"],
     "width_precision": ["width_precision.py"],
     "queue": ["queue_bench.py"],
     "knn": ["knn_bench.py"],
@@ -45,25 +45,12 @@ def table(res: dict) -> str:
         for kind, v in d["two_crop_v2_grey_pairs_per_s_1_thread"].items():
             rows.append((f"two-crop v2_grey, 1 thread, {kind} (pairs/s)", f"{v}"))
     if "error" not in s:
-        rows += [(f"pretrain step, engine, compile {s['config']['compile']} (img/s)",
-                  f"{s['engine_images_per_s']}"),
-                 ("pretrain step, plain PyTorch reference (img/s)",
-                  f"{s['reference_images_per_s']}"),
-                 ("engine / reference", f"{s['engine_over_reference']}"),
-                 ("engine start-up, cold / warm compile cache (s)",
-                  f"{s['engine_first_start_up_s']} / {s['engine_later_start_up_s']}"),
-                 ("pretrain with real loader (img/s)", f"{s['real_loader_images_per_s']}"),
-                 ("real loader / reference", f"{s['real_loader_over_reference']}"),
-                 ("real loader, whole default run incl. start-up (img/s)",
-                  f"{s['real_loader_default_run_images_per_s']}"),
-                 ("data-wait fraction (real loader)", f"{s['real_loader_data_wait_fraction']}"),
-                 ("previous layout: 1 thread per worker removed, eager (img/s)",
-                  f"{s['previous_layout_images_per_s']}"),
-                 ("real loader beside one busy process (img/s)",
-                  f"{s['contended_images_per_s']}"),
-                 ("contended / quiet", f"{s['contended_over_quiet']}")]
-        rows += [(f"pretrain with real loader, {k.replace('_', ' ')}", f"{v}")
-                 for k, v in s.items() if k.startswith("compile_")]
+        prec = s["config"]["precision"]
+        for name, rate in s["images_per_s"].items():
+            rows.append((f"pretrain, {name.replace('_', ' ')}, {prec} (img/s; / plain)",
+                         f"{rate} ({s['over_plain'][name]})"))
+        rows += [("stage data-wait fraction", f"{s['stage_data_wait_fraction']}"),
+                 ("two views alone, on the device (pairs/s)", f"{s['views_pairs_per_s']}")]
     g = res.get("gpu", {})
     for r in g.get("runs", []):
         rows.append((f"GPU {r['model']} {r['image_size']}px {r['dtype']} "

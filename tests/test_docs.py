@@ -124,7 +124,7 @@ COMMANDS = {
     "cd moco": Ran(EXP, 'sh(["dvc", "pull"], clone, env)', "the next commands run in the clone"),
     "dvc pull": Ran(EXP, 'sh(["dvc", "pull"], clone, env)'),
     # docs/performance.md
-    "python benchmarks/pretrain_step.py --compile": Parsed(),
+    "python benchmarks/pretrain_step.py --precision fp32": Parsed(),
     "python benchmarks/width_precision.py --widths 16 32 48": Parsed(),
     "python benchmarks/gpu.py": Parsed(),
 }
