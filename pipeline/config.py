@@ -184,6 +184,12 @@ class AugmentParams:
     preset: AugPreset = AugPreset.v2_grey
     # RandomResizedCrop scale lower bound (MoCo v1/v2: 0.2; 0.5 for 28 px: results/sweep-*.md)
     crop_min_scale: float = 0.5
+    # Multi-crop (SwAV / DINO local crops): extra small query crops per image, encoded by the
+    # query encoder only and contrasted with the image's key and the queue. 0 = off.
+    small_crops: int = 0
+    small_crop_size: int = 0  # side in px; 0 = half the training image side
+    small_crop_min_scale: float = 0.05  # RandomResizedCrop area range (DINO local crops: 0.05-0.4)
+    small_crop_max_scale: float = 0.4
 
 
 @dataclass
@@ -356,6 +362,11 @@ def image_side(p: Params) -> int:
     return p.data.image_size or NATIVE_SIDE.get(p.data.source, 0)
 
 
+def small_crop_side(augment: AugmentParams, side: int) -> int:
+    """The small crops' side in px: ``augment.small_crop_size``, or half of ``side`` when 0."""
+    return augment.small_crop_size or max(1, side // 2)
+
+
 def check_pool_grid(p: Params, side: int, where: str = "") -> None:
     """Refuse an ``embed.pool_grid`` larger than the last-stage map of ``side`` px images.
 
@@ -397,6 +408,23 @@ def _validate_data(p: Params) -> None:
            p.data.shards_dir)
     _check(0 < p.augment.crop_min_scale <= 1, "augment.crop_min_scale", "0 < x <= 1",
            p.augment.crop_min_scale)
+    a = p.augment
+    _pos("augment.small_crops", a.small_crops, strict=False)
+    _pos("augment.small_crop_size", a.small_crop_size, strict=False)
+    _check(0 < a.small_crop_min_scale <= a.small_crop_max_scale <= 1,
+           "augment.small_crop_min_scale",
+           f"0 < x <= augment.small_crop_max_scale ({a.small_crop_max_scale}) <= 1",
+           a.small_crop_min_scale)
+    if a.small_crops:
+        _check(not p.moco.symmetric, "augment.small_crops", "0 with moco.symmetric: true",
+               a.small_crops)
+        _check(not p.data.max_side, "augment.small_crops",
+               "0 with data.max_side (whole images are cropped per image in the loader)",
+               a.small_crops)
+        side = image_side(p)
+        if side:
+            _check(small_crop_side(a, side) < side, "augment.small_crop_size",
+                   f"smaller than the training image side ({side} px)", a.small_crop_size)
 
 
 def _validate_model(p: Params) -> None:

@@ -79,7 +79,8 @@ def flip_normalize(mean: Sequence[float], std: Sequence[float]) -> nn.Sequential
 
 
 def build_batch_view(preset: str, image_size: int, mean: Sequence[float], std: Sequence[float],
-                     crop_min_scale: float = 0.2, crop: bool = True) -> nn.Sequential:
+                     crop_min_scale: float = 0.2, crop: bool = True,
+                     crop_max_scale: float = 1.0) -> nn.Sequential:
     """One random view of a float batch in [0, 1], per-sample parameters.
 
     Args:
@@ -88,6 +89,8 @@ def build_batch_view(preset: str, image_size: int, mean: Sequence[float], std: S
         mean: per-channel dataset mean, in [0, 1] units.
         std: per-channel dataset standard deviation.
         crop_min_scale: RandomResizedCrop's lower area bound (0.2 in MoCo v1/v2).
+        crop_max_scale: its upper bound (1 for the two global views; 0.4 for DINO's local
+            crops, see ``augment.small_crop_max_scale``).
         crop: False for batches already cropped per image in the loader workers
             (variable-size shards, ``train_loader(crop=...)``): every op but the crop.
 
@@ -99,12 +102,13 @@ def build_batch_view(preset: str, image_size: int, mean: Sequence[float], std: S
             ``mean``/``std`` of different or zero length.
     """
     preset = AugPreset.parse(preset, "augment.preset")
-    if not 0 < crop_min_scale <= 1:
-        raise ValueError(f"augment.crop_min_scale must be in (0, 1], got {crop_min_scale}")
+    if not 0 < crop_min_scale <= crop_max_scale <= 1:
+        raise ValueError(f"crop scale range must satisfy 0 < min <= max <= 1, got "
+                         f"({crop_min_scale}, {crop_max_scale}) (augment.crop_min_scale)")
     if image_size < 1:
         raise ValueError(f"image_size must be >= 1, got {image_size}")
     tail = flip_normalize(mean, std)
-    rrc = K.RandomResizedCrop((image_size, image_size), scale=(crop_min_scale, 1.0),
+    rrc = K.RandomResizedCrop((image_size, image_size), scale=(crop_min_scale, crop_max_scale),
                               ratio=CROP_RATIO, cropping_mode="resample")
     if preset == AugPreset.v1:
         ops: list[nn.Module] = [rrc, K.RandomGrayscale(p=0.2),
@@ -158,10 +162,36 @@ class BatchView:
 
 
 class BatchTwoCrop(BatchView):
-    """MoCo's query and key views of one uint8 batch (query drawn first, then key)."""
+    """MoCo's query and key views of one uint8 batch, and optional small query crops.
+
+    The query is drawn first, then the key, then the small crops, all under one seeded RNG, so
+    the two full-size views do not depend on whether small crops are made.
+
+    Args:
+        view: the full-size view (:func:`build_batch_view`).
+        memory_format: layout of the returned views.
+        small_view: the small crops' view (:func:`build_batch_view` at the small size and
+            scale range), or None.
+        small_crops: how many small crops per image (``augment.small_crops``).
+    """
+
+    def __init__(self, view: nn.Module,
+                 memory_format: torch.memory_format = torch.contiguous_format,
+                 small_view: nn.Module | None = None, small_crops: int = 0) -> None:
+        super().__init__(view, memory_format)
+        if small_crops and small_view is None:
+            raise ValueError("small_crops > 0 needs a small_view")
+        self.small_view, self.small_crops = small_view, small_crops
 
     def __call__(self, images: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draw both views.
+        """Draw the query and key views (:meth:`draw_all` without the small crops)."""
+        q, k, _ = self.draw_all(images, seed)
+        return q, k
+
+    @torch.no_grad()
+    def draw_all(self, images: torch.Tensor, seed: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Draw the query, the key and the small crops.
 
         Args:
             images: ``(B, C, H, W)`` uint8 on the training device, or ``(B, 2, C, S, S)``:
@@ -169,7 +199,8 @@ class BatchTwoCrop(BatchView):
             seed: e.g. :func:`pipeline.seeds.batch_seed` ``(seed, epoch, step, rank)``.
 
         Returns:
-            ``(im_q, im_k)``: two ``(B, C, S, S)`` float32 tensors on the same device.
+            ``(im_q, im_k, small)``: two ``(B, C, S, S)`` float32 tensors and a list of
+            ``small_crops`` ``(B, C, s, s)`` ones, on the batch's device.
 
         Raises:
             ValueError: ``images`` is not such a uint8 tensor.
@@ -177,8 +208,16 @@ class BatchTwoCrop(BatchView):
         _check_uint8(images, dims=(4, 5))
         x = images.float().div_(255)
         xq, xk = (x[:, 0], x[:, 1]) if x.dim() == 5 else (x, x)
-        q, k = self.draw([xq, xk], seed)
-        return q, k
+        device = x.device
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=device.type):
+            torch.manual_seed(seed)
+            q, k = self.view(xq), self.view(xk)
+            small = [self.small_view(x) for _ in range(self.small_crops)] if (
+                self.small_crops) else []
+        fmt = self.memory_format
+        return (q.contiguous(memory_format=fmt), k.contiguous(memory_format=fmt),
+                [v.contiguous(memory_format=fmt) for v in small])
 
 
 def _check_uint8(images: torch.Tensor, dims: tuple[int, ...]) -> None:

@@ -14,6 +14,7 @@ Algorithm 1 of the paper, one training step::
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -164,7 +165,8 @@ class MoCo(nn.Module):
         self.queue.enqueue(concat_all_gather(keys), step)  # (W*N, D)
 
     def forward(
-        self, im_q: torch.Tensor, im_k: torch.Tensor, m: float | None = None, step: int = 0
+        self, im_q: torch.Tensor, im_k: torch.Tensor, m: float | None = None, step: int = 0,
+        im_small: Sequence[torch.Tensor] = (),
     ) -> MocoOutput:
         """One MoCo step on a batch of image pairs (call once per optimizer step).
 
@@ -174,19 +176,27 @@ class MoCo(nn.Module):
                 ``im_q[i]``).
             m: momentum for this step (``momentum_schedule(...)[step]``); default ``self.m``.
             step: optimizer step, recorded in the queue (``KeyQueue.written_step``).
+            im_small: multi-crop: extra ``(N, C, s, s)`` small query views of the same images
+                (SwAV/DINO-style local crops). Each is encoded by the query encoder only and
+                contrasted with the key of its image and the queue; the loss is the mean of
+                the ``1 + len(im_small)`` InfoNCE terms. Only ``im_k``'s keys are enqueued.
 
         Returns:
-            :class:`MocoOutput` (loss, logits, top1, top5, q, k).
+            :class:`MocoOutput` (loss, logits and instance accuracy of the full-size queries,
+            q, k).
 
         Raises:
-            ValueError: mismatched batches, or (``bn='split'``, training) a batch not divisible
-                by ``bn_splits``.
+            ValueError: mismatched batches, small crops with ``symmetric``, or
+                (``bn='split'``, training) a batch not divisible by ``bn_splits``.
         """
-        if im_q.shape[0] != im_k.shape[0]:
+        if im_q.shape[0] != im_k.shape[0] or any(x.shape[0] != im_q.shape[0] for x in im_small):
             raise ValueError(
-                f"MoCo: im_q and im_k must have the same batch size; got "
-                f"{im_q.shape[0]} and {im_k.shape[0]}"
+                f"MoCo: im_q, im_k and im_small must have the same batch size; got "
+                f"{im_q.shape[0]}, {im_k.shape[0]} and {[x.shape[0] for x in im_small]}"
             )
+        if im_small and self.symmetric:
+            raise ValueError("MoCo: small crops (augment.small_crops) with moco.symmetric are "
+                             "not supported")
         m = self.m if m is None else m
         negatives = self.queue.negatives()  # (D, K), the dictionary BEFORE this step
         q = F.normalize(self.encoder_q(im_q), dim=1)  # queries: (N, D)
@@ -204,6 +214,10 @@ class MoCo(nn.Module):
             q, k = torch.cat([q, q2], dim=0), torch.cat([k, k2], dim=0)  # (2N, D)
         else:
             loss, logits = info_nce(q, k, negatives, self.T)  # logits: (N, 1 + K)
+            for x in im_small:  # each small crop: its image's key, the same negatives
+                q_s = F.normalize(self.encoder_q(x), dim=1)  # (N, D)
+                loss = loss + info_nce(q_s, k, negatives, self.T)[0]
+            loss = loss / (1 + len(im_small))
         self._dequeue_and_enqueue(k, step)
         top1, top5 = instance_accuracy(logits.detach(), topk=(1, 5))
         return MocoOutput(loss=loss, logits=logits, top1=top1, top5=top5, q=q, k=k.detach())

@@ -19,7 +19,13 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from pipeline.config import AugmentParams, MocoParams, ModelParams, PretrainParams
+from pipeline.config import (
+    AugmentParams,
+    MocoParams,
+    ModelParams,
+    PretrainParams,
+    small_crop_side,
+)
 from pipeline.data.loader import read_manifest, train_loader
 from pipeline.data.remote import ShardURL
 from pipeline.data.views import (
@@ -73,7 +79,7 @@ def train_step(net: nn.Module, images: torch.Tensor, *, views: BatchTwoCrop, aug
     Args:
         net: the MoCo module (possibly DDP-wrapped).
         images: ``(B, C, H, W)`` uint8 batch on the training device.
-        views: makes the query and key views.
+        views: makes the query and key views (and the small crops of multi-crop).
         aug_seed: the batch's augmentation seed (:func:`pipeline.seeds.batch_seed`).
         optimizer: SGD over the query encoder.
         precision: autocast and gradient scaling.
@@ -87,11 +93,11 @@ def train_step(net: nn.Module, images: torch.Tensor, *, views: BatchTwoCrop, aug
     Raises:
         NonFiniteLossError: the loss is NaN or inf (nothing was updated by the optimizer).
     """
-    im_q, im_k = views(images, aug_seed)  # two random views, (B, C, S, S) each
+    im_q, im_k, small = views.draw_all(images, aug_seed)  # (B, C, S, S) each; small: (B, C, s, s)
     for group in optimizer.param_groups:
         group["lr"] = lr
     with precision.autocast():
-        out = net(im_q, im_k, m=m, step=step)  # q; EMA update; shuffled k; InfoNCE; enqueue
+        out = net(im_q, im_k, m=m, step=step, im_small=small)  # q; EMA; k; InfoNCE; enqueue
     if not torch.isfinite(out.loss.detach()):
         raise NonFiniteLossError(f"non-finite loss ({out.loss.item()}) at step {step}")
     precision.backward_and_step(out.loss, optimizer)  # SGD on the query encoder only
@@ -287,12 +293,17 @@ def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
              plan.total_steps)
     view = build_batch_view(augment.preset, spec.size, spec.mean, spec.std,
                             augment.crop_min_scale, crop=not spec.variable)
+    small_view = (build_batch_view(augment.preset, small_crop_side(augment, spec.size),
+                                   spec.mean, spec.std, augment.small_crop_min_scale,
+                                   crop_max_scale=augment.small_crop_max_scale).to(rt.device)
+                  if augment.small_crops else None)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
     return Run(
         rt=rt, plan=plan, opt=opt, seed=seed, shards_dir=shards_dir, net=net,
         ddp_net=wrap_model(net, rt, channels_last=channels_last, compile_=compile_),
         precision=precision, optimizer=optimizer, ckpt=ckpt, state=state,
-        views=BatchTwoCrop(view.to(rt.device), torch.channels_last if channels_last
-                           else torch.contiguous_format),
+        views=BatchTwoCrop(view.to(rt.device), fmt, small_view=small_view,
+                           small_crops=augment.small_crops),
         crop=(SeededRandomResizedCrop(spec.size, scale=(augment.crop_min_scale, 1.0))
               if spec.variable else None),
         monitor=KnnMonitor(shards_dir, transform=build_eval_transform(spec.size, spec.mean,

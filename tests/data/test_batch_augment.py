@@ -103,3 +103,19 @@ def test_build_batch_view__bad_input():
         build_batch_view("v2", 32, *RGB, crop_min_scale=0)
     with pytest.raises(ValueError, match="uint8"):
         BatchTwoCrop(build_batch_view("v2", 8, *RGB))(torch.zeros(2, 3, 8, 8), 0)
+
+
+def test_batch_two_crop__small_crops_after_q_and_k_which_stay_unchanged():
+    x = torch.randint(0, 256, (6, 1, 28, 28), dtype=torch.uint8)
+    grey = ((0.3,), (0.3,))
+    full = build_batch_view("v2_grey", 28, *grey, 0.5)
+    small = build_batch_view("v2_grey", 12, *grey, 0.05, crop_max_scale=0.4)
+    q0, k0 = BatchTwoCrop(full)(x, 5)
+    q, k, s = BatchTwoCrop(full, small_view=small, small_crops=3).draw_all(x, 5)
+    assert torch.equal(q, q0) and torch.equal(k, k0)  # drawn first, under the same seed
+    assert len(s) == 3 and all(v.shape == (6, 1, 12, 12) for v in s)
+    assert not torch.equal(s[0], s[1])
+    _, _, again = BatchTwoCrop(full, small_view=small, small_crops=3).draw_all(x, 5)
+    assert all(torch.equal(a, b) for a, b in zip(s, again))
+    with pytest.raises(ValueError, match="crop scale range"):
+        build_batch_view("v2_grey", 12, *grey, 0.5, crop_max_scale=0.4)

@@ -128,3 +128,48 @@ def test_moco__invalid_arguments_raise():
     with pytest.raises(ValueError, match="world_size is 1"):
         MoCo(backbone, head, K=8, m=0.9, T=0.1, bn="shuffle", world_size=1)
     MoCo(backbone, head, K=8, m=0.9, T=0.1, bn="shuffle", world_size=2)  # valid under DDP
+
+
+def test_moco__small_crops_loss_is_the_mean_infonce_over_crops_by_a_slow_reference():
+    # multi-crop: every query crop (the full one and 2 small ones) is contrasted with its image's
+    # key and the PRE-step queue; the loss is the mean of the three InfoNCE terms. Reference:
+    # each row's cross-entropy written out sample by sample with logsumexp.
+    import copy
+
+    model = _moco(bn="none", m=0.9)
+    im_q, im_k = _images()
+    g = torch.Generator().manual_seed(7)
+    small = [torch.randn(N, 1, 8, 8, generator=g) for _ in range(2)]
+    ref = copy.deepcopy(model)
+    queue_before = model.queue.negatives().clone()  # (D, K)
+    state_before = {k: v.clone() for k, v in model.queue.state_dict().items()}
+    out = model(im_q, im_k, m=0.9, im_small=small)
+    with torch.no_grad():
+        for pk, pq in zip(ref.encoder_k.parameters(), ref.encoder_q.parameters()):
+            pk.mul_(0.9).add_(pq, alpha=0.1)
+        k = F.normalize(ref.encoder_k(im_k), dim=1)
+        terms = []
+        for x in [im_q, *small]:
+            q = F.normalize(ref.encoder_q(x), dim=1)
+            for i in range(N):
+                logits = torch.cat([(q[i] @ k[i]).view(1), q[i] @ queue_before]) / 0.2
+                terms.append(torch.logsumexp(logits, 0) - logits[0])
+    assert out.loss.item() == pytest.approx(torch.stack(terms).mean().item(), rel=1e-4)
+    # one enqueue of the N full-size keys: the queue advanced by N, small crops enqueue nothing
+    assert int(model.queue.ptr) == (int(state_before["ptr"]) + N) % K
+    assert torch.allclose(model.queue.keys, _reference_queue(model, state_before, k), atol=1e-5)
+    # without small crops the loss is the plain InfoNCE (the division by 1 changes no bit)
+    plain = _moco(bn="none", m=0.9)
+    again = _moco(bn="none", m=0.9)
+    a = plain(im_q, im_k, m=0.9)
+    b = again(im_q, im_k, m=0.9, im_small=())
+    assert torch.equal(a.loss, b.loss)
+
+
+def test_moco__small_crops_refused_with_symmetric_or_another_batch():
+    model = _moco(symmetric=True, bn="none")
+    im_q, im_k = _images()
+    with pytest.raises(ValueError, match="symmetric"):
+        model(im_q, im_k, im_small=[im_q[:, :, :8, :8]])
+    with pytest.raises(ValueError, match="same batch size"):
+        _moco(bn="none")(im_q, im_k, im_small=[im_q[:4]])
