@@ -284,10 +284,11 @@ def test_knn_eval__val_top1_scores_the_linear_probe_split_against_the_rest(tmp_p
     from pipeline.evaluate.run.knn import knn_eval
 
     x_tr, y_tr, x_te, y_te = _random_problem(3)
-    save_features(FeatureSet(x_tr, y_tr, [f"tr{i}" for i in range(len(y_tr))]),
-                  tmp_path / "train.pt")
-    save_features(FeatureSet(x_te, y_te, [f"te{i}" for i in range(len(y_te))]),
-                  tmp_path / "test.pt")
+    for stem in ("", "_global"):
+        save_features(FeatureSet(x_tr, y_tr, [f"tr{i}" for i in range(len(y_tr))]),
+                      tmp_path / f"train{stem}.pt")
+        save_features(FeatureSet(x_te, y_te, [f"te{i}" for i in range(len(y_te))]),
+                      tmp_path / f"test{stem}.pt")
     monkeypatch.setattr(run, "read_manifest", lambda _: {"class_names": list("abcde")})
     out = knn_eval(features_dir=tmp_path, manifest_dir=tmp_path / "m",
                    knn=KnnParams(k=7, T=0.2, val_fraction=0.25, select="fixed"),
@@ -297,6 +298,9 @@ def test_knn_eval__val_top1_scores_the_linear_probe_split_against_the_rest(tmp_p
     assert out["val_top1"] == pytest.approx(
         knn_classify(x_tr[tr], y_tr[tr], x_tr[va], y_tr[va], k=7, T=0.2).top1)
     assert out["top1"] == pytest.approx(knn_classify(x_tr, y_tr, x_te, y_te, k=7, T=0.2).top1)
+    # the MoCo protocol on the global features: k=200, T=0.1 whatever knn.k / knn.T say
+    assert out["protocol_top1"] == pytest.approx(
+        knn_classify(x_tr, y_tr, x_te, y_te, k=200, T=0.1).top1)
     no_val = knn_eval(features_dir=tmp_path, manifest_dir=tmp_path / "m",
                       knn=KnnParams(k=7, T=0.2, select="fixed"), details_path=tmp_path / "d.json")
     assert "val_top1" not in no_val and no_val["top1"] == out["top1"]
@@ -322,10 +326,11 @@ def test_knn_eval__select_val_chooses_k_T_on_train_only(tmp_path, monkeypatch):
     monkeypatch.setattr(run, "read_manifest", lambda _: {"class_names": list("abcde")})
 
     def evaluate(test_labels):
-        save_features(FeatureSet(x_tr, y_tr, [f"tr{i}" for i in range(len(y_tr))]),
-                      tmp_path / "train.pt")
-        save_features(FeatureSet(x_te, test_labels, [f"te{i}" for i in range(len(y_te))]),
-                      tmp_path / "test.pt")
+        for stem in ("", "_global"):
+            save_features(FeatureSet(x_tr, y_tr, [f"tr{i}" for i in range(len(y_tr))]),
+                          tmp_path / f"train{stem}.pt")
+            save_features(FeatureSet(x_te, test_labels, [f"te{i}" for i in range(len(y_te))]),
+                          tmp_path / f"test{stem}.pt")
         return knn_eval(features_dir=tmp_path, manifest_dir=tmp_path / "m",
                         knn=KnnParams(k=7, T=0.3, select="val"),
                         details_path=tmp_path / "d.json", seed=2)

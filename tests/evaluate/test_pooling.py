@@ -95,6 +95,11 @@ def test_embed__pool_grid_2_writes_cells_whose_mean_is_the_global_feature(tiny_s
     n = len(feats[2])
     torch.testing.assert_close(feats[2].features.view(n, 32, 4).mean(-1), feats[1].features,
                                rtol=1e-5, atol=1e-6)
+    # the MoCo-protocol files hold the global pool whatever the grid: the mean of the 4 cells
+    for g in (1, 2):
+        glob = load_features(encoder_dir / f"f{g}" / "test_global.pt")
+        assert glob.keys == feats[1].keys and torch.equal(glob.labels, feats[1].labels)
+        torch.testing.assert_close(glob.features, feats[1].features, rtol=1e-5, atol=1e-6)
 
 
 def test_embed__grid_larger_than_the_map_or_with_the_head_fails_and_writes_nothing(

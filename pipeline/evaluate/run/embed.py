@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from pipeline.data.loader import eval_loader
 from pipeline.data.remote import ShardURL
@@ -63,7 +63,9 @@ def embed(*, encoder_path: Path, shards_dir: Path | ShardURL, out_dir: Path, bat
     or, with ``use_head``, the projection head's output on the globally pooled features.
 
     Writes ``out_dir/train.pt`` and ``out_dir/test.pt`` (``FeatureSet``: (N, D) float32,
-    (N,) labels, keys).
+    (N,) labels, keys), and ``out_dir/{train,test}_global.pt``: the same images' backbone
+    features globally average-pooled, ``(N, C)``, the feature of the MoCo evaluation protocol
+    (the same as ``train.pt`` when ``pool_grid`` is 1 and there is no head).
 
     Returns:
         ``{split}_images``, ``{split}_images_per_s`` (extraction only), ``dim`` (D),
@@ -89,6 +91,9 @@ def embed(*, encoder_path: Path, shards_dir: Path | ShardURL, out_dir: Path, bat
         head = _load_head(head)
     metrics: dict[str, float] = {"pool_grid": pool_grid}
     done: dict[str, FeatureSet] = {}
+    pooled: list[Tensor] = []  # (B, C) global average of the last stage, batch by batch
+    backbone.avgpool.register_forward_hook(
+        lambda mod, inp, out: pooled.append(inp[0].float().mean(dim=(-2, -1)).cpu()))
     embed_s: dict[str, float] = {}
     for split in ("train", "test"):
         spec = image_spec(read_manifest(shards_dir / split), shards_dir / split)
@@ -99,23 +104,20 @@ def embed(*, encoder_path: Path, shards_dir: Path | ShardURL, out_dir: Path, bat
             desc=f"embed {split}")
         dt = embed_s[split] = time.time() - t0
         done[split] = fs
+        done[f"{split}_global"] = FeatureSet(torch.cat(pooled), fs.labels, fs.keys)
+        pooled.clear()
         metrics[f"{split}_images"] = len(fs)
+        metrics["global_dim"] = done[f"{split}_global"].features.shape[1]
         metrics[f"{split}_images_per_s"] = len(fs) / max(dt, 1e-9)
         metrics["dim"] = fs.features.shape[1]
         log.info("embedded %d %s images in %.1fs", len(fs), split, dt)
     # written only once both splits are embedded: a failure leaves the previous pair intact
     for split, fs in done.items():
         save_features(fs, out_dir / f"{split}.pt")
-    n_images = sum(len(fs) for fs in done.values())
+    n_images = len(done["train"]) + len(done["test"])
     metrics["images_per_s"] = n_images / max(sum(embed_s.values()), 1e-9)
     metrics["wall_time_s"] = time.time() - t_start
     return metrics
-
-
-def _load_head(payload: dict[str, Any]) -> nn.Module:
-    head = build_head(payload["kind"], payload["in_dim"], payload["hidden"], payload["dim"])
-    head.load_state_dict(payload["state_dict"])
-    return head
 
 
 def _load_head(payload: dict[str, Any]) -> nn.Module:

@@ -12,7 +12,7 @@ from pipeline.data.remote import ShardURL
 from pipeline.data.shards import read_manifest
 from pipeline.evaluate.features import load_features, pick_device
 from pipeline.evaluate.heldout import split_train_val
-from pipeline.evaluate.knn import knn_classify, select_on_heldout
+from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, knn_classify, select_on_heldout
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,9 @@ def knn_eval(*, features_dir: Path, manifest_dir: Path | ShardURL, knn: KnnParam
         ``top1``, ``top5`` (%), ``val_top1`` (% , only with a validation split), the protocol
         values ``k``, ``T`` (the chosen ones with ``select: val``, then also ``select_val`` = 1
         and ``select_val_top1``, the best validation top-1 of the grid, %), sizes (all rows of
-        the feature files) and wall time (s).
+        the feature files) and wall time (s). Always also ``protocol_top1``/``protocol_top5``:
+        the MoCo/InstDisc protocol (k=200, T=0.1 on the globally pooled backbone features,
+        ``{train,test}_global.pt``), comparable with published numbers.
 
     Raises:
         ValueError: a label outside ``0..C-1`` other than -1 (named).
@@ -69,5 +71,12 @@ def knn_eval(*, features_dir: Path, manifest_dir: Path | ShardURL, knn: KnnParam
         out.update(val_top1=val.top1, num_val=len(va))
         log.info("kNN validation (%d train rows held out of the bank): top-1 %.2f%%",
                  len(va), val.top1)
+    g_train, g_test = (load_features(features_dir / f"{s}_global.pt") for s in ("train", "test"))
+    proto = knn_classify(g_train.features, g_train.labels, g_test.features, g_test.labels,
+                         k=DEFAULT_K, T=DEFAULT_T, num_classes=len(names),
+                         chunk_size=knn.chunk_size, device=device)
+    out.update(protocol_top1=proto.top1, protocol_top5=proto.top5)
+    log.info("kNN, MoCo protocol (k=%d, T=%g, global pool): top-1 %.2f%%", DEFAULT_K,
+             DEFAULT_T, proto.top1)
     out["wall_time_s"] = time.time() - t0
     return out

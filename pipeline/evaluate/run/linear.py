@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from pipeline.atomic import write_json, write_tsv
-from pipeline.config import LinearParams
+from pipeline.config import FeatureNorm, LinearMode, LinearParams
 from pipeline.data.loader import eval_loader, train_loader
 from pipeline.data.remote import ShardURL
 from pipeline.data.shards import image_spec, read_manifest
@@ -25,6 +25,10 @@ from pipeline.evaluate.linear import train_linear_augment, train_linear_on_featu
 from pipeline.evaluate.run.embed import load_encoder
 from pipeline.seeds import derive_seed
 
+# MoCo's main_lincls.py: raw features (no normalisation), SGD lr 30 per 256 images, batch 256,
+# weight decay 0, 100 epochs with x0.1 at epochs 60 and 80 (the schema's other linear defaults).
+PROTOCOL = LinearParams(mode=LinearMode.features, feature_norm=FeatureNorm.none)
+
 
 def linear_probe(*, features_dir: Path, shards_dir: Path | ShardURL, encoder_path: Path,
                  linear: LinearParams, seed: int, details_path: Path,
@@ -36,6 +40,10 @@ def linear_probe(*, features_dir: Path, shards_dir: Path | ShardURL, encoder_pat
 
     The reported top-1/top-5 are the FINAL epoch's on the test set. Labels as in
     :func:`knn_eval`: -1 ignored (logged), otherwise ``0..C-1`` with C from the test manifest.
+
+    Always also ``protocol_top1``/``protocol_top5``: the MoCo linear protocol
+    (:data:`PROTOCOL`: raw globally pooled backbone features ``{train,test}_global.pt``, lr 30
+    per 256, 100 epochs, steps at 60/80), comparable with published numbers.
     """
     t0 = time.time()
     device = pick_device()
@@ -60,6 +68,14 @@ def linear_probe(*, features_dir: Path, shards_dir: Path | ShardURL, encoder_pat
            "feature_norm_l2": int(linear.feature_norm == "l2"), "wall_time_s": time.time() - t0}
     if res.val_top1 is not None:
         out["val_top1"] = res.val_top1
+    g_train, g_test = (load_features(features_dir / f"{s}_global.pt") for s in ("train", "test"))
+    proto = train_linear_on_features(
+        g_train, g_test, num_classes=len(names), epochs=PROTOCOL.epochs,
+        batch_size=PROTOCOL.batch_size, lr=PROTOCOL.lr, lr_schedule=PROTOCOL.lr_schedule,
+        milestones=PROTOCOL.lr_milestones, weight_decay=PROTOCOL.weight_decay,
+        feature_norm=PROTOCOL.feature_norm, seed=seed, device=device)
+    out.update(protocol_top1=proto.top1, protocol_top5=proto.top5)
+    out["wall_time_s"] = time.time() - t0
     return out
 
 
