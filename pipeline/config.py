@@ -11,6 +11,7 @@ scales live in ``configs/`` as whole params files.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ class MlflowParams:
 
     enabled: bool = True
     experiment: str = "moco-pipeline"
+    registered_model: str = "moco-encoder"  # "" = log the encoder model, register no version
 
 
 @dataclass
@@ -267,6 +269,13 @@ def check_pool_grid(p: Params, side: int, where: str = "") -> None:
            p.embed.pool_grid)
 
 
+def _validate_mlflow(p: Params) -> None:
+    # MLflow refuses '/' and ':' in a registered model name; '@' would split a models:/ URI
+    name = p.mlflow.registered_model
+    _check(name == "" or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name) is not None,
+           "mlflow.registered_model", "'' or letters, digits, '.', '_', '-' (at most 100)", name)
+
+
 def _validate_data(p: Params) -> None:
     _pos("seed", p.seed, strict=False)
     _one_of("data.source", p.data.source, SOURCES)
@@ -375,7 +384,8 @@ def validate(p: Params) -> Params:
     Raises:
         ParamsError: the first violated constraint, naming the dotted key.
     """
-    for section in (_validate_data, _validate_model, _validate_pretrain, _validate_evaluation):
+    for section in (_validate_mlflow, _validate_data, _validate_model, _validate_pretrain,
+                    _validate_evaluation):
         section(p)
     return p
 

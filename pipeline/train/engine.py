@@ -213,6 +213,14 @@ def _training_params(seed: int, model: ModelParams, moco: MocoParams, augment: A
             "pretrain": {k: v for k, v in asdict(opt).items() if k not in NOT_FINGERPRINTED}}
 
 
+def checkpoint_fingerprint(seed: int, model: ModelParams, moco: MocoParams,
+                           augment: AugmentParams, opt: PretrainParams, world_size: int,
+                           manifest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(fingerprint, training params) that a checkpoint must carry to be resumed."""
+    params = _training_params(seed, model, moco, augment, opt, world_size)
+    return fingerprint(params, [s["sha256"] for s in manifest["shards"]]), params
+
+
 def _setup_threads(saved: int, opt: PretrainParams, net: MoCo, plan: RunPlan,
                    rt: Runtime) -> int:
     """CPU intra-op threads: ``pretrain.num_threads``, else the resumed run's, else probed."""
@@ -375,10 +383,9 @@ def _pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
     precision = Precision(resolve_precision(opt.precision, rt.device), rt.device)
     optimizer = torch.optim.SGD(net.trainable_parameters(), lr=0.0, momentum=opt.sgd_momentum,
                                 weight_decay=opt.weight_decay)
-    params = _training_params(seed, model, moco, augment, opt, rt.world_size)
-    ckpt = Checkpointer(checkpoint_dir / "last.pt",
-                        fingerprint(params, [s["sha256"] for s in manifest["shards"]]), params,
-                        rt.is_main)
+    fp, params = checkpoint_fingerprint(seed, model, moco, augment, opt, rt.world_size, manifest)
+    ckpt = Checkpointer(checkpoint_dir / "last.pt", fp, params, rt.is_main,
+                        run_id=run.run_id if run is not None else None)
     state = ckpt.restore(net, optimizer, precision.scaler)
     state.num_threads = _setup_threads(state.num_threads, opt, net, plan, rt)
     channels_last = resolve_switch(opt.channels_last, cpu_default=False,

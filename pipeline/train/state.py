@@ -65,11 +65,13 @@ class Checkpointer:
         train_params: the params behind the fingerprint, stored so that an ignored checkpoint's
             log line can name what changed.
         is_main: only rank 0 writes.
+        run_id: the MLflow run of this training, stored so that a resume continues that run
+            (:func:`pipeline.train.resume.resumable_run_id`).
     """
 
     def __init__(self, path: Path, fingerprint: str, train_params: dict[str, Any],
-                 is_main: bool) -> None:
-        self.path, self.fingerprint = path, fingerprint
+                 is_main: bool, run_id: str | None = None) -> None:
+        self.path, self.fingerprint, self.run_id = path, fingerprint, run_id
         self.train_params, self.is_main = train_params, is_main
         self.t_start = time.time()
 
@@ -106,4 +108,5 @@ class Checkpointer:
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "rows": state.rows, "knn_rows": state.knn_rows,
             "wall_time_s": self.wall_time(state), "num_threads": state.num_threads,
+            "mlflow_run_id": self.run_id,
         }, self.path)
