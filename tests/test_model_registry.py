@@ -1,7 +1,8 @@
 """The encoder as an MLflow model (#30): logged model, registry version, scores, aliases.
 
 An encoder from the real pretraining and export code (tiny: width 4) is published by the same
-functions the stages call, inside real ``stage_run`` runs on a throwaway SQLite database.
+functions the stages call, inside real ``stage_run`` runs on a throwaway SQLite database
+(tests/registryhelpers.py).
 """
 
 import hashlib
@@ -15,19 +16,17 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
-from helpers import build_tiny_shards, run_pretrain
 from mlflow.tracking import MlflowClient
+from registryhelpers import PARAMS, publish, score, train_tiny
 
 from pipeline.config import from_dict
 from pipeline.model_registry import (
     CHAMPION,
     NEWEST,
-    attach_scores,
     choose_champion,
     link_encoder_input,
     params_digest,
     publish_encoder,
-    update_champion,
 )
 from pipeline.tracking import StageRun, stage_run
 
@@ -57,10 +56,7 @@ def test_params_digest__training_params_only():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """A folder with ``data/shards`` and ``models/encoder.{pt,json,safetensors}``."""
-    root = tmp_path_factory.mktemp("trained")
-    shards = build_tiny_shards(root / "data/shards", n_pretrain=32, n_train=16, n_test=16)
-    run_pretrain(shards, root / "models", {"moco": {"K": 16}, "pretrain": {"epochs": 1}})
-    return root
+    return train_tiny(tmp_path_factory.mktemp("trained"))
 
 
 @pytest.fixture()
@@ -73,24 +69,6 @@ def wd(tmp_path, trained, monkeypatch):
     monkeypatch.setenv("DVC_EXP_NAME", "exp-a")
     yield wd
     mlflow.set_tracking_uri(None)
-
-
-PARAMS = {"embed": {"pool_grid": 1}}
-
-
-def publish(p=None) -> dict:
-    p = p or from_dict(PARAMS)
-    with stage_run("pretrain", p) as r:
-        publish_encoder(r, params=p, encoder_path=Path("models/encoder.pt"),
-                        example_split=Path("data/shards/test"))
-    return json.loads(Path("runs/pretrain.json").read_text())
-
-
-def score(stage: str, top1: float) -> int | None:
-    with stage_run(stage, from_dict(PARAMS), upstream=("pretrain",)) as r:
-        test = r.log_shards(Path("data/shards/test"), context="evaluation")
-        attach_scores(r, stage, {"top1": top1, "top5": 100.0, "k": 20}, dataset=test)
-        return update_champion(r) if stage == "linear" else None
 
 
 LOAD = """
