@@ -18,7 +18,8 @@
   rev, the run ids of the upstream stages (read from their ``runs/<stage>.json``), the repo root
   and the process that owns it.
 * Params are flattened with dots (the names DVC uses) and the resolved config is logged as an
-  artifact. SIGTERM/SIGINT end the run as KILLED; any other exception as FAILED; a run is
+  artifact. SIGTERM/SIGINT end the run as KILLED (tag ``killed.reason``); any other exception
+  as FAILED (``failed.reason``); a run is
   FINISHED only if the process then exits 0 (see :mod:`pipeline.signals`).
 * A pretraining resumed from its checkpoint continues the interrupted run (same run id, status
   RUNNING again, then FINISHED; tags ``interrupted.count`` and ``interrupted.<n>`` record each
@@ -519,11 +520,11 @@ def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), ran
     With ``resume_run_id`` (the run stored in a checkpoint the stage resumes), that run is
     continued when it is this stage's, in this experiment, and ended KILLED or FAILED (also one
     the stale-run sweep just marked KILLED): same run id, status RUNNING again, metric steps
-    continuing. Its ``killed.reason``/``stale.reason`` tag becomes ``interrupted.<n>``
-    (``interrupted.count`` = n), so a FINISHED run carries no kill reason. Params not logged yet
-    are added; a param whose value changed since (only those that do not decide the weights
-    can) keeps its first value, and tag ``resume.changed_params`` names it. Any other run id
-    (FINISHED, unknown, another stage) starts a new run.
+    continuing. Its ``killed.reason``/``stale.reason``/``failed.reason`` tag becomes
+    ``interrupted.<n>`` (``interrupted.count`` = n), so a FINISHED run carries no kill reason.
+    Params not logged yet are added; a param whose value changed since (only those that do not
+    decide the weights can) keeps its first value, and tag ``resume.changed_params`` names it.
+    Any other run id (FINISHED, unknown, another stage) starts a new run.
 
     Args:
         stage: DVC stage name (``pretrain``, ``knn``, ...).
@@ -583,8 +584,8 @@ def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), ran
         except Terminated as e:
             _end_active("KILLED", {"killed.reason": str(e) or signals.signal_name(e.signum)})
             raise
-        except BaseException:
-            _end_active("FAILED", {})
+        except BaseException as e:
+            _end_active("FAILED", {"failed.reason": f"{type(e).__name__}: {e}"[:1000]})
             raise
         run_id = run.info.run_id
         signals.hold(lambda signum: _late_kill(uri, run_id, signum))
@@ -621,11 +622,12 @@ def _reopen(uri: str, old: Any, tags: dict[str, str], params: dict[str, str],
     client = MlflowClient(tracking_uri=uri)
     before, run_id = old.data.tags, old.info.run_id
     n = int(before.get("interrupted.count", "0")) + 1
-    why = before.get("killed.reason") or before.get("stale.reason") or "the stage failed"
+    why = (before.get("killed.reason") or before.get("stale.reason")
+           or before.get("failed.reason") or "no reason recorded")
     tags = {**tags, "interrupted.count": str(n),
             f"interrupted.{n}": f"{old.info.status}: {why}; resumed from the checkpoint by pid "
                                 f"{tags['proc.pid']} on {tags['proc.host']}"}
-    for stale in ("killed.reason", "stale.reason"):
+    for stale in ("killed.reason", "stale.reason", "failed.reason"):
         if stale in before:
             client.delete_tag(run_id, stale)
     logged = old.data.params

@@ -77,6 +77,7 @@ def test_stage_run__exception_marks_failed(db, tmp_path):
     runs = MlflowClient(db).search_runs([MlflowClient(db).get_experiment_by_name(
         p.mlflow.experiment).experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"]
+    assert runs[0].data.tags["failed.reason"] == "ZeroDivisionError: division by zero"
     assert not (tmp_path / "runs/embed.json").exists()
 
 
