@@ -45,8 +45,12 @@ lint: setup
 format: setup
 	ruff format pipeline stages tests benchmarks
 
-# The MLflow UI on the project's database, bound to localhost only.
+# The MLflow UI on the project's database, bound to localhost only. MLflow 3.17 opens an
+# experiment on its GenAI overview unless the URL asks for the model-training view: the line
+# printed first is the experiment's runs table (docs/tracking.md).
 ui: setup
+	@python -c 'from pipeline.tracking import experiment_ui_url; \
+	  print("MLflow runs table:", experiment_ui_url("sqlite:///$(CURDIR)/mlflow.db"))'
 	mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
 
 bench: setup

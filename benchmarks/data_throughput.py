@@ -6,7 +6,7 @@
   ``--workers`` value, worker start-up included;
 * two-crop ``v2_grey`` views on one thread: batched on a whole uint8 batch with kornia
   (pipeline.data.batch_augment, what training uses) vs the per-image PIL/torchvision reference
-  (pipeline.data.augment), pairs/s.
+  (pipeline.data.views), pairs/s.
 
 Each figure is the median of ``--repeats`` runs.
 

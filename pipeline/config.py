@@ -11,6 +11,7 @@ scales live in ``configs/`` as whole params files.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -152,6 +153,7 @@ class MlflowParams:
 
     enabled: bool = True
     experiment: str = "moco-pipeline"
+    registered_model: str = "moco-encoder"  # "" = log the encoder model, register no version
 
 
 @dataclass
@@ -389,6 +391,13 @@ def check_pool_grid(p: Params, side: int, where: str = "") -> None:
            p.embed.pool_grid)
 
 
+def _validate_mlflow(p: Params) -> None:
+    # MLflow refuses '/' and ':' in a registered model name; '@' would split a models:/ URI
+    name = p.mlflow.registered_model
+    _check(name == "" or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name) is not None,
+           "mlflow.registered_model", "'' or letters, digits, '.', '_', '-' (at most 100)", name)
+
+
 def _validate_data(p: Params) -> None:
     _pos("seed", p.seed, strict=False)
     _pos("data.image_size", p.data.image_size, strict=False)
@@ -502,7 +511,8 @@ def validate(p: Params) -> Params:
     Raises:
         ParamsError: the first violated constraint, naming the dotted key.
     """
-    for section in (_validate_data, _validate_model, _validate_pretrain, _validate_evaluation):
+    for section in (_validate_mlflow, _validate_data, _validate_model, _validate_pretrain,
+                    _validate_evaluation):
         section(p)
     return p
 

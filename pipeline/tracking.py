@@ -18,9 +18,14 @@
   rev, the run ids of the upstream stages (read from their ``runs/<stage>.json``), the repo root
   and the process that owns it.
 * Params are flattened with dots (the names DVC uses) and the resolved config is logged as an
-  artifact. SIGTERM/SIGINT end the run as KILLED; any other exception as FAILED; a run is
+  artifact. SIGTERM/SIGINT end the run as KILLED (tag ``killed.reason``); any other exception
+  as FAILED (``failed.reason``); a run is
   FINISHED only if the process then exits 0 (see :mod:`pipeline.signals`).
-* The experiment is tagged as a classic ML experiment, so the MLflow UI opens on its runs table.
+* A pretraining resumed from its checkpoint continues the interrupted run (same run id, status
+  RUNNING again, then FINISHED; tags ``interrupted.count`` and ``interrupted.<n>`` record each
+  interruption): one training = one run.
+* The MLflow UI's runs table of the experiment opens at :func:`ui_url` (MLflow 3.17 chooses the
+  GenAI or the model-training view from the ``workflowType`` URL parameter, not from a tag).
 * Only rank 0 logs; ``mlflow.enabled: false`` turns everything into no-ops (``run.json`` is still
   written, with ``run_id: null``).
 """
@@ -48,8 +53,8 @@ log = logging.getLogger(__name__)
 
 RUNS_DIR = "runs"
 ARTIFACTS_DIR = "mlartifacts"
-# MLflow 3's experiment kind tag: "custom_model_development" opens the runs table in the UI
-# (an experiment without it may open in the GenAI view).
+# MLflow 3's experiment kind tag, recorded for tools that classify experiments. It does NOT pick
+# the UI's view (MLflow 3.17: the `workflowType` URL parameter does, default GenAI): see ui_url.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 _SECRET_WORDS = ("password", "secret", "token", "key_id", "access_key", "credential")
@@ -135,29 +140,120 @@ def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
             raise TrackingError(f"MLflow database directory {parent} is missing or not writable")
 
 
-def read_run_id(stage: str, root: Path | None = None) -> str | None:
-    """The run id recorded by an upstream stage in ``runs/<stage>.json`` (None if absent)."""
+def read_run_record(stage: str, root: Path | None = None) -> dict[str, Any]:
+    """What a stage recorded in ``runs/<stage>.json`` (run id, experiment, model ids).
+
+    Returns:
+        The record; ``{}`` when the file is absent or unreadable.
+    """
     path = (root or Path.cwd()) / RUNS_DIR / f"{stage}.json"
     try:
-        return json.loads(path.read_text()).get("run_id")
+        record = json.loads(path.read_text())
     except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def read_run_id(stage: str, root: Path | None = None) -> str | None:
+    """The run id recorded by an upstream stage in ``runs/<stage>.json`` (None if absent)."""
+    return read_run_record(stage, root).get("run_id")
+
+
+UI_HOST = "http://127.0.0.1:5000"  # `make ui` / `mlflow ui` on a database
+
+
+def ui_url(uri: str, experiment_id: str | None) -> str:
+    """The MLflow UI page of an experiment's runs table (the model-training view).
+
+    Args:
+        uri: the tracking URI: a server's own address, or a database (then the UI is the one
+            ``make ui`` starts, :data:`UI_HOST`).
+        experiment_id: the experiment; None = the experiments list.
+
+    Returns:
+        ``<server>/#/experiments/<id>/runs?workflowType=machine_learning`` (credentials in a
+        server URI are left out).
+    """
+    from urllib.parse import urlsplit, urlunsplit
+
+    base = UI_HOST
+    if uri.startswith(("http://", "https://")):
+        u = urlsplit(uri)
+        host = u.hostname or ""
+        netloc = f"[{host}]" if ":" in host else host
+        base = urlunsplit((u.scheme, netloc + (f":{u.port}" if u.port else ""),
+                           u.path.rstrip("/"), "", ""))
+    if experiment_id is None:
+        return f"{base}/#/experiments"
+    return f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
+def find_experiment_id(uri: str, name: str, root: Path) -> str | None:
+    """This repo's experiment id, without creating anything (None: no database or experiment).
+
+    The same choice as :func:`open_experiment`: ``name`` when its artifacts live in this repo
+    (or with a server), else ``<name> (<root>)``.
+    """
+    db = _local_db(uri)
+    if db is not None and not db.is_file():
         return None
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    wanted = str((root / ARTIFACTS_DIR).resolve()) if db is not None else None
+    for candidate in (name, f"{name} ({root})"):
+        exp = client.get_experiment_by_name(candidate)
+        if exp is not None and exp.lifecycle_stage != "deleted" and (
+                wanted is None or _uri_path(exp.artifact_location) == wanted):
+            return exp.experiment_id
+    return None
+
+
+def experiment_ui_url(uri: str | None = None, params_path: str | Path = "params.yaml") -> str:
+    """:func:`ui_url` of this repo's experiment (``make ui`` prints it before starting).
+
+    Args:
+        uri: the tracking URI (default :func:`tracking_uri`).
+        params_path: where ``mlflow.experiment`` is read (the default name when unreadable).
+    """
+    from pipeline.config import ParamsError, load_params
+
+    uri = uri or tracking_uri()
+    try:
+        name = load_params(params_path).mlflow.experiment
+    except ParamsError:
+        name = Params().mlflow.experiment
+    return ui_url(uri, find_experiment_id(uri, name, repo_root()))
 
 
 class StageRun:
     """Handle for logging inside :func:`stage_run`; every method is a no-op when disabled."""
 
-    def __init__(self, run: Any | None) -> None:
+    def __init__(self, run: Any | None, *, resumed: bool = False) -> None:
         self._run = run
         self.run_id: str | None = run.info.run_id if run is not None else None
+        self.experiment_id: str | None = run.info.experiment_id if run is not None else None
+        self.resumed = resumed  # an interrupted run continued (see stage_run's resume_run_id)
+        # more fields for runs/<stage>.json (e.g. the logged model's id), written at the end
+        self.record: dict[str, Any] = {}
 
     @property
     def active(self) -> bool:
         """Whether anything is logged."""
         return self._run is not None
 
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        """Log numeric metrics (non-numeric values are skipped)."""
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None, *,
+                    model_id: str | None = None, dataset: Any | None = None) -> None:
+        """Log numeric metrics (non-numeric values are skipped).
+
+        Args:
+            metrics: name -> value (rounded as in the metrics files).
+            step: the step (None = 0).
+            model_id: also link them to this MLflow logged model (its Models-view columns);
+                the run then lists the model among its inputs.
+            dataset: the ``mlflow.data`` dataset they were measured on (from
+                :meth:`log_shards`).
+        """
         if self._run is None:
             return
         import mlflow
@@ -165,7 +261,7 @@ class StageRun:
         clean = {k: float(v) for k, v in round_metrics(metrics).items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if clean:
-            mlflow.log_metrics(clean, step=step)
+            mlflow.log_metrics(clean, step=step, model_id=model_id, dataset=dataset)
 
     def log_params(self, params: dict[str, Any]) -> None:
         """Log extra params (strings)."""
@@ -185,16 +281,20 @@ class StageRun:
         else:
             mlflow.log_artifact(str(path), artifact_path=artifact_path)
 
-    def log_shards(self, split_dir: str | Path | ShardURL, context: str) -> None:
+    def log_shards(self, split_dir: str | Path | ShardURL, context: str) -> Any | None:
         """Record a shard split as an MLflow dataset input (digest = sha256 of its manifest).
 
         Args:
             split_dir: a shard directory holding ``manifest.json``, or its URL (logged with an
                 HTTP dataset source for ``http(s)``, the URL as the source otherwise).
             context: ``training`` or ``evaluation``.
+
+        Returns:
+            The logged ``mlflow.data`` dataset (for :meth:`log_metrics`), None when disabled or
+            the manifest is unreadable.
         """
         if self._run is None:
-            return
+            return None
         import hashlib
 
         import mlflow
@@ -210,7 +310,7 @@ class StageRun:
             try:
                 raw = read_url(where / "manifest.json")
             except RemoteError:
-                return  # the stage itself reports the unreadable manifest
+                return None  # the stage itself reports the unreadable manifest
             source: Any = (HTTPDatasetSource(str(where)) if where.scheme in ("http", "https")
                            else LocalArtifactDatasetSource(str(where)))
         else:
@@ -218,7 +318,7 @@ class StageRun:
 
             manifest = where / "manifest.json"
             if not manifest.is_file():
-                return
+                return None
             raw = manifest.read_bytes()
             source = LocalArtifactDatasetSource(str(where.resolve()))
         m = json.loads(raw)
@@ -226,6 +326,7 @@ class StageRun:
         ds = MetaDataset(source=source, digest=digest,
                          name=f"{m.get('source', 'data')}/{m.get('split', where.name)}")
         mlflow.log_input(ds, context=context)
+        return ds
 
     def set_tags(self, tags: dict[str, str]) -> None:
         """Set run tags."""
@@ -395,13 +496,22 @@ def mark_stale_runs(uri: str, experiment_id: str, stage: str, root: Path) -> lis
 
 @contextlib.contextmanager
 def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), rank: int = 0,
-              extra_tags: dict[str, str] | None = None,
-              system_metrics: bool = False) -> Iterator[StageRun]:
+              extra_tags: dict[str, str] | None = None, system_metrics: bool = False,
+              resume_run_id: str | None = None) -> Iterator[StageRun]:
     """One MLflow run for one executed stage, written to ``runs/<stage>.json`` at the end.
 
     The run ends FINISHED only when the block completes; from that moment a stage entry point
     holds signals (:func:`pipeline.signals.hold`), and a signal held until the process's last
     check turns the run KILLED again, so a FINISHED run always means exit 0.
+
+    With ``resume_run_id`` (the run stored in a checkpoint the stage resumes), that run is
+    continued when it is this stage's, in this experiment, and ended KILLED or FAILED (also one
+    the stale-run sweep just marked KILLED): same run id, status RUNNING again, metric steps
+    continuing. Its ``killed.reason``/``stale.reason``/``failed.reason`` tag becomes
+    ``interrupted.<n>`` (``interrupted.count`` = n), so a FINISHED run carries no kill reason.
+    Params not logged yet are added; a param whose value changed since (only those that do not
+    decide the weights can) keeps its first value, and tag ``resume.changed_params`` names it.
+    Any other run id (FINISHED, unknown, another stage) starts a new run.
 
     Args:
         stage: DVC stage name (``pretrain``, ``knn``, ...).
@@ -409,10 +519,12 @@ def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), ran
         upstream: names of the stages whose run ids are recorded as ``upstream.<stage>`` tags.
         rank: process rank; only rank 0 talks to MLflow.
         extra_tags: more tags.
-        system_metrics: also sample CPU/GPU/memory usage (MLflow system metrics, psutil).
+        system_metrics: also sample CPU/GPU/memory usage (MLflow system metrics: psutil, and
+            nvidia-ml-py for GPUs).
+        resume_run_id: the run to continue (:func:`pipeline.train.resume.resumable_run_id`).
 
     Yields:
-        A :class:`StageRun`.
+        A :class:`StageRun` (its ``record`` fields join ``runs/<stage>.json``).
 
     Raises:
         TrackingError: the tracking backend is unreachable (raised before any work).
@@ -441,25 +553,81 @@ def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), ran
         for up in upstream:
             tags[f"upstream.{up}"] = read_run_id(up, root) or "unknown"
         run_name = f"{os.environ.get('DVC_EXP_NAME', 'workspace')}:{stage}"
+        old = _reopenable(uri, resume_run_id, exp_id, stage) if resume_run_id else None
         run = None
         try:
-            run = mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=tags,
-                                   log_system_metrics=system_metrics)
-            mlflow.log_params(loggable_params(params))
+            if old is None:
+                run = mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=tags,
+                                       log_system_metrics=system_metrics)
+                mlflow.log_params(loggable_params(params))
+            else:
+                run = _reopen(uri, old, tags, loggable_params(params), system_metrics)
             mlflow.log_dict(to_dict(params), "config/params.resolved.json")
-            yield StageRun(run)
+            handle = StageRun(run, resumed=old is not None)
+            yield handle
             write_json(root / RUNS_DIR / f"{stage}.json", {
-                "stage": stage, "run_id": run.info.run_id,
+                **handle.record, "stage": stage, "run_id": run.info.run_id,
                 "experiment_id": run.info.experiment_id, "tracking_uri": uri})
         except Terminated as e:
             _end_active("KILLED", {"killed.reason": str(e) or signals.signal_name(e.signum)})
             raise
-        except BaseException:
-            _end_active("FAILED", {})
+        except BaseException as e:
+            _end_active("FAILED", {"failed.reason": f"{type(e).__name__}: {e}"[:1000]})
             raise
         run_id = run.info.run_id
         signals.hold(lambda signum: _late_kill(uri, run_id, signum))
         mlflow.end_run("FINISHED")
+
+
+def _reopenable(uri: str, run_id: str, experiment_id: str, stage: str) -> Any | None:
+    """The run to continue: this stage's, in this experiment, ended KILLED or FAILED; else None.
+
+    A FINISHED run belongs to a training that ended (a forced rerun is a new run); a RUNNING one
+    may still have a live owner (the stale-run sweep has already run).
+    """
+    from mlflow.tracking import MlflowClient
+
+    try:
+        r = MlflowClient(tracking_uri=uri).get_run(run_id)
+    except Exception as e:  # noqa: BLE001 - e.g. the checkpoint came from another database
+        log.info("checkpoint's MLflow run %s not found (%s): starting a new run", run_id, e)
+        return None
+    if (r.info.experiment_id != experiment_id or r.data.tags.get("stage") != stage
+            or r.info.lifecycle_stage != "active" or r.info.status not in ("KILLED", "FAILED")):
+        log.info("checkpoint's MLflow run %s is %s (stage %s, experiment %s): starting a new run",
+                 run_id, r.info.status, r.data.tags.get("stage"), r.info.experiment_id)
+        return None
+    return r
+
+
+def _reopen(uri: str, old: Any, tags: dict[str, str], params: dict[str, str],
+            system_metrics: bool) -> Any:
+    """Continue run ``old`` (status RUNNING again): interruption tags, the params it lacks."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    before, run_id = old.data.tags, old.info.run_id
+    n = int(before.get("interrupted.count", "0")) + 1
+    why = (before.get("killed.reason") or before.get("stale.reason")
+           or before.get("failed.reason") or "no reason recorded")
+    tags = {**tags, "interrupted.count": str(n),
+            f"interrupted.{n}": f"{old.info.status}: {why}; resumed from the checkpoint by pid "
+                                f"{tags['proc.pid']} on {tags['proc.host']}"}
+    for stale in ("killed.reason", "stale.reason", "failed.reason"):
+        if stale in before:
+            client.delete_tag(run_id, stale)
+    logged = old.data.params
+    changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
+    if changed:
+        tags["resume.changed_params"] = ", ".join(
+            f"{k}: {logged[k]} -> {params[k]}" for k in changed)[:5000]
+    run = mlflow.start_run(run_id=run_id, tags=tags, log_system_metrics=system_metrics)
+    new = {k: v for k, v in params.items() if k not in logged}
+    if new:
+        mlflow.log_params(new)
+    log.info("MLflow run %s continues (interruption %d: %s)", run_id, n, old.info.status)
+    return run
 
 
 def _end_active(status: str, tags: dict[str, str]) -> None:

@@ -20,6 +20,8 @@ def run(p: Params) -> None:
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("baselines", p, upstream=("build_shards",)) as mlrun:
+        for split in ("train", "test"):
+            mlrun.log_shards(shards / split, context="evaluation")
         metrics = baselines(shards_dir=shards, model=p.model, seed=p.seed, linear=p.linear,
                             batch_size=p.embed.batch_size, pool_grid=p.embed.pool_grid)
         write_metrics(Path("metrics/baselines.json"), metrics)

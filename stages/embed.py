@@ -16,10 +16,14 @@ def run(p: Params) -> None:
     from pipeline.atomic import write_metrics
     from pipeline.data.remote import shards_location
     from pipeline.evaluate.run.embed import embed
+    from pipeline.model_registry import link_encoder_input
     from pipeline.tracking import stage_run
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("embed", p, upstream=("pretrain",)) as mlrun:
+        for split in ("train", "test"):
+            mlrun.log_shards(shards / split, context="evaluation")
+        link_encoder_input(mlrun)  # the pretrain run's logged model
         metrics = embed(encoder_path=Path("models/encoder.pt"), shards_dir=shards,
                         out_dir=Path("features"), batch_size=p.embed.batch_size,
                         use_head=p.embed.use_head, head_path=Path("models/head.pt"),

@@ -16,15 +16,19 @@ def run(p: Params) -> None:
     from pipeline.atomic import write_metrics
     from pipeline.data.remote import shards_location
     from pipeline.evaluate.run.knn import knn_eval
+    from pipeline.model_registry import attach_scores
     from pipeline.tracking import stage_run
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("knn", p, upstream=("embed", "pretrain")) as mlrun:
+        mlrun.log_shards(shards / "train", context="evaluation")
+        test = mlrun.log_shards(shards / "test", context="evaluation")
         metrics = knn_eval(features_dir=Path("features"),
                            manifest_dir=shards / "test", knn=p.knn,
                            details_path=Path("eval/knn_details.json"), seed=p.seed)
         write_metrics(Path("metrics/knn.json"), metrics)
         mlrun.log_metrics(metrics)
+        attach_scores(mlrun, "knn", metrics, dataset=test)  # knn.top1 beside the logged model
         mlrun.log_artifact("eval/knn_details.json")
 
 

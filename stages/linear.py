@@ -16,10 +16,13 @@ def run(p: Params) -> None:
     from pipeline.atomic import write_metrics
     from pipeline.data.remote import shards_location
     from pipeline.evaluate.run.linear import linear_probe
+    from pipeline.model_registry import attach_scores, update_champion
     from pipeline.tracking import stage_run
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("linear", p, upstream=("embed", "pretrain")) as mlrun:
+        mlrun.log_shards(shards / "train", context="evaluation")
+        test = mlrun.log_shards(shards / "test", context="evaluation")
         metrics = linear_probe(features_dir=Path("features"), shards_dir=shards,
                                encoder_path=Path("models/encoder.pt"), linear=p.linear,
                                seed=p.seed, details_path=Path("eval/linear_details.json"),
@@ -27,6 +30,8 @@ def run(p: Params) -> None:
                                pool_grid=p.embed.pool_grid)
         write_metrics(Path("metrics/linear.json"), metrics)
         mlrun.log_metrics(metrics)
+        attach_scores(mlrun, "linear", metrics, dataset=test)  # and tags the registry version
+        update_champion(mlrun)  # alias champion: this experiment's best linear top-1
         mlrun.log_artifact("eval/linear_details.json")
         mlrun.log_artifact("plots/linear.tsv")
 

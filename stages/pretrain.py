@@ -27,14 +27,21 @@ def run(p: Params) -> None:
     from pathlib import Path
 
     from pipeline.data.remote import shards_location
+    from pipeline.model_registry import publish_encoder
     from pipeline.tracking import stage_run
     from pipeline.train.engine import pretrain
+    from pipeline.train.resume import resumable_run_id
 
     rank = int(os.environ.get("RANK", "0"))
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     check_grid_against_shards(p, shards / "pretrain")
+    # a checkpoint the engine will resume names its MLflow run: continue it (one training = one run)
+    resume = resumable_run_id(
+        Path(CHECKPOINT_DIR) / "last.pt", seed=p.seed, model=p.model, moco=p.moco,
+        augment=p.augment, opt=p.pretrain, pretrain_split=shards / "pretrain",
+        world_size=int(os.environ.get("WORLD_SIZE", "1"))) if rank == 0 else None
     with stage_run("pretrain", p, upstream=("build_shards",), rank=rank,
-                   system_metrics=True) as mlrun:
+                   system_metrics=True, resume_run_id=resume) as mlrun:
         mlrun.log_shards(shards / "pretrain", context="training")
         pretrain(model=p.model, moco=p.moco, opt=p.pretrain, augment=p.augment, seed=p.seed,
                  shards_dir=shards, encoder_path=Path("models/encoder.pt"),
@@ -43,8 +50,10 @@ def run(p: Params) -> None:
                  plots_path=Path("plots/pretrain.tsv"),
                  knn_plots_path=Path("plots/knn_monitor.tsv"), run=mlrun)
         for f in ("metrics/pretrain.json", "plots/pretrain.tsv", "plots/knn_monitor.tsv",
-                  "models/encoder.json", "models/encoder.pt"):
+                  "models/encoder.json", "models/encoder.safetensors"):
             mlrun.log_artifact(f)
+        publish_encoder(mlrun, params=p, encoder_path=Path("models/encoder.pt"),
+                        example_split=shards / "test")  # logged model + registry version
 
 
 def check_grid_against_shards(p: Params, split: Path | ShardURL) -> None:

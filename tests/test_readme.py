@@ -12,13 +12,13 @@ from helpers import build_tiny_shards, run_pretrain
 REPO = Path(__file__).resolve().parents[1]
 
 
-def readme_block(heading: str) -> str:
-    """The first ```python block of the README section ``## heading``."""
+def readme_block(heading: str, index: int = 0) -> str:
+    """The ``index``-th ```python block of the README section ``## heading``."""
     text = (REPO / "README.md").read_text()
     section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"^```python\n(.*?)^```$", section, flags=re.M | re.S)
-    assert blocks, f"no python block under '## {heading}'"
-    return blocks[0]
+    assert len(blocks) > index, f"no python block {index} under '## {heading}'"
+    return blocks[index]
 
 
 def test_readme__use_the_trained_encoder_snippet_runs(tmp_path):

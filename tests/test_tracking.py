@@ -13,12 +13,15 @@ from pipeline.config import from_dict
 from pipeline.tracking import (
     TrackingError,
     check_reachable,
+    experiment_ui_url,
+    find_experiment_id,
     loggable_params,
     mark_stale_runs,
     open_experiment,
     process_tags,
     stage_run,
     tracking_uri,
+    ui_url,
 )
 
 
@@ -74,6 +77,7 @@ def test_stage_run__exception_marks_failed(db, tmp_path):
     runs = MlflowClient(db).search_runs([MlflowClient(db).get_experiment_by_name(
         p.mlflow.experiment).experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"]
+    assert runs[0].data.tags["failed.reason"] == "ZeroDivisionError: division by zero"
     assert not (tmp_path / "runs/embed.json").exists()
 
 
@@ -143,7 +147,7 @@ def test_stage_run__shards_logged_as_dataset_input(db, tmp_path):
 # --- artifact location, database initialisation, stale runs, experiment kind (#15) ----------
 
 
-def test_stage_run__artifacts_inside_repo_root_and_runs_view(db, tmp_path):
+def test_stage_run__artifacts_inside_repo_root(db, tmp_path):
     with stage_run("knn", from_dict({})):
         pass
     run_id = json.loads((tmp_path / "runs/knn.json").read_text())["run_id"]
@@ -234,3 +238,114 @@ def test_mark_stale_runs__dead_owner_killed__live_or_foreign_kept(tmp_path):
     killed = c.get_run(stale)
     assert killed.info.end_time is not None
     assert "SIGKILL" in killed.data.tags["stale.reason"]
+
+
+# --- one training = one run: resume (#30) ----------------------------------------------------
+
+
+def _killed_run(p, steps=(2, 4)) -> str:
+    """A pretrain run that logged ``loss`` at ``steps`` and was stopped by SIGTERM."""
+    from pipeline.signals import Terminated
+
+    with pytest.raises(Terminated), stage_run("pretrain", p) as r:
+        for s in steps:
+            r.log_metrics({"loss": float(s)}, step=s)
+        raise Terminated("SIGTERM: checkpoint written at step 4")
+    (run,) = MlflowClient().search_runs([MlflowClient().get_experiment_by_name(
+        p.mlflow.experiment).experiment_id])
+    assert run.info.status == "KILLED"
+    return run.info.run_id
+
+
+def test_stage_run__resume_killed_run__same_id_finished_steps_continue(db, tmp_path):
+    p = from_dict({})
+    killed = _killed_run(p)
+    with stage_run("pretrain", p, resume_run_id=killed) as r:
+        assert r.resumed and r.run_id == killed
+        assert MlflowClient(db).get_run(killed).info.status == "RUNNING"
+        for s in (6, 8):
+            r.log_metrics({"loss": float(s)}, step=s)
+    c = MlflowClient(db)
+    (run,) = c.search_runs([run_exp(c)])
+    assert run.info.run_id == killed and run.info.status == "FINISHED"
+    assert [m.step for m in c.get_metric_history(killed, "loss")] == [2, 4, 6, 8]
+    tags = run.data.tags
+    assert "killed.reason" not in tags and tags["interrupted.count"] == "1"
+    assert tags["interrupted.1"] == (f"KILLED: SIGTERM: checkpoint written at step 4; resumed "
+                                     f"from the checkpoint by pid {os.getpid()} on "
+                                     f"{tags['proc.host']}")
+    assert json.loads((tmp_path / "runs/pretrain.json").read_text())["run_id"] == killed
+
+
+def run_exp(c, name="moco-pipeline"):
+    return c.get_experiment_by_name(name).experiment_id
+
+
+def test_stage_run__resume_twice__interruptions_counted(db):
+    from pipeline.signals import Terminated
+
+    p = from_dict({})
+    killed = _killed_run(p)
+    with pytest.raises(Terminated), stage_run("pretrain", p, resume_run_id=killed):
+        raise Terminated("SIGINT: checkpoint written at step 6")
+    with stage_run("pretrain", p, resume_run_id=killed):
+        pass
+    tags = MlflowClient(db).get_run(killed).data.tags
+    assert tags["interrupted.count"] == "2"
+    assert tags["interrupted.2"].startswith("KILLED: SIGINT: checkpoint written at step 6;")
+
+
+def test_stage_run__resume_changed_param__first_value_kept_and_named(db):
+    killed = _killed_run(from_dict({}))
+    p = from_dict({"pretrain": {"log_every_steps": 5}})  # not part of the fingerprint
+    with stage_run("pretrain", p, resume_run_id=killed):
+        pass
+    run = MlflowClient(db).get_run(killed)
+    assert run.data.params["pretrain.log_every_steps"] == "10"
+    assert run.data.tags["resume.changed_params"] == "pretrain.log_every_steps: 10 -> 5"
+
+
+@pytest.mark.parametrize("case", ["finished", "unknown", "other_stage"])
+def test_stage_run__resume_id_not_continuable__new_run(db, case):
+    p = from_dict({})
+    if case == "finished":
+        with stage_run("pretrain", p) as r:
+            old = r.run_id
+    elif case == "unknown":
+        old = "0" * 32
+    else:
+        with pytest.raises(ZeroDivisionError), stage_run("knn", p) as r:
+            old = r.run_id
+            1 / 0  # noqa: B018 - a FAILED knn run: not this stage's
+    with stage_run("pretrain", p, resume_run_id=old) as r:
+        assert not r.resumed and r.run_id != old
+
+
+def test_stage_run__record_fields_join_run_json(db, tmp_path):
+    with stage_run("pretrain", from_dict({})) as r:
+        r.record["model_id"] = "m-123"
+    rec = json.loads((tmp_path / "runs/pretrain.json").read_text())
+    assert rec["model_id"] == "m-123" and rec["run_id"] == r.run_id
+
+
+# --- the UI entry (#30) --------------------------------------------------------------------
+
+
+def test_ui_url__runs_table_of_the_model_training_view():
+    want = "http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning"
+    assert ui_url("sqlite:////x/mlflow.db", "3") == want
+    assert ui_url("https://bob:pw@mlflow.example.org:8443/", "3") == (
+        "https://mlflow.example.org:8443/#/experiments/3/runs?workflowType=machine_learning")
+    assert ui_url("sqlite:////x/mlflow.db", None) == "http://127.0.0.1:5000/#/experiments"
+
+
+def test_experiment_ui_url__this_repos_experiment__nothing_created(db, tmp_path, monkeypatch):
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    missing = f"sqlite:///{tmp_path / 'none.db'}"
+    assert experiment_ui_url(missing) == "http://127.0.0.1:5000/#/experiments"
+    assert not (tmp_path / "none.db").exists()
+    (tmp_path / "params.yaml").write_text("mlflow:\n  experiment: mine\n")
+    eid = open_experiment(db, "mine", tmp_path)
+    assert find_experiment_id(db, "mine", tmp_path) == eid
+    assert experiment_ui_url(db, tmp_path / "params.yaml") == (
+        f"http://127.0.0.1:5000/#/experiments/{eid}/runs?workflowType=machine_learning")

@@ -39,9 +39,10 @@ class Table:
 
 @dataclass
 class Paragraph:
-    """A paragraph of plain text."""
+    """A paragraph of plain text, optionally ending with a link (``href``, shown as itself)."""
 
     text: str
+    href: str = ""
     kind: ClassVar[str] = "paragraph"
 
 
@@ -536,8 +537,10 @@ def cost_section(m: Mapping[str, Metrics | None]) -> Section:
 
 
 def runs_section(outputs: RunOutputs) -> Section:
-    """The MLflow run of every tracked stage and the (redacted) tracking URIs."""
-    rows, uris = [], []
+    """The MLflow run of every tracked stage, the (redacted) tracking URIs, the UI's runs table."""
+    from pipeline.tracking import ui_url
+
+    rows, uris, ui = [], [], []
     for stage, run in outputs.runs.items():
         if run is None:
             rows.append([stage, NOT_AVAILABLE, ""])
@@ -545,13 +548,16 @@ def runs_section(outputs: RunOutputs) -> Section:
         rows.append([stage, run.run_id or "not logged (MLflow disabled)", run.experiment_id])
         if run.tracking_uri and redact_uri(run.tracking_uri) not in uris:
             uris.append(redact_uri(run.tracking_uri))
-    return Section(
-        "MLflow runs",
-        [
-            Table(["stage", "MLflow run id", "experiment id"], rows),
-            Paragraph("Tracking URI: " + (", ".join(uris) if uris else NOT_AVAILABLE) + "."),
-        ],
-    )
+        if run.run_id and run.tracking_uri and not ui:
+            ui.append(ui_url(run.tracking_uri, run.experiment_id or None))
+    blocks: list[Block] = [
+        Table(["stage", "MLflow run id", "experiment id"], rows),
+        Paragraph("Tracking URI: " + (", ".join(uris) if uris else NOT_AVAILABLE) + "."),
+    ]
+    if ui:  # with a database: the UI that `make ui` starts
+        blocks.append(Paragraph("The runs table in the MLflow UI (`make ui` for a database):",
+                                href=ui[0]))
+    return Section("MLflow runs", blocks)
 
 
 def lock_section(outputs: RunOutputs) -> Section:

@@ -50,6 +50,26 @@ def training_params(seed: int, model: ModelParams, moco: MocoParams, augment: Au
             "pretrain": {k: v for k, v in to_dict(opt).items() if k not in NOT_FINGERPRINTED}}
 
 
+def checkpoint_fingerprint(seed: int, model: ModelParams, moco: MocoParams,
+                           augment: AugmentParams, opt: PretrainParams, world_size: int,
+                           manifest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(fingerprint, training params) that a checkpoint must carry to be resumed.
+
+    The one computation of the engine and of :func:`pipeline.train.resume.resumable_run_id`.
+
+    Args:
+        seed: ``seed``.
+        model: ``model`` section.
+        moco: ``moco`` section.
+        augment: ``augment`` section.
+        opt: ``pretrain`` section.
+        world_size: number of training processes.
+        manifest: the pretraining split's manifest (its shards' sha256 enter the hash).
+    """
+    params = training_params(seed, model, moco, augment, opt, world_size)
+    return fingerprint(params, [s["sha256"] for s in manifest["shards"]]), params
+
+
 def fingerprint(training_params: dict[str, Any], shard_hashes: list[str]) -> str:
     """sha256 over the training params (canonical JSON), shard hashes and training code.
 
@@ -170,11 +190,13 @@ class Checkpointer:
         train_params: the params behind the fingerprint, stored so that an ignored checkpoint's
             log line can name what changed.
         is_main: only rank 0 writes.
+        run_id: the MLflow run of this training, stored so that a resume continues that run
+            (:func:`pipeline.train.resume.resumable_run_id`).
     """
 
     def __init__(self, path: Path, fingerprint: str, train_params: dict[str, Any],
-                 is_main: bool) -> None:
-        self.path, self.fingerprint = path, fingerprint
+                 is_main: bool, run_id: str | None = None) -> None:
+        self.path, self.fingerprint, self.run_id = path, fingerprint, run_id
         self.train_params, self.is_main = train_params, is_main
         self.t_start = time.time()
 
@@ -211,4 +233,5 @@ class Checkpointer:
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "rows": state.rows, "knn_rows": state.knn_rows,
             "wall_time_s": self.wall_time(state), "num_threads": state.num_threads,
+            "mlflow_run_id": self.run_id,
         }, self.path)

@@ -41,8 +41,7 @@ from pipeline.train.checkpoint import (
     Checkpointer,
     CheckpointPolicy,
     TrainState,
-    fingerprint,
-    training_params,
+    checkpoint_fingerprint,
 )
 from pipeline.train.export import export_outputs, final_metrics
 from pipeline.train.logging import LogWindow, format_row
@@ -276,10 +275,9 @@ def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
     precision = Precision(resolve_precision(opt.precision, rt.device), rt.device)
     optimizer = torch.optim.SGD(net.trainable_parameters(), lr=0.0, momentum=opt.sgd_momentum,
                                 weight_decay=opt.weight_decay)
-    params = training_params(seed, model, moco, augment, opt, rt.world_size)
-    ckpt = Checkpointer(checkpoint_dir / "last.pt",
-                        fingerprint(params, [s["sha256"] for s in manifest["shards"]]), params,
-                        rt.is_main)
+    fp, params = checkpoint_fingerprint(seed, model, moco, augment, opt, rt.world_size, manifest)
+    ckpt = Checkpointer(checkpoint_dir / "last.pt", fp, params, rt.is_main,
+                        run_id=run.run_id if run is not None else None)
     state = ckpt.restore(net, optimizer, precision.scaler)
     state.num_threads = setup_threads(
         requested=opt.num_threads, resumed=state.num_threads, num_workers=opt.num_workers,

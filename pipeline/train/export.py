@@ -1,4 +1,12 @@
-"""What pretraining leaves behind: the query backbone, its head, its architecture, metrics."""
+"""What pretraining leaves behind: the query backbone, its head, its architecture, metrics.
+
+The backbone is written twice, with the same tensors: ``encoder.pt`` (a ``torch.save``'d
+torchvision-style ``state_dict``) and ``encoder.safetensors`` (the same keys, loadable without
+pickle by ``safetensors.torch.load_file``, with ``encoder.json``'s fields as its metadata). The
+key names are torchvision's ResNet names, which timm's ResNets share: for the ImageNet stem
+(``small_stem: false``) and 3 channels, ``timm.create_model("resnet18", num_classes=0)`` loads
+the file with ``strict=True``.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pipeline.atomic import save_torch, write_json, write_metrics, write_tsv
+from pipeline.atomic import save_torch, write_atomic, write_json, write_metrics, write_tsv
 from pipeline.config import ModelParams
 from pipeline.moco.backbones import resolve_small_stem, resolve_stem_stride
 from pipeline.moco.model import MoCo
@@ -23,6 +31,24 @@ def encoder_meta(model: ModelParams, *, in_channels: int, image_size: int,
             "stem_stride": resolve_stem_stride(
                 model.stem_stride, resolve_small_stem(model.small_stem, image_size)),
             "image_size": image_size, "num_features": num_features}
+
+
+def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path,
+                     meta: dict[str, Any]) -> None:
+    """Write a backbone ``state_dict`` as safetensors, atomically, ``meta`` as its metadata.
+
+    Args:
+        state_dict: CPU tensors (made contiguous here; safetensors stores no strides).
+        path: the ``.safetensors`` file.
+        meta: JSON-able values (safetensors metadata holds strings: each value is JSON-encoded).
+    """
+    import json
+
+    from safetensors.torch import save
+
+    data = save({k: v.contiguous() for k, v in state_dict.items()},
+                metadata={k: json.dumps(v) for k, v in meta.items()})
+    write_atomic(path, lambda f: f.write(data))
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -58,19 +84,22 @@ def final_metrics(state: TrainState, *, total_steps: int, epochs: int, wall_s: f
 def export_outputs(net: MoCo, model: ModelParams, *, in_channels: int, image_size: int,
                    state: TrainState, metrics: dict[str, float], encoder_path: Path,
                    metrics_path: Path, plots_path: Path, knn_plots_path: Path) -> None:
-    """Write the encoder (plain BN, no ``fc``), ``head.pt``, ``encoder.json``, metrics, curves.
+    """Write the encoder (plain BN, no ``fc``; ``.pt`` and ``.safetensors``), head, metrics.
 
-    Every file is written atomically (temp file + rename).
+    Also ``head.pt``, ``encoder.json`` and the curves. Every file is written atomically (temp
+    file + rename).
     """
-    save_torch(net.export_backbone(), encoder_path)
+    backbone = net.export_backbone()
+    meta = encoder_meta(model, in_channels=in_channels, image_size=image_size,
+                        num_features=net.encoder_q.backbone.num_features)
+    save_torch(backbone, encoder_path)
+    save_safetensors(backbone, encoder_path.with_suffix(".safetensors"), meta)
     head = net.encoder_q.head
     save_torch({"kind": model.head, "in_dim": net.encoder_q.backbone.num_features,
                  "hidden": model.head_hidden, "dim": model.dim,
                  "state_dict": {k: v.detach().cpu() for k, v in head.state_dict().items()}},
                 encoder_path.with_name("head.pt"))
-    write_json(encoder_path.with_suffix(".json"), encoder_meta(
-        model, in_channels=in_channels, image_size=image_size,
-        num_features=net.encoder_q.backbone.num_features))
+    write_json(encoder_path.with_suffix(".json"), meta)
     write_metrics(metrics_path, metrics)
     write_tsv(plots_path, PLOT_COLUMNS, state.rows)
     write_tsv(knn_plots_path, ("epoch", "step", "knn_top1", "knn_top5"), state.knn_rows)

@@ -6,7 +6,7 @@ artifacts in ``<repo>/mlartifacts``), pushed to a local-directory DVC remote. Th
 file order on that one repo:
 
 1. the baseline ran every stage, check_params first; metrics are rounded; MLflow runs are
-   FINISHED, in the repo's artifact store, in an experiment that opens on its runs table;
+   FINISHED, in the repo's artifact store, in an experiment tagged as model development;
 2. a clone + ``dvc pull`` is up to date and ``dvc repro`` runs nothing;
 3. from NO ``mlflow.db``, three queued ``-S knn.k=...`` experiments run with ``-j 3``: all
    finish, pretrain never reruns, artifacts land in the repo (not the deleted temp workspaces);
@@ -159,7 +159,7 @@ def test_baseline__metrics_rounded_to_their_precision(repo):
                 assert float(f"{v:.6g}") == v, f"{f.name}: {k} = {v!r}"
 
 
-def test_baseline__mlflow_runs_finished_in_repo_artifact_store_runs_view(repo):
+def test_baseline__mlflow_runs_finished_in_repo_artifact_store_kind_tag(repo):
     dst, _, _ = repo
     from mlflow.tracking import MlflowClient
 

@@ -4,7 +4,9 @@ A copy of the working tree becomes a fresh git repo in tmp; `configs/ci.yaml` re
 params.yaml (so DVC sees every value); MLflow logs to a throwaway SQLite database. Then:
 metrics are sane, a second `dvc repro` is a no-op, `dvc exp run -S knn.k=...` reruns only knn
 and report, `-S pretrain.lr=...` reruns pretrain and everything after it (not build_shards or
-baselines), and every executed stage left a FINISHED MLflow run.
+baselines), and every executed stage left a FINISHED MLflow run. The encoder (#30): each
+pretraining registers a version of `moco-encoder`; the champion loads in a fresh process and
+gives the features of `features/test.pt` bit for bit; it moves only for a higher linear top-1.
 """
 
 import json
@@ -51,7 +53,10 @@ def repo(tmp_path_factory):
         elif (dst / stale).is_dir():
             shutil.rmtree(dst / stale)
     shutil.copy(ROOT / "configs/ci.yaml", dst / "params.yaml")
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{dst / 'ci-mlflow.db'}",
+    # the database lives outside the repo: inside, it would be committed with the outputs and
+    # `dvc exp run` would stash and restore it with the workspace (an old copy read back)
+    db = tmp_path_factory.mktemp("mlflow") / "ci-mlflow.db"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{db}",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "GIT_AUTHOR_NAME": "ci", "GIT_AUTHOR_EMAIL": "ci@localhost",
            "GIT_COMMITTER_NAME": "ci", "GIT_COMMITTER_EMAIL": "ci@localhost"}
@@ -88,6 +93,60 @@ def test_pipeline__all_stages_run_with_sane_metrics(repo):
     assert check_html(dst / "reports/report.html") == []
 
 
+# a fresh process: the champion from the registry, the embed stage's preprocessing, 10 images
+LOAD_CHAMPION = """
+import sys, torch, mlflow
+from pipeline.data.views import build_eval_transform
+from pipeline.data.loader import eval_loader
+uri = "models:/moco-encoder@champion"
+encoder = mlflow.pytorch.load_model(uri)
+pre = mlflow.models.get_model_info(uri).metadata["preprocessing"]
+tf = build_eval_transform(pre["image_size"], pre["mean"], pre["std"])
+images, _, keys = next(iter(eval_loader("data/shards/test", transform=tf, batch_size=10,
+                                        max_images=10)))
+with torch.no_grad():
+    torch.save({"features": encoder(images), "keys": list(keys)}, sys.argv[1])
+"""
+
+
+def registry(env):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    versions = {int(v.version): v for v in client.search_model_versions("name = 'moco-encoder'")}
+    return client, versions, client.get_registered_model("moco-encoder").aliases
+
+
+def test_pipeline__registry_version_aliases_and_champion_features_bit_identical(repo, tmp_path):
+    dst, env, _ = repo
+    import torch
+
+    from pipeline.evaluate.features import load_features
+
+    client, versions, aliases = registry(env)
+    assert sorted(versions) == [1] and aliases == {"champion": 1, "newest": 1}
+    rec = json.loads((dst / "runs/pretrain.json").read_text())
+    linear = json.loads((dst / "metrics/linear.json").read_text())
+    assert versions[1].run_id == rec["run_id"] and rec["model_version"] == "1"
+    assert float(versions[1].tags["linear.top1"]) == linear["top1"]
+    linked = {m.key: m.value for m in client.get_logged_model(rec["model_id"]).metrics}
+    assert linked["linear.top1"] == linear["top1"]
+    assert linked["knn.top1"] == json.loads((dst / "metrics/knn.json").read_text())["top1"]
+
+    out = tmp_path / "champion.pt"
+    proc = subprocess.run([sys.executable, "-c", LOAD_CHAMPION, str(out)], cwd=dst,
+                          env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(out)
+    fs = load_features(dst / "features/test.pt")
+    rows = fs.features[[fs.keys.index(k) for k in got["keys"]]]
+    assert got["features"].shape == rows.shape == (10, 8 * 8 * 2 * 2)  # width 8, 2 x 2 grid
+    assert torch.equal(got["features"], rows)  # bit for bit
+    # the report links the experiment's runs table
+    assert "workflowType=machine_learning" in (dst / "reports/report.html").read_text()
+
+
 def test_pipeline__second_repro_is_noop(repo):
     dst, env, _ = repo
     out = sh(["dvc", "repro"], dst, env)
@@ -106,6 +165,19 @@ def test_pipeline__pretrain_param_reruns_pretrain_and_after(repo):
     dst, env, _ = repo
     out = sh(["dvc", "exp", "run", "-S", "pretrain.lr=0.05"], dst, env)
     assert ran(out) == ["check_params", "pretrain", "embed", "knn", "linear", "report"]
+
+
+def test_pipeline__second_pretraining__new_version_champion_moves_only_if_higher(repo):
+    dst, env, _ = repo  # after the pretrain.lr experiment above
+    _, versions, aliases = registry(env)
+    first = json.loads(sh(["git", "show", "HEAD:metrics/linear.json"], dst, env))["top1"]
+    second = json.loads((dst / "metrics/linear.json").read_text())["top1"]
+    assert sorted(versions) == [1, 2] and aliases["newest"] == 2
+    assert versions[1].tags["dvc.exp_name"] == "workspace"  # dvc repro
+    assert versions[2].tags["dvc.exp_name"] not in ("", "workspace")  # dvc exp run's name
+    assert [float(versions[v].tags["linear.top1"]) for v in (1, 2)] == [first, second]
+    assert versions[1].tags["params.digest"] != versions[2].tags["params.digest"]  # lr differs
+    assert aliases["champion"] == (2 if second > first else 1)
 
 
 def test_pipeline__mlflow_has_finished_runs_per_stage(repo):

@@ -2,7 +2,8 @@
 
 The kill point is drawn from a seeded RNG: the step whose log line triggers the signal, plus a
 small delay. Whatever the point, the restarted stage must end with an encoder bit-identical to
-the uninterrupted reference run of the same params.
+the uninterrupted reference run of the same params, in ONE MLflow run (the interrupted run
+continued, FINISHED, its metric steps continuous).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import pytest
 import torch
 from helpers import run_pretrain
+from mlflow.tracking import MlflowClient
 from relhelpers import (
     TOTAL_STEPS,
     leftover_temp_files,
@@ -31,6 +33,12 @@ from relhelpers import (
 )
 
 from pipeline.train.checkpoint import load_checkpoint
+
+
+def loss_steps(db, run_id: str) -> list[int]:
+    """The steps of a run's ``loss`` metric, in logging order."""
+    client = MlflowClient(f"sqlite:///{db}")
+    return sorted(m.step for m in client.get_metric_history(run_id, "loss"))
 
 
 def kill_point(seed: int, first: int) -> tuple[int, float]:
@@ -93,14 +101,23 @@ def test_pretrain_stage__signal_then_restart__killed_run_and_bit_identical(
     assert killed.info.status == "KILLED" and killed.info.end_time is not None
     assert killed.data.tags["killed.reason"].startswith(f"{name}: checkpoint written")
 
+    assert ck["mlflow_run_id"] == killed.info.run_id  # the checkpoint names its run
+
     r = run_stage("pretrain", workdir, db=mlflow_db)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resuming from .checkpoints/pretrain/last.pt at step {stopped}" in r.stderr
     assert same_tensors(load_state(workdir / "models/encoder.pt"), reference_encoder)
-    runs = mlflow_runs(mlflow_db)
-    assert [x.info.status for x in runs] == ["KILLED", "FINISHED"]
+    # one training = one run: the KILLED run continues, RUNNING again, then FINISHED
+    (run,) = mlflow_runs(mlflow_db)
+    assert run.info.run_id == killed.info.run_id and run.info.status == "FINISHED"
+    tags = run.data.tags
+    assert "killed.reason" not in tags and tags["interrupted.count"] == "1"
+    assert tags["interrupted.1"].startswith(f"KILLED: {name}: checkpoint written at step "
+                                            f"{stopped}; resumed from the checkpoint by pid")
+    # every logged step once, from the first to the last (SIGTERM checkpoints at its step)
+    assert loss_steps(mlflow_db, run.info.run_id) == list(range(2, TOTAL_STEPS + 1, 2))
     recorded = json.loads((workdir / "runs/pretrain.json").read_text())
-    assert recorded["run_id"] == runs[1].info.run_id
+    assert recorded["run_id"] == run.info.run_id
 
 
 @pytest.mark.slow
@@ -120,13 +137,24 @@ def test_pretrain_stage__sigkill_then_restart__stale_run_killed_and_bit_identica
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.search(r"resuming from .checkpoints/pretrain/last.pt at step \d+", r.stderr)
     assert same_tensors(load_state(workdir / "models/encoder.pt"), reference_encoder)
-    # ... until the stage starts again: then it is KILLED, with an end time and the reason
-    runs = mlflow_runs(mlflow_db)
-    assert [x.info.status for x in runs] == ["KILLED", "FINISHED"]
-    assert runs[0].info.run_id == stale.info.run_id
-    assert runs[0].info.end_time is not None and runs[0].info.end_time <= runs[1].info.start_time
-    assert "SIGKILL" in runs[0].data.tags["stale.reason"]
-    assert runs[0].data.tags["proc.pid"] != runs[1].data.tags["proc.pid"]
+    # ... until the stage starts again: the sweep marks it KILLED (its owner is dead), then the
+    # resumed training continues that same run to FINISHED, the reason kept as interrupted.1
+    assert "was left RUNNING by a dead process: marked KILLED" in r.stderr
+    (run,) = mlflow_runs(mlflow_db)
+    assert run.info.run_id == stale.info.run_id and run.info.status == "FINISHED"
+    tags = run.data.tags
+    assert "stale.reason" not in tags and tags["interrupted.count"] == "1"
+    assert tags["interrupted.1"].startswith("KILLED: process ") and "SIGKILL" in tags[
+        "interrupted.1"]
+    assert tags["proc.pid"] != stale.data.tags["proc.pid"]  # owned by the resuming process
+    # steps logged after the last checkpoint were logged again by the resumed process, with the
+    # same values (bit-identical resume): every step present, no two values for one step
+    history = MlflowClient(f"sqlite:///{mlflow_db}").get_metric_history(run.info.run_id, "loss")
+    by_step: dict[int, set[float]] = {}
+    for m in history:
+        by_step.setdefault(m.step, set()).add(m.value)
+    assert sorted(by_step) == list(range(2, TOTAL_STEPS + 1, 2))
+    assert all(len(v) == 1 for v in by_step.values())
 
 
 @pytest.mark.parametrize("interrupt", [RuntimeError("disk went away"), KeyboardInterrupt()])

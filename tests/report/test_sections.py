@@ -99,3 +99,13 @@ def test_settings_section__knn_row_says_how_k_and_T_were_set():
     # with select = val the params' k and T are not used: the row must not quote them
     assert knn_row({"select": "val", "k": 20, "T": 0.05}) == (
         "k and T chosen on 10 % of train (grid k 1-200, T 0.02-1)")
+
+
+def test_runs_section__links_the_ui_runs_table_without_credentials(tmp_path):
+    from pipeline.report.sections import runs_section
+
+    sec = runs_section(read_outputs(make_run(tmp_path / "run"), "data/shards"))
+    (link,) = [b for b in sec.blocks if isinstance(b, Paragraph) and b.href]
+    # the helper's runs were logged to https://alice:s3cret@mlflow.example.org, experiment 7
+    assert link.href == ("https://mlflow.example.org/#/experiments/7/runs"
+                         "?workflowType=machine_learning")

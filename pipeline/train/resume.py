@@ -1,0 +1,61 @@
+"""Which MLflow run a resumed pretraining continues: one training = one run, across resumes.
+
+The engine stores the MLflow run id in ``last.pt``
+(:class:`~pipeline.train.checkpoint.Checkpointer`).
+The stage must know it BEFORE it starts its MLflow run, so that ``mlflow.start_run(run_id=...)``
+reopens the interrupted run instead of creating a new one; the engine decides later, from the
+same fingerprint, that it resumes the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from pipeline.config import AugmentParams, MocoParams, ModelParams, PretrainParams
+from pipeline.data.remote import ShardURL
+from pipeline.data.shards import read_manifest
+from pipeline.train.checkpoint import checkpoint_fingerprint
+
+log = logging.getLogger(__name__)
+
+
+def resumable_run_id(checkpoint: Path, *, seed: int, model: ModelParams, moco: MocoParams,
+                     augment: AugmentParams, opt: PretrainParams,
+                     pretrain_split: Path | ShardURL, world_size: int) -> str | None:
+    """The MLflow run id stored in a checkpoint that the engine will resume, else None.
+
+    The checkpoint is resumed when its fingerprint equals this run's (the same computation as
+    the engine's: :func:`pipeline.train.checkpoint.checkpoint_fingerprint`). Reading it loads no
+    weights into memory (``mmap``) and executes no code (``weights_only``).
+
+    Args:
+        checkpoint: ``.checkpoints/pretrain/last.pt``.
+        seed: ``seed``.
+        model: ``model`` section.
+        moco: ``moco`` section.
+        augment: ``augment`` section.
+        opt: ``pretrain`` section.
+        pretrain_split: the pretraining shards (their manifest's sha256 enter the fingerprint).
+        world_size: number of training processes (``WORLD_SIZE``, 1 without torchrun).
+
+    Returns:
+        The run id, or None: no checkpoint, an unreadable one, another fingerprint (it will be
+        ignored and training starts fresh), or one written with MLflow disabled.
+    """
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_file():
+        return None
+    try:
+        ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+        manifest = read_manifest(pretrain_split)
+    except Exception as e:  # noqa: BLE001 - the engine reports an unreadable checkpoint itself
+        log.debug("no resumable run in %s: %s", checkpoint, e)
+        return None
+    fp, _ = checkpoint_fingerprint(seed, model, moco, augment, opt, world_size, manifest)
+    if not isinstance(ckpt, dict) or ckpt.get("fingerprint") != fp:
+        return None
+    run_id = ckpt.get("mlflow_run_id")
+    return run_id if isinstance(run_id, str) and run_id else None

@@ -1,0 +1,38 @@
+"""Helpers of the registry tests: a tiny trained encoder, publish and score it like the stages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from helpers import build_tiny_shards, run_pretrain
+
+from pipeline.config import Params, from_dict
+from pipeline.model_registry import attach_scores, publish_encoder, update_champion
+from pipeline.tracking import stage_run
+
+PARAMS = {"embed": {"pool_grid": 1}}  # 16 px with the stride-2 stem: a 1 x 1 last map
+
+
+def train_tiny(root: Path) -> Path:
+    """``root/data/shards`` + ``root/models/encoder.{pt,json,safetensors}`` (width 4)."""
+    shards = build_tiny_shards(root / "data/shards", n_pretrain=32, n_train=16, n_test=16)
+    run_pretrain(shards, root / "models", {"moco": {"K": 16}, "pretrain": {"epochs": 1}})
+    return root
+
+
+def publish(p: Params | None = None) -> dict:
+    """What the pretrain stage does after training, in the current directory: runs/pretrain.json."""
+    p = p or from_dict(PARAMS)
+    with stage_run("pretrain", p) as r:
+        publish_encoder(r, params=p, encoder_path=Path("models/encoder.pt"),
+                        example_split=Path("data/shards/test"))
+    return json.loads(Path("runs/pretrain.json").read_text())
+
+
+def score(stage: str, top1: float) -> int | None:
+    """What the knn / linear stage does with its metrics; the champion version for linear."""
+    with stage_run(stage, from_dict(PARAMS), upstream=("pretrain",)) as r:
+        test = r.log_shards(Path("data/shards/test"), context="evaluation")
+        attach_scores(r, stage, {"top1": top1, "top5": 100.0, "k": 20}, dataset=test)
+        return update_champion(r) if stage == "linear" else None

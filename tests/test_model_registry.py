@@ -1,0 +1,195 @@
+"""The encoder as an MLflow model (#30): logged model, registry version, scores, aliases.
+
+An encoder from the real pretraining and export code (tiny: width 4) is published by the same
+functions the stages call, inside real ``stage_run`` runs on a throwaway SQLite database
+(tests/registryhelpers.py).
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from registryhelpers import PARAMS, publish, score, train_tiny
+
+from pipeline.config import from_dict
+from pipeline.model_registry import (
+    CHAMPION,
+    NEWEST,
+    choose_champion,
+    link_encoder_input,
+    params_digest,
+    publish_encoder,
+)
+from pipeline.tracking import StageRun, stage_run
+
+REPO = Path(__file__).resolve().parents[1]
+NAME = "moco-encoder"
+
+
+def test_choose_champion__best_wins_current_keeps_a_tie():
+    assert choose_champion({1: 80.0}, None) == 1
+    assert choose_champion({1: 80.0, 2: 75.0}, 1) == 1  # lower: stays
+    assert choose_champion({1: 80.0, 2: 80.0}, 1) == 1  # equal: stays
+    assert choose_champion({1: 80.0, 2: 80.5}, 1) == 2  # higher: moves
+    assert choose_champion({1: 70.0, 2: 90.0, 3: 90.0}, 1) == 2  # tie elsewhere: the oldest
+    with pytest.raises(ValueError):
+        choose_champion({}, None)
+
+
+def test_params_digest__training_params_only():
+    base = from_dict({})
+    d = params_digest(base)
+    assert len(d) == 64 and int(d, 16) >= 0
+    assert params_digest(from_dict({"knn": {"k": 7}, "mlflow": {"experiment": "x"}})) == d
+    assert params_digest(from_dict({"pretrain": {"lr": 0.5}})) != d
+    assert params_digest(from_dict({"seed": 1})) != d
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A folder with ``data/shards`` and ``models/encoder.{pt,json,safetensors}``."""
+    return train_tiny(tmp_path_factory.mktemp("trained"))
+
+
+@pytest.fixture()
+def wd(tmp_path, trained, monkeypatch):
+    """A stage working directory (copy of ``trained``) logging to its own SQLite database."""
+    wd = tmp_path / "wd"
+    shutil.copytree(trained, wd)
+    monkeypatch.chdir(wd)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{wd / 'mlflow.db'}")
+    monkeypatch.setenv("DVC_EXP_NAME", "exp-a")
+    yield wd
+    mlflow.set_tracking_uri(None)
+
+
+LOAD = """
+import json, sys, torch, mlflow
+model = mlflow.pytorch.load_model(sys.argv[1])
+x = torch.load(sys.argv[2])
+with torch.no_grad():
+    torch.save(model(x), sys.argv[3])
+print(type(model).__name__)
+"""
+
+
+def test_publish_encoder__logged_model_version_tags_alias_and_fresh_load(wd):
+    rec = publish()
+    c = MlflowClient()
+    assert rec["registered_model"] == NAME and rec["model_version"] == "1"
+    model = c.get_logged_model(rec["model_id"])
+    assert model.source_run_id == rec["run_id"] and model.name == "encoder"
+    assert model.params["encoder.width"] == "4"
+    v = c.get_model_version_by_alias(NAME, NEWEST)
+    assert str(v.version) == "1" and v.run_id == rec["run_id"]
+    assert v.tags["dvc.exp_name"] == "exp-a"
+    assert v.tags["params.digest"] == params_digest(from_dict(PARAMS))
+    assert v.tags["encoder.md5"] == hashlib.md5(Path("models/encoder.pt").read_bytes()).hexdigest()
+    assert v.tags["experiment_id"] == rec["experiment_id"] and "git.commit" in v.tags
+    run = c.get_run(rec["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["registry.version"] == f"{NAME}/1"
+    # encoder.json travels with the model
+    local = mlflow.artifacts.download_artifacts(f"models:/{rec['model_id']}")
+    assert json.loads((Path(local) / "extra_files/encoder.json").read_text()) == json.loads(
+        Path("models/encoder.json").read_text())
+
+    # a fresh process: models:/<name>@newest is the backbone, equal to the embed stage's
+    from pipeline.data.loader import eval_loader, read_manifest
+    from pipeline.data.views import build_eval_transform
+    from pipeline.evaluate.run.embed import load_encoder
+
+    m = read_manifest("data/shards/test")
+    x, _, _ = next(iter(eval_loader("data/shards/test", batch_size=10, max_images=10,
+                                    transform=build_eval_transform(16, m["mean"], m["std"]))))
+    torch.save(x, "x.pt")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", LOAD, f"models:/{NAME}@{NEWEST}", "x.pt", "y.pt"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    eager, meta = load_encoder(Path("models/encoder.pt"), pool_grid=1)
+    with torch.no_grad():
+        want = eager.eval()(x)
+    got = torch.load("y.pt")
+    assert got.shape == (10, meta["num_features"]) == (10, 32)  # width 4: 8 * 4 features
+    assert torch.equal(got, want)
+
+
+def test_scores_and_champion__moves_only_when_higher(wd):
+    c = MlflowClient()
+    first = publish()
+    score("knn", 61.0)
+    assert score("linear", 80.0) == 1
+    model = c.get_logged_model(first["model_id"])
+    linked = {m.key: (m.value, m.dataset_name) for m in model.metrics if "." in m.key}
+    assert linked["linear.top1"] == (80.0, "synthetic/test")
+    assert linked["knn.top1"] == (61.0, "synthetic/test") and "knn.k" not in linked
+    knn_run = c.get_run(json.loads(Path("runs/knn.json").read_text())["run_id"])
+    assert [i.model_id for i in knn_run.inputs.model_inputs] == [first["model_id"]]
+
+    second = publish()
+    assert second["model_version"] == "2"
+    assert int(c.get_model_version_by_alias(NAME, NEWEST).version) == 2
+    assert score("linear", 75.0) == 1  # lower: the champion stays
+    assert int(c.get_model_version_by_alias(NAME, CHAMPION).version) == 1
+    assert c.get_model_version("moco-encoder", "2").tags["linear.top1"] == "75"
+    third = publish()
+    assert score("linear", 80.5) == 3  # higher: it moves
+    assert int(c.get_model_version_by_alias(NAME, CHAMPION).version) == 3
+    assert third["model_version"] == "3"
+
+
+def test_link_encoder_input__embed_run_lists_the_model(wd):
+    rec = publish()
+    with stage_run("embed", from_dict(PARAMS)) as r:
+        link_encoder_input(r)
+    run = MlflowClient().get_run(json.loads(Path("runs/embed.json").read_text())["run_id"])
+    assert [i.model_id for i in run.inputs.model_inputs] == [rec["model_id"]]
+
+
+def test_publish_encoder__registry_failure__one_warning_run_finished(wd, monkeypatch, caplog):
+    def refuse(*a, **k):
+        raise mlflow.exceptions.MlflowException("registry is read-only")
+
+    monkeypatch.setattr(mlflow, "register_model", refuse)
+    rec = publish()
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"
+                and r.name == "pipeline.model_registry"]
+    assert [w.getMessage() for w in warnings] == [
+        f"could not register model '{NAME}' in the MLflow registry: MlflowException: registry "
+        "is read-only; the stage's outputs are kept"]
+    assert rec["model_id"].startswith("m-") and "model_version" not in rec
+    run = MlflowClient().get_run(rec["run_id"])
+    assert run.info.status == "FINISHED" and "read-only" in run.data.tags["registry.error"]
+    assert score("linear", 80.0) is None  # no version to rank: nothing moves, no error
+
+
+def test_publish_encoder__logging_failure__no_model_stage_goes_on(wd, monkeypatch):
+    def broken(*a, **k):
+        raise OSError("artifact store is full")
+
+    monkeypatch.setattr(mlflow.pytorch, "log_model", broken)
+    rec = publish()
+    assert "model_id" not in rec
+    run = MlflowClient().get_run(rec["run_id"])
+    assert run.info.status == "FINISHED" and "is full" in run.data.tags["model.error"]
+
+
+def test_publish_encoder__empty_name__logged_not_registered(wd):
+    rec = publish(from_dict({**PARAMS, "mlflow": {"registered_model": ""}}))
+    assert rec["model_id"].startswith("m-") and "registered_model" not in rec
+    assert MlflowClient().search_registered_models() == []
+
+
+def test_publish_encoder__inactive_run__no_op(wd):
+    run = StageRun(None)
+    publish_encoder(run, params=from_dict(PARAMS), encoder_path=Path("models/encoder.pt"),
+                    example_split=Path("data/shards/test"))
+    assert run.record == {} and not Path("mlflow.db").exists()

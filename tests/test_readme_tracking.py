@@ -1,0 +1,103 @@
+"""The README's tracking and export snippets (#30), run as written, and the export formats."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+from registryhelpers import publish, score, train_tiny
+from test_readme import readme_block
+
+from pipeline.moco.backbones import build_backbone, export_state_dict
+from pipeline.train.export import save_safetensors
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_snippet(code: str, cwd: Path, **env: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO), **env}, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory) -> Path:
+    """A trained tiny encoder, registered twice; linear top-1 80 (version 1) then 75 (2)."""
+    root = train_tiny(tmp_path_factory.mktemp("registry"))
+    (root / "params.yaml").write_text("mlflow:\n  experiment: moco-pipeline\n")
+    mp = pytest.MonkeyPatch()
+    mp.chdir(root)
+    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    mp.setenv("DVC_EXP_NAME", "exp-a")
+    try:
+        publish()
+        score("linear", 80.0)
+        publish()
+        score("linear", 75.0)
+    finally:
+        mp.undo()
+        mlflow.set_tracking_uri(None)
+    return root
+
+
+def test_readme__comparing_runs_snippet_lists_versions_and_aliases(registry):
+    out = run_snippet(readme_block("Compare runs"), registry,
+                      MLFLOW_TRACKING_URI=f"sqlite:///{registry / 'mlflow.db'}")
+    lines = out.strip().splitlines()
+    eid = json.loads((registry / "runs/pretrain.json").read_text())["experiment_id"]
+    assert lines[0] == (f"http://127.0.0.1:5000/#/experiments/{eid}/runs"
+                        "?workflowType=machine_learning")
+    assert lines[1] == "{'champion': 1, 'newest': 2}"  # 75 < 80: the champion stayed
+    assert sorted(lines[2:]) == ["1 80 exp-a unknown", "2 75 exp-a unknown"]  # not a git repo
+
+
+def test_readme__registry_snippet_loads_the_champion(registry):
+    out = run_snippet(readme_block("Use the trained encoder", 1), registry,
+                      MLFLOW_TRACKING_URI=f"sqlite:///{registry / 'mlflow.db'}")
+    assert out.strip().splitlines()[-1] == "torch.Size([1, 32])"  # width 4: 8 * 4 features
+
+
+def test_export__safetensors_equals_encoder_pt_with_json_metadata(tmp_path):
+    from safetensors import safe_open
+
+    root = train_tiny(tmp_path)
+    sd = torch.load(root / "models/encoder.pt", weights_only=True)
+    from safetensors.torch import load_file
+
+    st = load_file(root / "models/encoder.safetensors")
+    assert st.keys() == sd.keys()
+    assert all(st[k].dtype == sd[k].dtype and torch.equal(st[k], sd[k]) for k in sd)
+    with safe_open(root / "models/encoder.safetensors", "pt") as f:
+        meta = {k: json.loads(v) for k, v in f.metadata().items()}
+    assert meta == json.loads((root / "models/encoder.json").read_text())
+
+
+def test_readme__timm_snippet_loads_a_standard_stem_encoder_strictly(tmp_path):
+    timm = pytest.importorskip("timm")  # the `dev` extra installs it
+    ours = build_backbone("resnet18", width=64, in_channels=3, small_stem=False).eval()
+    (tmp_path / "models").mkdir()
+    save_safetensors(export_state_dict(ours), tmp_path / "models/encoder.safetensors",
+                     {"backbone": "resnet18", "width": 64})
+    assert run_snippet(readme_block("Use the trained encoder", 2), tmp_path).strip() == "512"
+    # the same features as our backbone, bit for bit
+    from safetensors.torch import load_file
+
+    model = timm.create_model("resnet18", num_classes=0)
+    model.load_state_dict(load_file(tmp_path / "models/encoder.safetensors"))
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x), ours(x))
+
+
+def test_export__safetensors_written_atomically_no_temp_left(tmp_path):
+    sd = {"w": torch.arange(6.0).reshape(2, 3).t()}  # not contiguous: made so on save
+    save_safetensors(sd, tmp_path / "e.safetensors", {"width": 4})
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(tmp_path / "e.safetensors")["w"], sd["w"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.safetensors"]
