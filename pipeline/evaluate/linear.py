@@ -53,6 +53,7 @@ from pipeline.evaluate.metrics import (
     contiguous_labels,
     labelled_mask,
 )
+from pipeline.evaluate.normalize import l2_normalize
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def split_train_val(n: int, val_fraction: float, seed: int) -> tuple[Tensor, Ten
 
 
 def _normalize(x: Tensor, feature_norm: str) -> Tensor:
-    return F.normalize(x, dim=1) if feature_norm == "l2" else x
+    return l2_normalize(x) if feature_norm == "l2" else x
 
 
 def _make_classifier(num_features: int, num_classes: int, seed: int, device: torch.device
