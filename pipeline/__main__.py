@@ -1,4 +1,8 @@
-"""``python -m pipeline check-params [--params FILE] [--stamp PATH]`` and ``verify-shards DIR``.
+"""``python -m pipeline check-params``, ``verify-shards DIR`` and ``clean-checkpoints``.
+
+``check-params [--params FILE] [--stamp PATH]``, ``verify-shards DIR...``,
+``clean-checkpoints [--keep N]`` (delete pretraining resume state of the repo: see
+:mod:`pipeline.train.resume_store`).
 
 ``check-params --stamp runs/check_params.json`` is the first DVC stage: it validates the whole
 params file (every key present, typed and in range) before any other stage deletes its outputs,
@@ -36,10 +40,18 @@ def _main(argv: list[str] | None) -> int:
                          "(the check_params DVC stage)")
     vs = sub.add_parser("verify-shards", help="check shards against their manifest.json")
     vs.add_argument("dir", nargs="+", help="shard directories (each with a manifest.json)")
+    cc = sub.add_parser("clean-checkpoints",
+                        help="delete pretraining resume state (.checkpoints/pretrain/<key>/)")
+    cc.add_argument("--keep", type=int, default=0,
+                    help="keep the N most recently written (default: %(default)s, delete all)")
     args = parser.parse_args(argv)
     setup_logging()
     if args.cmd == "check-params":
         return _check_params(args.params, args.stamp)
+    if args.cmd == "clean-checkpoints":
+        from pipeline.train.resume_store import clean_main
+
+        return clean_main(keep=args.keep)
     from pipeline.data.shards import verify_main
 
     return max(verify_main(d) for d in args.dir)

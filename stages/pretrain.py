@@ -17,10 +17,10 @@ if TYPE_CHECKING:
 
 # Resume state: NOT a DVC output (gitignored and dvcignored). As a `persist: true, cache: false`
 # output it switched off DVC's run cache for the stage and could not be restored by `dvc pull`
-# or in a `--queue`/`--temp` workspace, so those retrained. Here it only serves a killed
-# `dvc repro` in the same workspace; `last.pt` holds the fingerprint of the params, shards and
-# training code it was made with, and a checkpoint with another fingerprint is never resumed.
-CHECKPOINT_DIR = ".checkpoints/pretrain"
+# or in a `--queue`/`--temp` workspace, so those retrained. It lives in the MAIN repo
+# ($DVC_ROOT/.checkpoints/pretrain/<fingerprint>/last.pt, pipeline/train/resume_store.py), so a
+# killed `dvc repro` and a killed queued or temp experiment, run again with the same params,
+# both resume; a checkpoint with another fingerprint is never resumed.
 
 
 def run(p: Params) -> None:
@@ -30,6 +30,7 @@ def run(p: Params) -> None:
     from pipeline.data.remote import shards_location
     from pipeline.tracking import stage_run
     from pipeline.train import pretrain
+    from pipeline.train.resume_store import open_entry
 
     rank = int(os.environ.get("RANK", "0"))
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
@@ -39,7 +40,7 @@ def run(p: Params) -> None:
         mlrun.log_shards(shards / "pretrain", context="training")
         pretrain(model=p.model, moco=p.moco, opt=p.pretrain, augment=p.augment, seed=p.seed,
                  shards_dir=shards, encoder_path=Path("models/encoder.pt"),
-                 checkpoint_dir=Path(CHECKPOINT_DIR),
+                 checkpoint_dir=lambda fp: open_entry(fp, maintain=rank == 0),
                  metrics_path=Path("metrics/pretrain.json"),
                  plots_path=Path("plots/pretrain.tsv"),
                  knn_plots_path=Path("plots/knn_monitor.tsv"), run=mlrun)

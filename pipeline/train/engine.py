@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from pipeline.data import augment as aug
 from pipeline.data.batch_augment import BatchTwoCrop, batch_seed, build_batch_view
 from pipeline.data.crop import RandomResizedCrop
 from pipeline.data.loader import read_manifest, train_loader
+from pipeline.data.workers import LoaderWorkerError, worker_death
 from pipeline.moco.backbones import (
     build_backbone,
     build_head,
@@ -257,6 +259,28 @@ class _Run:
 
     def save(self) -> None:
         self.ckpt.save(self.net, self.optimizer, self.precision.scaler, self.state)
+        self.saved_step = self.state.step
+
+    def worker_died(self, died: LoaderWorkerError) -> BaseException:
+        """The one-line failure for a dead loader worker, with the step to resume from.
+
+        Between two steps (the usual case: the death surfaces while a batch is awaited) the
+        state is whole, so a checkpoint is written at the current step; inside a step the last
+        one stands. When this process also received SIGTERM/SIGINT (a signal to the whole
+        process group reaches the worker first), it is that signal's :class:`Terminated`.
+        """
+        if not self.in_step:
+            self.save()
+            where = f"checkpoint written at step {self.state.step} to {self.ckpt.path}"
+        elif self.saved_step is not None:
+            where = f"the last checkpoint is at step {self.saved_step} ({self.ckpt.path})"
+        else:
+            where = "no checkpoint was written yet"
+        if self.stop.raised:
+            name = signal.Signals(self.stop.signum).name
+            return Terminated(f"{name}: {where} (a DataLoader worker was killed by "
+                              f"{died.signal_name} first)", signum=self.stop.signum)
+        return died.with_where(f"{where}; rerun to resume from it")
 
     def epoch(self, epoch: int, stop_at: int) -> None:
         """Steps of ``epoch`` from the current step (a resumed epoch skips what was done)."""
@@ -272,6 +296,7 @@ class _Run:
         while state.step < min((epoch + 1) * spe, stop_at):
             t_wait = time.time()
             images, _ = next(batches)
+            self.in_step = True  # from here to the step's end the state is not whole
             wait_s = time.time() - t_wait
             images = images.to(self.rt.device, non_blocking=True)
             out = self.step(images, epoch)
@@ -279,6 +304,7 @@ class _Run:
             window.add(loss=out.loss.item(), top1=float(out.top1), top5=float(out.top5),
                        wait_s=wait_s)
             self.after_step(window, out)
+            self.in_step = False
 
     def step(self, images: torch.Tensor, epoch: int) -> MocoOutput:
         s = self.state.step
@@ -313,14 +339,16 @@ class _Run:
         if self.stop.raised:
             self.save()
             name = signal.Signals(self.stop.signum).name
-            raise Terminated(f"{name}: checkpoint written at step {s}", signum=self.stop.signum)
+            raise Terminated(f"{name}: checkpoint written at step {s} to {self.ckpt.path}",
+                             signum=self.stop.signum)
         if self.policy.due(s):
             self.save()
 
 
 def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augment: AugmentParams,
-             seed: int, shards_dir: Path, encoder_path: Path, checkpoint_dir: Path,
-             metrics_path: Path, plots_path: Path, knn_plots_path: Path,
+             seed: int, shards_dir: Path, encoder_path: Path,
+             checkpoint_dir: Path | Callable[[str], Path], metrics_path: Path,
+             plots_path: Path, knn_plots_path: Path,
              run: StageRun | None = None, max_steps: int | None = None) -> dict[str, float]:
     """Pretrain MoCo on the ``pretrain`` shards and export the query backbone.
 
@@ -334,7 +362,9 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
         encoder_path: where the QUERY backbone ``state_dict`` is written (plain BatchNorm2d,
             no ``fc.*``); ``encoder.json`` beside it records the architecture and ``head.pt``
             the query projection head.
-        checkpoint_dir: ``last.pt`` lives here (resume state, outside DVC's outputs).
+        checkpoint_dir: ``last.pt`` lives here (resume state, outside DVC's outputs), or a
+            function of the run's fingerprint returning that folder (the stage's resume store,
+            :func:`pipeline.train.resume_store.open_entry`).
         metrics_path: final metrics JSON (``metrics/pretrain.json``).
         plots_path: per-logged-step TSV (``plots/pretrain.tsv``).
         knn_plots_path: kNN-monitor TSV per epoch (``plots/knn_monitor.tsv``).
@@ -348,6 +378,8 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
         ValueError: sizes that do not fit the data or the processes (names the param).
         NonFiniteLossError: the loss became NaN/inf (the last good checkpoint is kept).
         Terminated: SIGTERM or SIGINT was received (a checkpoint was written first).
+        LoaderWorkerError: a DataLoader worker died (e.g. SIGKILL from the out-of-memory
+            killer); the message names the signal and the checkpoint step to resume from.
     """
     threads_before = torch.get_num_threads()
     try:
@@ -362,7 +394,8 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
 
 def _pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
               augment: AugmentParams, seed: int, shards_dir: Path, encoder_path: Path,
-              checkpoint_dir: Path, metrics_path: Path, plots_path: Path, knn_plots_path: Path,
+              checkpoint_dir: Path | Callable[[str], Path], metrics_path: Path,
+              plots_path: Path, knn_plots_path: Path,
               run: StageRun | None, max_steps: int | None) -> dict[str, float]:
     """:func:`pretrain`'s body: wire the parts, run the epochs, finish."""
     rt = setup_device()
@@ -376,9 +409,9 @@ def _pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
     optimizer = torch.optim.SGD(net.trainable_parameters(), lr=0.0, momentum=opt.sgd_momentum,
                                 weight_decay=opt.weight_decay)
     params = _training_params(seed, model, moco, augment, opt, rt.world_size)
-    ckpt = Checkpointer(checkpoint_dir / "last.pt",
-                        fingerprint(params, [s["sha256"] for s in manifest["shards"]]), params,
-                        rt.is_main)
+    fp = fingerprint(params, [s["sha256"] for s in manifest["shards"]])
+    ckpt_dir = checkpoint_dir(fp) if callable(checkpoint_dir) else checkpoint_dir
+    ckpt = Checkpointer(ckpt_dir / "last.pt", fp, params, rt.is_main)
     state = ckpt.restore(net, optimizer, precision.scaler)
     state.num_threads = _setup_threads(state.num_threads, opt, net, plan, rt)
     channels_last = resolve_switch(opt.channels_last, cpu_default=False,
@@ -402,13 +435,20 @@ def _pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
                  n_train=opt.knn_monitor_train_images, n_test=opt.knn_monitor_test_images,
                  every_epochs=opt.knn_every_epochs),
              policy=CheckpointPolicy(opt.checkpoint_every_epochs, opt.checkpoint_every_steps,
-                                     plan.total_steps, plan.steps_per_epoch), bar=None)
+                                     plan.total_steps, plan.steps_per_epoch), bar=None,
+             in_step=False, saved_step=state.step or None)
     stop_at = plan.total_steps if max_steps is None else min(max_steps, plan.total_steps)
     if state.step == 0 and not state.knn_rows:
         r.record_monitor(0)  # the random-init encoder: the curve's starting point
     with stop_on_signals() as r.stop, _progress(rt, plan.total_steps, state.step) as r.bar:
-        while state.step < stop_at:
-            r.epoch(state.step // plan.steps_per_epoch, stop_at)
+        try:
+            while state.step < stop_at:
+                r.epoch(state.step // plan.steps_per_epoch, stop_at)
+        except RuntimeError as e:  # PyTorch's SIGCHLD handler raises at any line
+            died = worker_death(e)
+            if died is None:
+                raise
+            raise r.worker_died(died) from None
     if state.step < plan.total_steps:  # stopped early by max_steps (tests)
         return {"step": float(state.step)}
     return _finish(r, model, encoder_path, metrics_path, plots_path, knn_plots_path)
