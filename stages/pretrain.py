@@ -28,22 +28,28 @@ def run(p: Params) -> None:
     from pathlib import Path
 
     from pipeline.data.remote import shards_location
+    from pipeline.signals import Terminated
     from pipeline.tracking import stage_run
     from pipeline.train import pretrain
-    from pipeline.train.resume_store import open_entry
+    from pipeline.train.resume_store import open_entry, watch_workspace
 
     rank = int(os.environ.get("RANK", "0"))
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     check_grid_against_shards(p, shards / "pretrain")
     with stage_run("pretrain", p, upstream=("build_shards",), rank=rank,
-                   system_metrics=True) as mlrun:
+                   system_metrics=True) as mlrun, watch_workspace() as watch:
         mlrun.log_shards(shards / "pretrain", context="training")
-        pretrain(model=p.model, moco=p.moco, opt=p.pretrain, augment=p.augment, seed=p.seed,
-                 shards_dir=shards, encoder_path=Path("models/encoder.pt"),
-                 checkpoint_dir=lambda fp: open_entry(fp, maintain=rank == 0),
-                 metrics_path=Path("metrics/pretrain.json"),
-                 plots_path=Path("plots/pretrain.tsv"),
-                 knn_plots_path=Path("plots/knn_monitor.tsv"), run=mlrun)
+        try:
+            pretrain(model=p.model, moco=p.moco, opt=p.pretrain, augment=p.augment,
+                     seed=p.seed, shards_dir=shards, encoder_path=Path("models/encoder.pt"),
+                     checkpoint_dir=lambda fp: open_entry(fp, maintain=rank == 0),
+                     metrics_path=Path("metrics/pretrain.json"),
+                     plots_path=Path("plots/pretrain.tsv"),
+                     knn_plots_path=Path("plots/knn_monitor.tsv"), run=mlrun)
+        except Terminated as e:  # stopped by the workspace watch: say why
+            if watch.reason is None:
+                raise
+            raise Terminated(f"{e}; {watch.reason}", signum=e.signum) from None
         for f in ("metrics/pretrain.json", "plots/pretrain.tsv", "plots/knn_monitor.tsv",
                   "models/encoder.json", "models/encoder.pt"):
             mlrun.log_artifact(f)

@@ -18,14 +18,25 @@ Bounded: opening an entry keeps the :data:`KEEP` most recently written ones and 
 (never the one being opened); ``python -m pipeline clean-checkpoints [--keep N]`` deletes them
 by hand. A ``last.pt`` directly in the store (the layout before the fingerprint folders) is
 moved into the folder of its own fingerprint the first time the store is opened.
+
+Abandoned workspaces (:func:`watch_workspace`): ``dvc queue kill --force`` SIGKILLs DVC's
+experiment runner but not the stage it started, which goes on training in a workspace DVC
+deletes, and later fails on a missing file. In a queued or temp experiment the pretrain stage
+watches for that (its parent process gone, or its working directory deleted) and stops itself
+with SIGTERM: the checkpoint is written to the store at the next step and the stage ends with one
+line that says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -153,3 +164,65 @@ def clean_main(*, keep: int = 0, root: str | Path | None = None) -> int:
     kept = len(entries(root))
     print(f"{store}: removed {len(removed)} checkpoint folder(s), kept {kept}")
     return 0
+
+
+class WorkspaceWatch:
+    """Why the stage stopped itself (:attr:`reason`), set by :func:`watch_workspace`."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+
+def in_experiment_workspace() -> bool:
+    """Whether this process runs in a queued or temp experiment's copy of the repo.
+
+    DVC sets ``DVC_ROOT`` to the main repo; the working directory is elsewhere only in an
+    experiment's temporary workspace.
+    """
+    root = os.environ.get("DVC_ROOT")
+    try:
+        return bool(root) and Path(root).resolve() != Path.cwd().resolve()
+    except OSError:
+        return bool(root)
+
+
+@contextlib.contextmanager
+def watch_workspace(interval_s: float = 1.0) -> Iterator[WorkspaceWatch]:
+    """In an experiment workspace: SIGTERM this process once DVC abandoned it.
+
+    Abandoned = the parent process (DVC's runner) is gone, or the working directory was
+    deleted. SIGTERM goes through the stage's usual path (a checkpoint at the next step, one
+    line, exit 143); the caller adds :attr:`WorkspaceWatch.reason` to that line. Outside an
+    experiment workspace (``dvc repro``, a script run by hand, ``nohup``) nothing is watched.
+
+    Args:
+        interval_s: seconds between two checks.
+
+    Yields:
+        The watch; ``reason`` stays None unless the process stopped itself.
+    """
+    watch = WorkspaceWatch()
+    if not in_experiment_workspace():
+        yield watch
+        return
+    parent, cwd = os.getppid(), os.getcwd()
+    done = threading.Event()
+
+    def check() -> None:
+        while not done.wait(interval_s):
+            if os.getppid() != parent:
+                watch.reason = (f"DVC's experiment runner (pid {parent}) is gone, so its "
+                                f"workspace {cwd} will be deleted (`dvc queue kill --force`?)")
+            elif not os.path.isdir(cwd):
+                watch.reason = f"the experiment's workspace {cwd} was deleted"
+            else:
+                continue
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+    thread = threading.Thread(target=check, name="workspace-watch", daemon=True)
+    thread.start()
+    try:
+        yield watch
+    finally:
+        done.set()
