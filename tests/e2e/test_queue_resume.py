@@ -30,7 +30,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
-EPOCHS = 12  # x 32 steps (1024 images, batch 32)
+EPOCHS = 12  # x 32 steps (1024 images, batch 32): long enough to kill one mid-run
 STEPS = EPOCHS * 32
 TINY = {
     "mlflow": {"enabled": False},
@@ -91,6 +91,13 @@ def repos(tmp_path_factory):
     return main, env, torch.load(ref / "models/encoder.pt", weights_only=True)
 
 
+def start_queue(main: Path, env: dict) -> None:
+    """``dvc queue start``, its output discarded: the worker it spawns inherits the command's
+    stdout/stderr, so capturing them would wait for the worker to end."""
+    subprocess.run(["dvc", "queue", "start"], cwd=main, env=env, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=300, check=True)
+
+
 def run_log(main: Path, name: str, env: dict) -> Path | None:
     """The ``.out`` file of queued experiment ``name`` (None before it started)."""
     status = sh(["dvc", "queue", "status"], main, env)
@@ -101,14 +108,18 @@ def run_log(main: Path, name: str, env: dict) -> Path | None:
     return found[0] if found else None
 
 
-def wait_for(pred, timeout: float, what: str):
+def wait_for(pred, timeout: float, what: str, every_s: float = 0.5):
     deadline = time.time() + timeout
     while time.time() < deadline:
         got = pred()
         if got:
             return got
-        time.sleep(0.5)
+        time.sleep(every_s)
     pytest.fail(f"timed out waiting for {what}")
+
+
+def logs(main: Path) -> set[Path]:
+    return set((main / ".dvc/tmp/exps/run").glob("*/*.out"))
 
 
 def status_of(main: Path, name: str, env: dict) -> str:
@@ -121,16 +132,27 @@ def queue_and_kill(main: Path, env: dict, name: str, *, at_step: int, force: boo
                    params: list[str]) -> str:
     """Queue pretrain as ``name``, kill it once it logged ``at_step``; returns its log."""
     sh(["dvc", "exp", "run", "--queue", "-n", name, *params, "pretrain"], main, env)
-    sh(["dvc", "queue", "start"], main, env)
-    log = wait_for(lambda: (p := run_log(main, name, env)) and
-                   re.search(rf" step {at_step}/\d+ ", p.read_text()) and p, 600,
-                   f"{name} at step {at_step}")
+    before = logs(main)
+    start_queue(main, env)
+    # the new log file, then its step lines, read directly (a `dvc queue status` takes seconds)
+    (log,) = wait_for(lambda: logs(main) - before, 600, f"{name}'s log", every_s=0.1)
+    wait_for(lambda: re.search(rf" step {at_step}/\d+ ", log.read_text()), 600,
+             f"{name} at step {at_step}", every_s=0.05)
     assert "Success" != status_of(main, name, env), "finished before the kill: raise STEPS"
     sh(["dvc", "queue", "kill", *(["--force"] if force else []), name], main, env)
     wait_for(lambda: status_of(main, name, env) == "Failed", 300, f"{name} failed")
     # the stage writes its last line itself (with --force it outlives DVC's runner)
     return wait_for(lambda: "\nerror:" in log.read_text() and log.read_text(), 300,
                     f"{name}'s error line")
+
+
+def experiment_output(main: Path, env: dict, name: str, path: str) -> Path:
+    """The cache file of a pretrain output of experiment ``name`` (from its ``dvc.lock``)."""
+    refs = sh(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], main, env).split()
+    (ref,) = [r for r in refs if r.endswith(f"/{name}")]
+    lock = yaml.safe_load(sh(["git", "show", f"{ref}:dvc.lock"], main, env))
+    (md5,) = [o["md5"] for o in lock["stages"]["pretrain"]["outs"] if o["path"] == path]
+    return main / ".dvc/cache/files/md5" / md5[:2] / md5[2:]
 
 
 def last_error(text: str) -> str:
@@ -154,20 +176,19 @@ def test_queue_kill_then_queue_again__resumes_at_its_step_bit_identical(repos):
     assert "Traceback" not in text
 
     sh(["dvc", "exp", "run", "--queue", "-n", "second", "pretrain"], main, env)
-    sh(["dvc", "queue", "start"], main, env)
+    start_queue(main, env)
     wait_for(lambda: status_of(main, "second", env) in ("Success", "Failed"), 900, "second")
     log = run_log(main, "second", env).read_text()
     assert status_of(main, "second", env) == "Success", log[-3000:]
     assert f"resuming from {ckpt} at step {step}" in log
-    sh(["dvc", "exp", "apply", "second"], main, env)
-    got = torch.load(main / "models/encoder.pt", weights_only=True)
+    got = torch.load(experiment_output(main, env, "second", "models/encoder.pt"),
+                     weights_only=True)
     assert got.keys() == reference.keys()
     assert all(torch.equal(got[k], reference[k]) for k in got)
 
 
 def test_queue_kill_force__stage_stops_itself_with_a_true_line(repos):
     main, env, _ = repos
-    sh(["git", "checkout", "--", "."], main, env)  # undo `exp apply`
     text = queue_and_kill(main, env, "forced", at_step=20, force=True,
                           params=["-S", f"pretrain.epochs={EPOCHS + 1}"])
     line = last_error(text)
