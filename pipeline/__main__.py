@@ -1,4 +1,7 @@
-"""``python -m pipeline check-params [--params FILE]`` and ``verify-shards DIR [DIR ...]``.
+"""``python -m pipeline check-params``, ``verify-shards DIR [DIR ...]``, ``clean-checkpoints``.
+
+``clean-checkpoints [--keep N]`` deletes pretraining resume state of the repo (see
+:mod:`pipeline.train.resume_store`).
 
 ``check-params`` validates a whole params file (every key present, typed and in range) and
 prints the resolved config; the ``check_params`` DVC stage (``stages/check_params.py``) runs the
@@ -34,10 +37,18 @@ def _main(argv: list[str] | None) -> int:
     cp.add_argument("--params", default="params.yaml")
     vs = sub.add_parser("verify-shards", help="check shards against their manifest.json")
     vs.add_argument("dir", nargs="+", help="shard directories (each with a manifest.json)")
+    cc = sub.add_parser("clean-checkpoints",
+                        help="delete pretraining resume state (.checkpoints/pretrain/<key>/)")
+    cc.add_argument("--keep", type=int, default=0,
+                    help="keep the N most recently written (default: %(default)s, delete all)")
     args = parser.parse_args(argv)
     setup_logging()
     if args.cmd == "check-params":
         return _check_params(args.params)
+    if args.cmd == "clean-checkpoints":
+        from pipeline.train.resume_store import clean_main
+
+        return clean_main(keep=args.keep)
     return max(verify_main(d) for d in args.dir)
 
 

@@ -423,7 +423,41 @@ def open_experiment(uri: str, name: str, root: Path) -> str:
     except TrackingError:
         raise
     except Exception as e:  # noqa: BLE001 - any backend failure is fatal at start
-        raise TrackingError(f"cannot use MLflow experiment '{name}' at {uri}: {e}") from e
+        raise (_newer_schema_error(uri, e)
+               or TrackingError(f"cannot use MLflow experiment '{name}' at {uri}: {e}")) from e
+
+
+def _newer_schema_error(uri: str, e: Exception) -> TrackingError | None:
+    """The database's schema is NEWER than this MLflow's: name both revisions and what helps.
+
+    MLflow answers any schema mismatch with "run `mlflow db upgrade`", which cannot take a
+    database back to an older schema. Returns None for any other error (an OLDER schema
+    included: there the upgrade advice is right).
+    """
+    import re
+
+    m = re.search(r"found version (\w+), but expected (\w+)", str(e))
+    if not m:
+        return None
+    found, newest = m.groups()
+    try:
+        from alembic.script import ScriptDirectory
+        from mlflow.store.db.utils import _get_alembic_config
+
+        ScriptDirectory.from_config(_get_alembic_config(db_url="")).get_revision(found)
+        return None  # a revision this MLflow knows: older, `mlflow db upgrade` fits
+    except ImportError:
+        return None
+    except Exception:  # noqa: BLE001 - alembic's "Can't locate revision": unknown = newer
+        pass
+    import mlflow
+
+    return TrackingError(
+        f"MLflow database {uri} has schema revision {found}, which this MLflow "
+        f"({mlflow.__version__}, newest revision {newest}) does not know: a newer MLflow "
+        "created or upgraded it, and `mlflow db upgrade` cannot go back. Upgrade mlflow and "
+        "mlflow-skinny here to that newer version, or point MLFLOW_TRACKING_URI at another "
+        "database")
 
 
 def _proc_start(pid: int) -> str | None:

@@ -15,11 +15,12 @@ if TYPE_CHECKING:
     from pipeline.config import Params
     from pipeline.data.remote import ShardURL
 
-# Resume state is not a DVC output (it is gitignored and dvcignored): a `persist: true` output
-# would switch off DVC's run cache for the stage. `last.pt` holds the fingerprint of the params,
-# shards and training code it was made with; a checkpoint with another fingerprint is never
-# resumed.
-CHECKPOINT_DIR = ".checkpoints/pretrain"
+# Resume state is not a DVC output (gitignored and dvcignored): a `persist: true` output would
+# switch off DVC's run cache for the stage, and a `--queue`/`--temp` workspace is deleted after
+# the run. It lives in the MAIN repo ($DVC_ROOT/.checkpoints/pretrain/<fingerprint>/last.pt,
+# pipeline/train/resume_store.py), so a killed `dvc repro` and a killed queued or temp
+# experiment, run again with the same params, both resume; a checkpoint with another
+# fingerprint is never resumed.
 
 
 def run(p: Params) -> None:
@@ -28,27 +29,34 @@ def run(p: Params) -> None:
 
     from pipeline.data.remote import shards_location
     from pipeline.model_registry import publish_encoder
+    from pipeline.signals import Terminated
     from pipeline.tracking import stage_run
     from pipeline.train.engine import pretrain
     from pipeline.train.resume import resumable_run_id
+    from pipeline.train.resume_store import CHECKPOINT_NAME, entry_dir, open_entry, watch_workspace
 
     rank = int(os.environ.get("RANK", "0"))
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     check_grid_against_shards(p, shards / "pretrain")
     # a checkpoint the engine will resume names its MLflow run: continue it (one training = one run)
     resume = resumable_run_id(
-        Path(CHECKPOINT_DIR) / "last.pt", seed=p.seed, model=p.model, moco=p.moco,
+        lambda fp: entry_dir(fp) / CHECKPOINT_NAME, seed=p.seed, model=p.model, moco=p.moco,
         augment=p.augment, opt=p.pretrain, pretrain_split=shards / "pretrain",
         world_size=int(os.environ.get("WORLD_SIZE", "1"))) if rank == 0 else None
-    with stage_run("pretrain", p, upstream=("build_shards",), rank=rank,
-                   system_metrics=True, resume_run_id=resume) as mlrun:
+    with stage_run("pretrain", p, upstream=("build_shards",), rank=rank, system_metrics=True,
+                   resume_run_id=resume) as mlrun, watch_workspace() as watch:
         mlrun.log_shards(shards / "pretrain", context="training")
-        pretrain(model=p.model, moco=p.moco, opt=p.pretrain, augment=p.augment, seed=p.seed,
-                 shards_dir=shards, encoder_path=Path("models/encoder.pt"),
-                 checkpoint_dir=Path(CHECKPOINT_DIR),
-                 metrics_path=Path("metrics/pretrain.json"),
-                 plots_path=Path("plots/pretrain.tsv"),
-                 knn_plots_path=Path("plots/knn_monitor.tsv"), run=mlrun)
+        try:
+            pretrain(model=p.model, moco=p.moco, opt=p.pretrain, augment=p.augment,
+                     seed=p.seed, shards_dir=shards, encoder_path=Path("models/encoder.pt"),
+                     checkpoint_dir=lambda fp: open_entry(fp, maintain=rank == 0),
+                     metrics_path=Path("metrics/pretrain.json"),
+                     plots_path=Path("plots/pretrain.tsv"),
+                     knn_plots_path=Path("plots/knn_monitor.tsv"), run=mlrun)
+        except Terminated as e:  # stopped by the workspace watch: say why
+            if watch.reason is None:
+                raise
+            raise Terminated(f"{e}; {watch.reason}", signum=e.signum) from None
         for f in ("metrics/pretrain.json", "plots/pretrain.tsv", "plots/knn_monitor.tsv",
                   "models/encoder.json", "models/encoder.safetensors"):
             mlrun.log_artifact(f)

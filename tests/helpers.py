@@ -59,9 +59,10 @@ def run_pretrain(shards: Path, out: Path, overrides: dict | None = None, **kw):
     p = from_dict(tree)
     from pipeline.train.engine import pretrain
 
+    ckpt_dir = kw.pop("checkpoint_dir", out / "ckpt")  # a folder, or fingerprint -> folder
     return pretrain(model=p.model, moco=p.moco, opt=p.pretrain, augment=p.augment, seed=p.seed,
                     shards_dir=shards, encoder_path=out / "encoder.pt",
-                    checkpoint_dir=out / "ckpt", metrics_path=out / "metrics.json",
+                    checkpoint_dir=ckpt_dir, metrics_path=out / "metrics.json",
                     plots_path=out / "plots.tsv", knn_plots_path=out / "knn.tsv", **kw)
 
 

@@ -381,7 +381,8 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
                              build={"seed": seed, "max_images": caps[split],
                                     "image_size": params.image_size,
                                     **({"max_side": max_side} if max_side else {}),
-                                    "test_fraction": params.test_fraction},
+                                    "test_fraction": params.test_fraction,
+                                    **src.build_settings},
                              progress=progress)
             if mean is None:  # no published stats: use the pretrain split's pixel stats
                 mean, std = m["pixel_mean"], m["pixel_std"]

@@ -39,6 +39,7 @@ from pipeline.data.shards import (
     read_manifest,
     sha256_file,
 )
+from pipeline.data.workers import worker_death
 from pipeline.seeds import derive_seed
 
 __all__ = ["ShardError", "eval_loader", "read_manifest", "train_loader"]
@@ -387,7 +388,13 @@ class _SizedLoader(DataLoader):
         return self._length
 
     def __iter__(self) -> Iterator[Any]:
-        """Batches; a :class:`ShardError` from a worker keeps its one-line message."""
+        """Batches; a :class:`ShardError` from a worker keeps its one-line message.
+
+        Raises:
+            ShardError: a corrupt sample (the worker's one-line message).
+            LoaderWorkerError: a worker process died while a batch was awaited (names the
+                pid and the signal, see :mod:`pipeline.data.workers`).
+        """
         batches = super().__iter__()
         while True:
             try:
@@ -396,6 +403,11 @@ class _SizedLoader(DataLoader):
                 return
             except ShardError as e:
                 raise ShardError(_worker_message(str(e))) from None
+            except RuntimeError as e:
+                died = worker_death(e, getattr(batches, "_workers", None))
+                if died is None:
+                    raise
+                raise died from None
             yield batch
 
 

@@ -220,8 +220,26 @@ def _iter_url_shard(url: str, expect: tuple[int, str] | None) -> Iterator[dict[s
         yield last
 
 
+def unsafe_key_reason(key: Any) -> str | None:
+    """Why a member key read from a shard is refused, or None when it is acceptable.
+
+    Keys of shards written elsewhere may hold ``/`` (sub-folders inside the tar), but never a
+    ``..`` component, an absolute path (``/…``, a backslash or a drive letter ``C:``) or a NUL
+    character: nothing is extracted by key today, but a key is a path to anyone who does.
+    """
+    if not isinstance(key, str) or not key:
+        return "not a non-empty string"
+    if "\0" in key:
+        return "holds a NUL character"
+    if key.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", key):
+        return "an absolute path"
+    if ".." in re.split(r"[/\\]", key):
+        return "a '..' path component"
+    return None
+
+
 def check_members(record: dict[str, Any]) -> dict[str, Any]:
-    """Refuse samples whose members are not exactly one image and one ``.cls``.
+    """Refuse samples whose key is unsafe or whose members are not one image and one ``.cls``.
 
     Args:
         record: a raw WebDataset sample.
@@ -230,8 +248,13 @@ def check_members(record: dict[str, Any]) -> dict[str, Any]:
         ``record`` unchanged.
 
     Raises:
-        ShardError: a pickle-like or unknown member, or a missing image/label (names shard, key).
+        ShardError: an unsafe key (:func:`unsafe_key_reason`), a pickle-like or unknown member,
+            or a missing image/label (names the shard and the key).
     """
+    bad_key = unsafe_key_reason(record.get("__key__"))
+    if bad_key:
+        raise ShardError(f"{record.get('__url__')}: member key {record.get('__key__')!r} "
+                         f"refused ({bad_key})")
     where = f"{record.get('__url__')}: sample '{record.get('__key__')}'"
     exts = [k for k in record if not k.startswith("__")]
     for ext in exts:

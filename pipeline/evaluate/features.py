@@ -182,8 +182,9 @@ def load_features(path: str | Path) -> FeatureSet:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: the file is not a feature file of this format, or its shapes/dtypes are
-            wrong (the message names the file).
+        ValueError: the file is not a feature file of this format, its shapes/dtypes are
+            wrong, or a row holds NaN or Inf (the message names the file, and the first such
+            row and its key).
     """
     path = Path(path)
     if not path.is_file():
@@ -201,4 +202,10 @@ def load_features(path: str | Path) -> FeatureSet:
     fs = FeatureSet.__new__(FeatureSet)  # validate with the file name in the message
     fs.features, fs.labels, fs.keys = data["features"], data["labels"], data["keys"]
     check_feature_set(fs, where=str(path))
+    bad = (~torch.isfinite(fs.features).all(dim=1)).nonzero().flatten()
+    if len(bad):
+        first = int(bad[0])
+        raise ValueError(f"{path}: {len(bad)} of {len(fs)} feature rows hold NaN or Inf (first: "
+                         f"row {first}, key {fs.keys[first]!r}); the encoder gave non-finite "
+                         "features: check models/encoder.pt, then rerun embed")
     return fs

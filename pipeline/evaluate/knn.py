@@ -1,9 +1,11 @@
 """Weighted k-nearest-neighbour classifier on frozen features (InstDisc protocol).
 
 The protocol of Wu et al. 2018 (InstDisc), as used by the MoCo CIFAR-10 demo's kNN monitor:
-features are L2-normalised, each test image takes its ``k`` most cosine-similar images of the
-train bank, neighbour ``i`` votes for its label with weight ``exp(s_i / T)``, and the class with
-the largest summed vote wins. Defaults k=200, T=0.1 as in InstDisc / the MoCo CIFAR demo.
+features are L2-normalised (:func:`pipeline.evaluate.normalize.l2_normalize`: scaled before
+the norm, so a finite row of any magnitude keeps its direction), each test image takes its
+``k`` most cosine-similar images of the train bank, neighbour ``i`` votes for its label with
+weight ``exp(s_i / T)``, and the class with the largest summed vote wins. Defaults k=200,
+T=0.1 as in InstDisc / the MoCo CIFAR demo.
 
 Memory is bounded independently of the bank size: the bank is processed in chunks of
 ``bank_chunk_size`` rows and a running top-k is merged across chunks, the test set in chunks of
@@ -22,7 +24,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from pipeline.evaluate.heldout import KNN_SELECT_VAL_FRACTION, split_train_val
@@ -32,6 +33,7 @@ from pipeline.evaluate.metrics import (
     contiguous_labels,
     labelled_mask,
 )
+from pipeline.evaluate.normalize import l2_normalize
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +181,7 @@ def knn_neighbours(
     """
     device = torch.device(device) if device is not None else query_features.device
     n, m = bank_features.shape[0], query_features.shape[0]
-    queries = F.normalize(query_features.to(device, torch.float32), dim=1)  # M x D
+    queries = l2_normalize(query_features.to(device, torch.float32))  # M x D
     if not torch.isfinite(queries).all():
         raise ValueError("test_features contain NaN or Inf")
     # running top-k over the bank blocks seen so far; -inf slots are filled by the first blocks
@@ -188,7 +190,7 @@ def knn_neighbours(
     top_idx = torch.zeros(m, k, dtype=torch.long, device=device)  # M x k, bank rows
     for b0 in range(0, n, bank_chunk_size):
         bank = bank_features[b0 : b0 + bank_chunk_size].to(device, torch.float32)
-        bank = F.normalize(bank, dim=1)  # B x D
+        bank = l2_normalize(bank)  # B x D
         if not torch.isfinite(bank).all():
             raise ValueError(f"train_features contain NaN or Inf (rows {b0}..{b0 + len(bank) - 1})")
         kb = min(k, bank.shape[0])

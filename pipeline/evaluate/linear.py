@@ -55,6 +55,7 @@ from pipeline.evaluate.metrics import (
     contiguous_labels,
     labelled_mask,
 )
+from pipeline.evaluate.normalize import l2_normalize
 from pipeline.schedules import lr_schedule as lr_schedule_
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class LinearResult(ClassificationMetrics):
 
 
 def _normalize(x: Tensor, feature_norm: str) -> Tensor:
-    return F.normalize(x, dim=1) if feature_norm == "l2" else x
+    return l2_normalize(x) if feature_norm == "l2" else x
 
 
 def _make_classifier(num_features: int, num_classes: int, seed: int, device: torch.device

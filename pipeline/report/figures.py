@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from pipeline.evaluate.normalize import l2_normalize
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
@@ -308,7 +309,7 @@ def plot_tsne(
     idx = seeded_subsample(len(features), num_points, seed)
     if len(idx) < MIN_TSNE_POINTS:
         return None
-    x = F.normalize(features[torch.from_numpy(idx)].float(), dim=1).numpy()  # (P, D)
+    x = l2_normalize(features[torch.from_numpy(idx)].float()).numpy()  # (P, D)
     y = labels[torch.from_numpy(idx)].numpy()
     perplexity = min(30.0, len(idx) / 4)
     xy = TSNE(
@@ -352,10 +353,10 @@ def nearest_neighbours(queries: Tensor, bank: Tensor, k: int) -> tuple[Tensor, T
         raise ValueError(
             f"nearest_neighbours: query dim {queries.shape[1]} != bank dim {bank.shape[1]}"
         )
-    q = F.normalize(queries.float(), dim=1)  # (Q, D)
+    q = l2_normalize(queries.float())  # (Q, D)
     sims = torch.cat(
         [
-            F.normalize(block.float(), dim=1) @ q.t()  # (n_block, Q)
+            l2_normalize(block.float()) @ q.t()  # (n_block, Q)
             for block in torch.split(bank, _BANK_CHUNK_ROWS)
         ]
     )  # (N, Q)

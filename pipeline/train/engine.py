@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +35,7 @@ from pipeline.data.views import (
     build_batch_view,
     build_eval_transform,
 )
+from pipeline.data.workers import LoaderWorkerError, worker_death
 from pipeline.moco.model import MoCo, MocoOutput
 from pipeline.seeds import batch_seed
 from pipeline.signals import StopFlag, Terminated, signal_name, stop_on_signals
@@ -126,6 +128,8 @@ class Run:
         stop: set by SIGTERM/SIGINT; checked after every step.
         bar: the progress bar (disabled off a terminal and on ranks > 0).
         tracking: the MLflow run (rank 0), or None.
+        in_step: between taking a batch and the end of its step (the state is not whole).
+        saved_step: the step of the last checkpoint written or resumed (None: none yet).
     """
 
     rt: Runtime
@@ -146,6 +150,35 @@ class Run:
     stop: StopFlag
     bar: tqdm
     tracking: StageRun | None
+    in_step: bool = False
+    saved_step: int | None = None
+
+
+def save_checkpoint(r: Run) -> None:
+    """Write ``last.pt`` at the current step (rank 0)."""
+    r.ckpt.save(r.net, r.optimizer, r.precision.scaler, r.state)
+    r.saved_step = r.state.step
+
+
+def worker_died(r: Run, died: LoaderWorkerError) -> BaseException:
+    """The one-line failure for a dead loader worker, with the step to resume from.
+
+    Between two steps (the usual case: the death surfaces while a batch is awaited) the state
+    is whole, so a checkpoint is written at the current step; inside a step the last one
+    stands. When this process also received SIGTERM/SIGINT (a signal to the whole process group
+    reaches the worker first), it is that signal's :class:`Terminated`.
+    """
+    if not r.in_step:
+        save_checkpoint(r)
+        where = f"checkpoint written at step {r.state.step} to {r.ckpt.path}"
+    elif r.saved_step is not None:
+        where = f"the last checkpoint is at step {r.saved_step} ({r.ckpt.path})"
+    else:
+        where = "no checkpoint was written yet"
+    if r.stop.raised:
+        return Terminated(f"{signal_name(r.stop.signum)}: {where} (a DataLoader worker was "
+                          f"killed by {died.signal_name} first)", signum=r.stop.signum)
+    return died.with_where(f"{where}; rerun to resume from it")
 
 
 def train_one_epoch(r: Run, epoch: int, stop_at: int) -> None:
@@ -167,6 +200,7 @@ def train_one_epoch(r: Run, epoch: int, stop_at: int) -> None:
         s = state.step
         t_wait = time.time()
         images, _ = next(batches)
+        r.in_step = True  # from here to the step's end the state is not whole
         wait_s = time.time() - t_wait
         images = images.to(r.rt.device, non_blocking=True)
         try:
@@ -195,11 +229,12 @@ def train_one_epoch(r: Run, epoch: int, stop_at: int) -> None:
         if s % spe == 0:
             record_monitor(r, s // spe)
         if r.stop.raised:
-            r.ckpt.save(r.net, r.optimizer, r.precision.scaler, state)
-            raise Terminated(f"{signal_name(r.stop.signum)}: checkpoint written at step {s}",
-                             signum=r.stop.signum)
+            save_checkpoint(r)
+            raise Terminated(f"{signal_name(r.stop.signum)}: checkpoint written at step {s} to "
+                             f"{r.ckpt.path}", signum=r.stop.signum)
         if r.policy.due(s):
-            r.ckpt.save(r.net, r.optimizer, r.precision.scaler, state)
+            save_checkpoint(r)
+        r.in_step = False
 
 
 def record_monitor(r: Run, epoch: int) -> None:
@@ -214,9 +249,10 @@ def record_monitor(r: Run, epoch: int) -> None:
 
 
 def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augment: AugmentParams,
-             seed: int, shards_dir: Path | ShardURL, encoder_path: Path, checkpoint_dir: Path,
-             metrics_path: Path, plots_path: Path, knn_plots_path: Path,
-             run: StageRun | None = None, max_steps: int | None = None) -> dict[str, float]:
+             seed: int, shards_dir: Path | ShardURL, encoder_path: Path,
+             checkpoint_dir: Path | Callable[[str], Path], metrics_path: Path,
+             plots_path: Path, knn_plots_path: Path, run: StageRun | None = None,
+             max_steps: int | None = None) -> dict[str, float]:
     """Pretrain MoCo on the ``pretrain`` shards and export the query backbone.
 
     Args:
@@ -229,7 +265,9 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
         encoder_path: where the QUERY backbone ``state_dict`` is written (plain BatchNorm2d,
             no ``fc.*``); ``encoder.json`` beside it records the architecture and ``head.pt``
             the query projection head.
-        checkpoint_dir: ``last.pt`` lives here (resume state, outside DVC's outputs).
+        checkpoint_dir: ``last.pt`` lives here (resume state, outside DVC's outputs), or a
+            function of the run's fingerprint returning that folder (the stage's resume store,
+            :func:`pipeline.train.resume_store.open_entry`).
         metrics_path: final metrics JSON (``metrics/pretrain.json``).
         plots_path: per-logged-step TSV (``plots/pretrain.tsv``).
         knn_plots_path: kNN-monitor TSV per epoch (``plots/knn_monitor.tsv``).
@@ -243,6 +281,8 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
         PlanError: sizes that do not fit the data or the processes (names the param).
         NonFiniteLossError: the loss became NaN/inf (the last good checkpoint is kept).
         Terminated: SIGTERM or SIGINT was received (a checkpoint was written first).
+        LoaderWorkerError: a DataLoader worker died (e.g. SIGKILL from the out-of-memory
+            killer); the message names the signal and the checkpoint step to resume from.
     """
     with kept_threads():
         r = _build_run(model=model, moco=moco, opt=opt, augment=augment, seed=seed,
@@ -252,8 +292,14 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
         if r.state.step == 0 and not r.state.knn_rows:
             record_monitor(r, 0)  # the random-init encoder: the curve's starting point
         with stop_on_signals(r.stop), r.bar:
-            while r.state.step < stop_at:
-                train_one_epoch(r, r.state.step // r.plan.steps_per_epoch, stop_at)
+            try:
+                while r.state.step < stop_at:
+                    train_one_epoch(r, r.state.step // r.plan.steps_per_epoch, stop_at)
+            except RuntimeError as e:  # PyTorch's SIGCHLD handler raises at any line
+                died = worker_death(e)
+                if died is None:
+                    raise
+                raise worker_died(r, died) from None
         if r.state.step < r.plan.total_steps:  # stopped early by max_steps (tests)
             return {"step": float(r.state.step)}
         return _finish(r, model, encoder_path, metrics_path, plots_path, knn_plots_path)
@@ -261,7 +307,7 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
 
 def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
                augment: AugmentParams, seed: int, shards_dir: Path | ShardURL,
-               checkpoint_dir: Path, run: StageRun | None) -> Run:
+               checkpoint_dir: Path | Callable[[str], Path], run: StageRun | None) -> Run:
     """Plan, build the model and optimizer, restore a fitting checkpoint, pick threads."""
     rt = setup_device()
     manifest = read_manifest(shards_dir / "pretrain")
@@ -276,7 +322,8 @@ def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
     optimizer = torch.optim.SGD(net.trainable_parameters(), lr=0.0, momentum=opt.sgd_momentum,
                                 weight_decay=opt.weight_decay)
     fp, params = checkpoint_fingerprint(seed, model, moco, augment, opt, rt.world_size, manifest)
-    ckpt = Checkpointer(checkpoint_dir / "last.pt", fp, params, rt.is_main,
+    ckpt_dir = checkpoint_dir(fp) if callable(checkpoint_dir) else checkpoint_dir
+    ckpt = Checkpointer(ckpt_dir / "last.pt", fp, params, rt.is_main,
                         run_id=run.run_id if run is not None else None)
     state = ckpt.restore(net, optimizer, precision.scaler)
     state.num_threads = setup_threads(
@@ -313,7 +360,7 @@ def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
         stop=StopFlag(),
         bar=tqdm(total=plan.total_steps, initial=state.step, desc="pretrain", unit="step",
                  disable=None if rt.is_main else True),
-        tracking=run)
+        tracking=run, saved_step=state.step or None)
 
 
 def _finish(r: Run, model: ModelParams, encoder_path: Path, metrics_path: Path,

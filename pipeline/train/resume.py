@@ -10,6 +10,7 @@ same fingerprint, that it resumes the same checkpoint.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,8 +23,9 @@ from pipeline.train.checkpoint import checkpoint_fingerprint
 log = logging.getLogger(__name__)
 
 
-def resumable_run_id(checkpoint: Path, *, seed: int, model: ModelParams, moco: MocoParams,
-                     augment: AugmentParams, opt: PretrainParams,
+def resumable_run_id(checkpoint: Path | Callable[[str], Path], *, seed: int,
+                     model: ModelParams, moco: MocoParams, augment: AugmentParams,
+                     opt: PretrainParams,
                      pretrain_split: Path | ShardURL, world_size: int) -> str | None:
     """The MLflow run id stored in a checkpoint that the engine will resume, else None.
 
@@ -32,7 +34,8 @@ def resumable_run_id(checkpoint: Path, *, seed: int, model: ModelParams, moco: M
     weights into memory (``mmap``) and executes no code (``weights_only``).
 
     Args:
-        checkpoint: ``.checkpoints/pretrain/last.pt``.
+        checkpoint: the ``last.pt`` to look at, or a function of the run's fingerprint giving
+            it (the resume store's entry, :mod:`pipeline.train.resume_store`).
         seed: ``seed``.
         model: ``model`` section.
         moco: ``moco`` section.
@@ -45,16 +48,20 @@ def resumable_run_id(checkpoint: Path, *, seed: int, model: ModelParams, moco: M
         The run id, or None: no checkpoint, an unreadable one, another fingerprint (it will be
         ignored and training starts fresh), or one written with MLflow disabled.
     """
-    checkpoint = Path(checkpoint)
+    try:
+        manifest = read_manifest(pretrain_split)
+    except Exception as e:  # noqa: BLE001 - the engine reports unreadable shards itself
+        log.debug("no resumable run: %s", e)
+        return None
+    fp, _ = checkpoint_fingerprint(seed, model, moco, augment, opt, world_size, manifest)
+    checkpoint = Path(checkpoint(fp) if callable(checkpoint) else checkpoint)
     if not checkpoint.is_file():
         return None
     try:
         ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
-        manifest = read_manifest(pretrain_split)
     except Exception as e:  # noqa: BLE001 - the engine reports an unreadable checkpoint itself
         log.debug("no resumable run in %s: %s", checkpoint, e)
         return None
-    fp, _ = checkpoint_fingerprint(seed, model, moco, augment, opt, world_size, manifest)
     if not isinstance(ckpt, dict) or ckpt.get("fingerprint") != fp:
         return None
     run_id = ckpt.get("mlflow_run_id")

@@ -82,6 +82,21 @@ def run_stage(stage: str, cwd: Path, params: str = "params.yaml", *, db: Path | 
                           capture_output=True, text=True, timeout=timeout)
 
 
+STORE = Path(".checkpoints/pretrain")  # the resume store of a stage run in its workdir
+
+
+def checkpoint_file(wd: Path) -> Path:
+    """The one ``last.pt`` of the resume store of a stage run with cwd ``wd`` (no DVC_ROOT)."""
+    found = sorted((wd / STORE).glob("*/last.pt"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def store_path(wd: Path, fingerprint: str) -> Path:
+    """Where the stage keeps the checkpoint of ``fingerprint`` (pipeline/train/resume_store)."""
+    return wd / STORE / fingerprint[:16] / "last.pt"
+
+
 def load_state(path: Path) -> dict[str, torch.Tensor]:
     """A state dict, loaded the safe way."""
     return torch.load(path, map_location="cpu", weights_only=True)

@@ -22,6 +22,7 @@ from helpers import run_pretrain
 from mlflow.tracking import MlflowClient
 from relhelpers import (
     TOTAL_STEPS,
+    checkpoint_file,
     leftover_temp_files,
     load_state,
     mlflow_runs,
@@ -91,7 +92,9 @@ def test_pretrain_stage__signal_then_restart__killed_run_and_bit_identical(
     assert m, err[-3000:]
     stopped = int(m.group(1))
     assert at_step <= stopped < TOTAL_STEPS
-    ckpt_path = workdir / ".checkpoints/pretrain/last.pt"
+    ckpt_path = checkpoint_file(workdir)
+    assert f"{name}: checkpoint written at step {stopped} to {ckpt_path.relative_to(workdir)};" \
+        in last
     ck = torch.load(ckpt_path, map_location="cpu", weights_only=True)
     assert ck["step"] == stopped and re.fullmatch(r"[0-9a-f]{64}", ck["fingerprint"])
     assert not (workdir / "models/encoder.pt").exists()
@@ -105,7 +108,7 @@ def test_pretrain_stage__signal_then_restart__killed_run_and_bit_identical(
 
     r = run_stage("pretrain", workdir, db=mlflow_db)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resuming from .checkpoints/pretrain/last.pt at step {stopped}" in r.stderr
+    assert f"resuming from {ckpt_path.relative_to(workdir)} at step {stopped}" in r.stderr
     assert same_tensors(load_state(workdir / "models/encoder.pt"), reference_encoder)
     # one training = one run: the KILLED run continues, RUNNING again, then FINISHED
     (run,) = mlflow_runs(mlflow_db)
@@ -127,7 +130,7 @@ def test_pretrain_stage__sigkill_then_restart__stale_run_killed_and_bit_identica
     at_step, delay = kill_point(3, first=4)  # step >= 4: a checkpoint exists before the kill
     rc, err = start_and_signal(workdir, mlflow_db, signal.SIGKILL, at_step, delay)
     assert rc == -signal.SIGKILL
-    ck = torch.load(workdir / ".checkpoints/pretrain/last.pt", weights_only=True)
+    ck = torch.load(checkpoint_file(workdir), weights_only=True)
     assert 2 <= ck["step"] < TOTAL_STEPS
     # MLflow cannot see a SIGKILL: the run is left RUNNING ...
     (stale,) = mlflow_runs(mlflow_db)
@@ -135,7 +138,8 @@ def test_pretrain_stage__sigkill_then_restart__stale_run_killed_and_bit_identica
 
     r = run_stage("pretrain", workdir, db=mlflow_db)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert re.search(r"resuming from .checkpoints/pretrain/last.pt at step \d+", r.stderr)
+    assert re.search(r"resuming from \.checkpoints/pretrain/[0-9a-f]{16}/last\.pt at step \d+",
+                     r.stderr)
     assert same_tensors(load_state(workdir / "models/encoder.pt"), reference_encoder)
     # ... until the stage starts again: the sweep marks it KILLED (its owner is dead), then the
     # resumed training continues that same run to FINISHED, the reason kept as interrupted.1

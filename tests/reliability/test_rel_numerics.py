@@ -12,6 +12,7 @@ import torch
 from relhelpers import (
     PY,
     ROOT,
+    checkpoint_file,
     leftover_temp_files,
     load_state,
     mlflow_runs,
@@ -49,14 +50,13 @@ def test_pretrain_stage__nan_loss__run_failed_checkpoint_usable(workdir, mlflow_
     assert not (workdir / "models/encoder.pt").exists()
     assert not (workdir / "runs/pretrain.json").exists()
     assert leftover_temp_files(workdir) == []
-    ck = torch.load(workdir / ".checkpoints/pretrain/last.pt", map_location="cpu",
-                    weights_only=True)
+    ck = torch.load(checkpoint_file(workdir), map_location="cpu", weights_only=True)
     assert ck["step"] == 4 and re.fullmatch(r"[0-9a-f]{64}", ck["fingerprint"])
     assert all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
 
     r = run_stage("pretrain", workdir, db=mlflow_db)  # the fault is gone: resume
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming from .checkpoints/pretrain/last.pt at step 4" in r.stderr
+    assert f"resuming from {checkpoint_file(workdir).relative_to(workdir)} at step 4" in r.stderr
     assert same_tensors(load_state(workdir / "models/encoder.pt"), reference_encoder)
     (run,) = mlflow_runs(mlflow_db)  # the failed training continued: one run, FINISHED
     assert run.info.status == "FINISHED" and "failed.reason" not in run.data.tags

@@ -22,6 +22,7 @@ from relhelpers import (
     load_state,
     run_stage,
     same_tensors,
+    store_path,
     tree_digest,
     write_params,
 )
@@ -63,19 +64,20 @@ def test_pretrain_stage__disk_full_at_checkpoint__previous_checkpoint_intact(
     run_pretrain(tiny_shards, tmp_path / "prev", max_steps=2)
     prev = tmp_path / "prev/ckpt/last.pt"
     wd = tmpfs / "wd"
-    (wd / ".checkpoints/pretrain").mkdir(parents=True)
-    shutil.copyfile(prev, wd / ".checkpoints/pretrain/last.pt")
+    ckpt = store_path(wd, torch.load(prev, weights_only=True)["fingerprint"])
+    ckpt.parent.mkdir(parents=True)
+    shutil.copyfile(prev, ckpt)
     write_params(wd / "params.yaml", {"data": {"shards_dir": str(tiny_shards)}}, mlflow=False)
     fill(tmpfs, leave=prev.stat().st_size // 2)  # the next checkpoint cannot fit
     before = tree_digest(wd)
 
     r = run_stage("pretrain", wd)
     assert r.returncode != 0
-    assert "resuming from .checkpoints/pretrain/last.pt at step 2" in r.stderr
+    assert f"resuming from {ckpt.relative_to(wd)} at step 2" in r.stderr
     assert "No space left on device" in r.stderr.strip().splitlines()[-1], r.stderr[-3000:]
     assert tree_digest(wd) == before  # the step-2 checkpoint is byte-identical, nothing added
     assert leftover_temp_files(tmpfs) == []
-    assert torch.load(wd / ".checkpoints/pretrain/last.pt", weights_only=True)["step"] == 2
+    assert torch.load(ckpt, weights_only=True)["step"] == 2
 
     (tmpfs / "filler").unlink()  # space again: the run resumes and completes
     r = run_stage("pretrain", wd)

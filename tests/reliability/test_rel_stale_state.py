@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 from helpers import make_samples, run_pretrain
-from relhelpers import TOTAL_STEPS, load_state, run_stage, same_tensors
+from relhelpers import TOTAL_STEPS, checkpoint_file, load_state, run_stage, same_tensors
 
 from pipeline.data.build import write_shards
 from pipeline.train.checkpoint import load_checkpoint
@@ -36,7 +36,7 @@ def shard_hashes(split_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("stale", ["params", "shards"])
 def test_pretrain_stage__stale_checkpoint__ignored_and_trained_from_scratch(
-        stale, workdir, tmp_path, tiny_shards, reference_encoder):
+        stale, workdir, tmp_path, tiny_shards, reference_run, reference_encoder):
     if stale == "params":  # same shards, another temperature
         run_pretrain(tiny_shards, tmp_path / "stale", {"moco": {"T": 0.2}}, max_steps=20)
     else:  # same params, shards rebuilt with other content
@@ -45,12 +45,15 @@ def test_pretrain_stage__stale_checkpoint__ignored_and_trained_from_scratch(
         run_pretrain(alt, tmp_path / "stale", max_steps=20)
     stale_ckpt = tmp_path / "stale/ckpt/last.pt"
     assert torch.load(stale_ckpt, weights_only=True)["step"] == 20
-    (workdir / ".checkpoints/pretrain").mkdir(parents=True)
-    shutil.copyfile(stale_ckpt, workdir / ".checkpoints/pretrain/last.pt")
+    # in the folder of the CURRENT fingerprint (the reference run's key): the full fingerprint
+    # inside last.pt is still checked
+    here = checkpoint_file(reference_run).relative_to(reference_run)
+    (workdir / here).parent.mkdir(parents=True)
+    shutil.copyfile(stale_ckpt, workdir / here)
 
     r = run_stage("pretrain", workdir)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "ignoring checkpoint .checkpoints/pretrain/last.pt" in r.stderr
+    assert f"ignoring checkpoint {here}" in r.stderr
     assert "starting fresh" in r.stderr and "resuming" not in r.stderr
     assert f" step 2/{TOTAL_STEPS} " in r.stderr  # trained from the first step
     assert same_tensors(load_state(workdir / "models/encoder.pt"), reference_encoder)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 from PIL import Image
@@ -93,6 +94,8 @@ class Source:
             value exists (ImageFolder: ``build_all`` computes it from the pretrain split).
         std: per-channel normalisation std, or ``None`` (see ``mean``).
         native_shape: ``(C, H, W)`` when all images share one size, else ``None``.
+        build_settings: how the source turns files into images, recorded verbatim in each
+            manifest's ``build`` settings (ImageFolder: the EXIF orientation rule); empty here.
     """
 
     name: str = ""
@@ -101,6 +104,7 @@ class Source:
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
     native_shape: tuple[int, int, int] | None = None
+    build_settings: Mapping[str, str] = MappingProxyType({})
 
     def labels(self, split: str) -> np.ndarray:
         """Labels of a split, ``(N,)`` int64 (``-1`` = unlabelled), in source order."""

@@ -7,12 +7,16 @@ import re
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from pipeline.data.sources.base import Sample, Source, SourceError, UnreadableImage
 from pipeline.data.sources.modes import SUPPORTED_MODES, ModeError, folder_mode, image_kind, to_mode
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
+EXIF_ORIENTATION = 0x0112  # the EXIF/TIFF Orientation tag
+_SWAPS_SIDES = (5, 6, 7, 8)  # orientations that turn the image by 90 degrees (W and H swap)
+# recorded in every manifest an ImageFolder builds (``build.exif_orientation``)
+BUILD_SETTINGS = {"exif_orientation": "applied (PIL ImageOps.exif_transpose, before resize/crop)"}
 _KEY_MAX_CHARS = 80  # USTAR member names are limited to 100 characters (key + extension)
 
 Files = list[tuple[str, int]]  # (path, label) pairs
@@ -31,7 +35,13 @@ class ImageFolderSource(Source):
     class); ``root/train/<class>/...`` + ``root/test/<class>/...`` (``val`` accepted for
     ``test``) is used as given. Files with extensions .jpg .jpeg .png .webp .bmp .tif .tiff (any
     case) are images (a multi-page TIFF contributes its first page); hidden files and folders
-    are ignored. Order is sorted by relative path.
+    are ignored. Order is sorted by relative path. Symlinked folders are followed anywhere in
+    the tree, each real directory once (see :func:`_scan_trees`).
+
+    Orientation: each image is turned upright as its EXIF ``Orientation`` tag says (PIL's
+    ``ImageOps.exif_transpose``: a phone photo with Orientation 6 is stored rotated 90 degrees
+    clockwise from its raw pixel layout, as every viewer shows it), before the mode conversion
+    and before any resize or crop; sizes and :attr:`native_shape` are the upright ones.
 
     Modes (:mod:`pipeline.data.sources.modes` has the full table): the dataset mode is ``"L"``
     when every image is grey (1, L, LA, 16-bit, I, F, grey palettes) and ``"RGB"`` as soon as
@@ -48,6 +58,7 @@ class ImageFolderSource(Source):
     """
 
     name = "imagefolder"
+    build_settings = BUILD_SETTINGS
 
     def __init__(self, root: str | Path, *, test_fraction: float = 0.2, seed: int = 0):
         """Scan the folders and every image header.
@@ -81,15 +92,15 @@ class ImageFolderSource(Source):
         subdirs = {d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith(".")}
         held_out = "test" if "test" in subdirs else "val" if "val" in subdirs else None
         if "train" in subdirs and held_out:
-            classes, train = _scan_classes(self.root / "train")
-            test_classes, test = _scan_classes(self.root / held_out)
+            (classes, train), (test_classes, test) = _scan_trees(
+                [self.root / "train", self.root / held_out])
             unknown = sorted(set(test_classes) - set(classes))
             if unknown:
                 raise SourceError(f"{self.root / held_out}: classes {unknown} are not in "
                                   f"{self.root / 'train'}")
             remap = [classes.index(c) for c in test_classes]
             return classes, {"train": train, "test": [(p, remap[y]) for p, y in test]}
-        classes, items = _scan_classes(self.root)
+        ((classes, items),) = _scan_trees([self.root])
         files = _split_per_class(items, len(classes), test_fraction, seed)
         for split, f in files.items():
             if not f:
@@ -112,7 +123,7 @@ class ImageFolderSource(Source):
             try:
                 with Image.open(path) as im:
                     kinds.add(image_kind(im))
-                    sizes.add(im.size)
+                    sizes.add(_upright_size(im))
             except ModeError as e:
                 unsupported.append(f"{path} ({e})")
             except Exception as e:  # PIL raises several types for unreadable files
@@ -139,7 +150,7 @@ class ImageFolderSource(Source):
         try:
             with Image.open(path) as im:
                 im.load()
-                image = to_mode(im, self.mode)
+                image = to_mode(ImageOps.exif_transpose(im), self.mode)
         except ModeError as e:  # e.g. float values outside 0..1
             raise UnreadableImage(f"{path} ({e})") from None
         except Exception as e:  # truncated / corrupt data past the header
@@ -148,25 +159,104 @@ class ImageFolderSource(Source):
         return Sample(f"{index:07d}_{_sanitize_key(rel)}", image, label)
 
 
-def _scan_classes(directory: Path) -> tuple[list[str], Files]:
-    classes = sorted(d.name for d in directory.iterdir()
-                     if d.is_dir() and not d.name.startswith("."))
-    if not classes:
-        raise SourceError(f"{directory}: no class sub-folders")
-    items, empty = [], []
-    for label, cls in enumerate(classes):
-        found = []
-        for dirpath, dirnames, filenames in os.walk(directory / cls):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            found += [os.path.join(dirpath, f) for f in filenames
+def _upright_size(image: Image.Image) -> tuple[int, int]:
+    """``(W, H)`` as displayed: swapped when the EXIF orientation turns the image by 90°.
+
+    Reads headers only: PIL's PNG ``getexif`` would decode the pixels to find an ``eXIf`` chunk
+    written after them (the PNG spec puts it before), so for PNG only the header's is used here;
+    :meth:`ImageFolderSource._load` still applies a late one.
+    """
+    w, h = image.size
+    exif = Image.Image.getexif(image) if image.format == "PNG" else image.getexif()
+    return (h, w) if exif.get(EXIF_ORIENTATION) in _SWAPS_SIDES else (w, h)
+
+
+def _scan_trees(directories: list[Path]) -> list[tuple[list[str], Files]]:
+    """Class names and ``(path, label)`` image files of each tree, symlinks followed once.
+
+    A tree is ``directory/<class>/**/<image>``. Symlinked directories are followed anywhere (a
+    class folder or any folder below it), and each real directory (``(st_dev, st_ino)``) is
+    visited once, so a symlink loop ends and no image is counted twice:
+
+    1. every directory reachable WITHOUT following a symlink, in all ``directories`` (so an
+       image reached both directly and through a symlink counts where it really is, and a
+       symlink in ``train/`` into ``test/`` adds nothing to train);
+    2. then the symlinks, in the order found (trees, classes and names sorted): each opens a
+       directory not seen yet, walked the same way, its own symlinks joining the end of the list.
+
+    Paths keep the symlink's name (``cls/link/x.jpg``), so keys and order are deterministic.
+
+    Raises:
+        SourceError: a tree without class sub-folders, or a class folder without images (a
+            class folder that is a symlink to a directory counted elsewhere is named as such).
+    """
+    walk = _Walk()
+    trees = []
+    for directory in directories:
+        classes = sorted(d.name for d in directory.iterdir()
+                         if d.is_dir() and not d.name.startswith("."))
+        if not classes:
+            raise SourceError(f"{directory}: no class sub-folders")
+        found: list[list[str]] = [[] for _ in classes]
+        for label, cls in enumerate(classes):
+            walk.enter(directory / cls, found[label])
+        trees.append((directory, classes, found))
+    walk.follow_links()
+    out = []
+    for directory, classes, found in trees:
+        empty = [str(directory / c) + (" (a symlink to a directory counted elsewhere)"
+                                       if (directory / c).is_symlink() else "")
+                 for c, f in zip(classes, found) if not f]
+        if empty:
+            raise SourceError(f"class folder(s) without images ({', '.join(IMAGE_EXTENSIONS)}): "
+                              + ", ".join(empty))
+        out.append((classes, [(p, label) for label, f in enumerate(found) for p in sorted(f)]))
+    return out
+
+
+class _Walk:
+    """Directory walks that share one set of visited real directories (see :func:`_scan_trees`)."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[int, int]] = set()
+        self.links: list[tuple[str, list[str]]] = []  # (symlink path, its class's file list)
+
+    def _first_visit(self, path: str) -> bool:
+        st = os.stat(path)
+        key = (st.st_dev, st.st_ino)
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+    def enter(self, top: Path | str, files: list[str]) -> None:
+        """Walk ``top`` without following symlinks (a symlinked ``top`` waits for its turn)."""
+        if os.path.islink(top):
+            self.links.append((str(top), files))
+        elif self._first_visit(str(top)):
+            self._walk(str(top), files)
+
+    def _walk(self, top: str, files: list[str]) -> None:
+        for dirpath, dirnames, filenames in os.walk(top):
+            keep = []
+            for d in sorted(d for d in dirnames if not d.startswith(".")):
+                path = os.path.join(dirpath, d)
+                if os.path.islink(path):
+                    self.links.append((path, files))
+                elif self._first_visit(path):
+                    keep.append(d)
+            dirnames[:] = keep
+            files += [os.path.join(dirpath, f) for f in filenames
                       if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS)]
-        if not found:
-            empty.append(str(directory / cls))
-        items += [(p, label) for p in sorted(found)]
-    if empty:
-        raise SourceError(f"class folder(s) without images ({', '.join(IMAGE_EXTENSIONS)}): "
-                          + ", ".join(empty))
-    return classes, items
+
+    def follow_links(self) -> None:
+        """Open every pending symlink to a directory not seen yet (new ones join the list)."""
+        i = 0
+        while i < len(self.links):
+            path, files = self.links[i]
+            i += 1
+            if os.path.isdir(path) and self._first_visit(path):
+                self._walk(path, files)
 
 
 def _split_per_class(items: Files, num_classes: int, test_fraction: float,

@@ -26,6 +26,12 @@ PIL mode (from files)     8-bit value ``v8`` (per channel)
 ``RGBX``                  the X byte is dropped
 ========================  ====================================================================
 
+Orientation (before any of the above, and before any resize or crop): ImageFolder turns each
+image upright as its EXIF ``Orientation`` tag says, with PIL's ``ImageOps.exif_transpose``, so
+a phone photo tagged 6 is stored rotated 90 degrees clockwise from its raw pixel layout, as
+every viewer shows it (tags 5-8 swap width and height). Every manifest an ImageFolder builds
+records this under ``build.exif_orientation``.
+
 Fixed ranges, not each image's observed min..max: a min-max stretch would give the same pixel
 value different brightness in different images, and make a flat image undefined.
 

@@ -132,3 +132,93 @@ def test_imagefolder__16bit_grey_png_shards_as_128(tmp_path: Path):
             with Image.open(io.BytesIO(record["png"])) as png:
                 assert png.mode == "L"
                 assert np.asarray(png).tolist() == [[128] * 4] * 4
+
+
+def _exif(orientation: int) -> Image.Exif:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return exif
+
+
+def test_imagefolder__exif_orientation_6__sharded_upright(tmp_path: Path):
+    # A phone photo with Orientation 6 ("rotate 90 degrees clockwise to display"). Raw pixels:
+    # 3 wide x 2 high, red at raw (x=0, y=0), blue at raw (0, 1), the rest black. Turned 90
+    # degrees clockwise the raw left column (red over blue) becomes the top row read right to
+    # left: displayed 2 wide x 3 high, blue at (0, 0) and red at the top-right corner (1, 0).
+    raw = np.zeros((2, 3, 3), np.uint8)
+    raw[0, 0] = (255, 0, 0)
+    raw[1, 0] = (0, 0, 255)
+    upright = np.zeros((3, 2, 3), np.uint8)  # already upright, no tag: stays as it is
+    upright[0, 1] = (255, 0, 0)
+    upright[0, 0] = (0, 0, 255)
+    for cls in ("a", "b"):
+        path = tmp_path / "raw" / cls / "phone.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(raw).save(path, exif=_exif(6))
+        Image.fromarray(upright).save(path.with_name("plain.png"))
+    with Image.open(tmp_path / "raw" / "a" / "phone.png") as im:
+        assert im.size == (3, 2) and im.getexif()[0x0112] == 6
+
+    src = open_source("imagefolder", tmp_path / "raw", test_fraction=0.5, seed=0)
+    assert src.native_shape == (3, 3, 2)  # (C, H, W) upright: header sizes are swapped too
+    params = DataParams(source="imagefolder", root=str(tmp_path / "raw"), test_fraction=0.5,
+                        image_size=0, shards_dir=str(tmp_path / "sh"))
+    ms = build_all(params, seed=0, progress=False)
+    assert ms["train"]["image_shape"] == [3, 3, 2]
+    assert ms["train"]["build"]["exif_orientation"].startswith("applied")
+    stored = [png for split in ("train", "test")
+              for r in iter_shard(tmp_path / "sh" / split / "shard-000000.tar")
+              for png in [Image.open(io.BytesIO(r["png"]))]]
+    assert len(stored) == 4
+    for png in stored:
+        assert png.size == (2, 3)
+        assert png.getpixel((1, 0)) == (255, 0, 0)  # the top-right corner
+        assert png.getpixel((0, 0)) == (0, 0, 255)
+        assert png.getpixel((1, 2)) == (0, 0, 0)
+
+
+def _tree_with_symlinks(tmp_path: Path) -> Path:
+    """root/cats: a, b + sub -> outside/more (m1, m2, m3, deep/d1, deep/loop -> outside/more);
+    root/dogs: c + self -> dogs (a loop) + alias -> cats (inside the tree: counted there)."""
+    root, outside = tmp_path / "root", tmp_path / "outside" / "more"
+    for rel in ("cats/a.png", "cats/b.png", "dogs/c.png"):
+        save(root / rel, Image.new("L", (4, 4), 10))
+    for rel in ("m1.png", "m2.png", "m3.png", "deep/d1.png"):
+        save(outside / rel, Image.new("L", (4, 4), 20))
+    (root / "cats" / "sub").symlink_to(outside, target_is_directory=True)
+    (outside / "deep" / "loop").symlink_to(outside, target_is_directory=True)
+    (root / "dogs" / "self").symlink_to(root / "dogs", target_is_directory=True)
+    (root / "dogs" / "alias").symlink_to(root / "cats", target_is_directory=True)
+    return root
+
+
+def test_imagefolder__nested_symlink_and_loops__each_real_directory_once(tmp_path: Path):
+    # by hand: cats = a, b + sub/{m1, m2, m3, deep/d1} = 6 (deep/loop is sub again: skipped);
+    # dogs = c = 1 (self is dogs itself, alias is cats, already counted) -> 7 images
+    root = _tree_with_symlinks(tmp_path)
+    src = open_source("imagefolder", root, test_fraction=0.5, seed=0)
+    labels = sorted(src.labels("train").tolist() + src.labels("test").tolist())
+    assert labels == [0] * 6 + [1]
+    # per class round(n * 0.5): cats 3 test + 3 train, dogs 1 test + 0 train
+    assert src.splits() == {"pretrain": 3, "train": 3, "test": 4}
+    names = sorted(s.key.split("_", 1)[1] for split in ("train", "test")
+                   for s in src.iter(split))
+    assert names == ["cats_a", "cats_b", "cats_sub_deep_d1", "cats_sub_m1", "cats_sub_m2",
+                     "cats_sub_m3", "dogs_c"]
+    again = open_source("imagefolder", root, test_fraction=0.5, seed=0)
+    assert [s.key for s in again.iter("test")] == [s.key for s in src.iter("test")]
+
+
+def test_imagefolder__symlink_from_train_into_test__adds_nothing(tmp_path: Path):
+    save(tmp_path / "train" / "a" / "1.png", Image.new("L", (4, 4), 1))
+    save(tmp_path / "test" / "a" / "2.png", Image.new("L", (4, 4), 2))
+    (tmp_path / "train" / "a" / "leak").symlink_to(tmp_path / "test" / "a")
+    src = open_source("imagefolder", tmp_path)
+    assert src.splits() == {"pretrain": 1, "train": 1, "test": 1}
+
+
+def test_imagefolder__class_folder_symlink_to_another_class__named(tmp_path: Path):
+    save(tmp_path / "a" / "1.png", Image.new("L", (4, 4), 1))
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(SourceError, match=r"/b \(a symlink to a directory counted elsewhere\)"):
+        open_source("imagefolder", tmp_path, test_fraction=0.5)

@@ -1,0 +1,74 @@
+"""The resume store: main repo (DVC_ROOT), one folder per fingerprint, bounded."""
+
+import os
+
+import torch
+from helpers import build_tiny_shards, run_pretrain
+
+from pipeline.train import resume_store as rs
+
+
+def _entry(root, key: str, mtime: float) -> None:
+    d = root / rs.STORE / key
+    d.mkdir(parents=True)
+    (d / "last.pt").write_bytes(b"x")
+    os.utime(d / "last.pt", (mtime, mtime))
+
+
+def test_store_root__dvc_root_else_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    assert rs.store_root() == rs.STORE  # relative: the working directory is the repo
+    main = tmp_path / "main"
+    main.mkdir()
+    monkeypatch.setenv("DVC_ROOT", str(main))  # a queued experiment's temp workspace
+    assert rs.store_root() == main / ".checkpoints/pretrain"
+    assert rs.entry_dir("0123456789abcdef" + "0" * 48) == main / rs.STORE / "0123456789abcdef"
+
+
+def test_open_entry__keeps_the_newest_and_never_the_one_opened(tmp_path):
+    for i, key in enumerate(["a" * 16, "b" * 16, "c" * 16]):
+        _entry(tmp_path, key, 1000.0 + i)  # c newest, a oldest
+    (tmp_path / rs.STORE / "notes").mkdir()  # not an entry: left alone
+    here = rs.open_entry("d" * 64, root=tmp_path, keep=2)
+    assert here == tmp_path / rs.STORE / ("d" * 16)
+    # keep 2 = the one opened + the newest other (c); a and b go
+    assert sorted(p.name for p in (tmp_path / rs.STORE).iterdir()) == ["c" * 16, "notes"]
+    # an old entry opened again is protected, whatever its age
+    assert rs.open_entry("c" * 64, root=tmp_path, keep=1).is_dir()
+
+
+def test_open_entry__legacy_last_pt__moved_into_its_fingerprint_folder(tmp_path):
+    store = tmp_path / rs.STORE
+    store.mkdir(parents=True)
+    torch.save({"fingerprint": "ab" * 32, "step": 4}, store / "last.pt")
+    rs.open_entry("ab" * 32, root=tmp_path)
+    assert not (store / "last.pt").exists()
+    assert torch.load(store / ("ab" * 8) / "last.pt", weights_only=True)["step"] == 4
+
+
+def test_clean_main__keep_n(tmp_path, capsys):
+    for i, key in enumerate(["a" * 16, "b" * 16, "c" * 16]):
+        _entry(tmp_path, key, 1000.0 + i)
+    assert rs.clean_main(keep=1, root=tmp_path) == 0
+    assert [p.name for p in rs.entries(tmp_path)] == ["c" * 16]
+    assert rs.clean_main(keep=0, root=tmp_path) == 0
+    assert rs.entries(tmp_path) == []
+    assert capsys.readouterr().out.splitlines()[-1].endswith("removed 1 checkpoint folder(s), "
+                                                             "kept 0")
+    assert rs.clean_main(keep=-1, root=tmp_path) == 1
+
+
+def test_pretrain__store_callable__checkpoint_in_the_fingerprint_folder(tmp_path):
+    shards = build_tiny_shards(tmp_path / "shards", n_pretrain=32, n_train=16, n_test=16)
+    seen = []
+
+    def where(fp: str):
+        seen.append(fp)
+        return rs.open_entry(fp, root=tmp_path / "repo")
+
+    run_pretrain(shards, tmp_path / "out", {"moco": {"K": 16}, "pretrain": {"epochs": 1}},
+                 checkpoint_dir=where)
+    (fp,) = seen
+    ck = torch.load(tmp_path / "repo" / rs.STORE / fp[:16] / "last.pt", weights_only=True)
+    assert ck["fingerprint"] == fp and ck["step"] == 2
