@@ -212,6 +212,14 @@ def _results_rows(p: Params, m: Mapping[str, Metrics | None]) -> list[list[str]]
         ["raw pixels (baseline)", "kNN, k=200, T=0.1", _pct(base, "raw_pixels_top1"),
          _pct(base, "raw_pixels_top5")],
     ]
+    if _num(knn, "protocol_top1") is not None:  # the published protocol, beside ours
+        rows.insert(1, ["MoCo encoder + kNN, MoCo protocol",
+                        "global pool, k=200, T=0.1", _pct(knn, "protocol_top1"),
+                        _pct(knn, "protocol_top5")])
+    if _num(lin, "protocol_top1") is not None:
+        rows.insert(len(rows) - 1, ["MoCo encoder + linear probe, MoCo protocol",
+                                    "global pool, raw features, lr 30, 100 epochs",
+                                    _pct(lin, "protocol_top1"), _pct(lin, "protocol_top5")])
     tk, tt = _num(base, "raw_pixels_knn_tuned_k"), _num(base, "raw_pixels_knn_tuned_T")
     if tk is not None and tt is not None:
         rows.append(["raw pixels (baseline)",

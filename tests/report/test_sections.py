@@ -109,3 +109,18 @@ def test_runs_section__links_the_ui_runs_table_without_credentials(tmp_path):
     # the helper's runs were logged to https://alice:s3cret@mlflow.example.org, experiment 7
     assert link.href == ("https://mlflow.example.org/#/experiments/7/runs"
                          "?workflowType=machine_learning")
+
+
+def test_results_section__moco_protocol_rows_beside_ours():
+    p = from_dict({})
+    m = _metrics(knn={"top1": 85.0, "top5": 99.0, "k": 10.0, "T": 0.02, "protocol_top1": 82.5,
+                      "protocol_top5": 98.5},
+                 linear={"top1": 88.0, "top5": 99.5, "protocol_top1": 86.25,
+                         "protocol_top5": 99.25},
+                 baselines={"raw_pixels_top1": 80.0})
+    rows = results_section(p, m).blocks[1].rows
+    names = [r[0] for r in rows]
+    assert names[:4] == ["MoCo encoder + kNN", "MoCo encoder + kNN, MoCo protocol",
+                         "MoCo encoder + linear probe",
+                         "MoCo encoder + linear probe, MoCo protocol"]
+    assert rows[1][2:] == ["82.50", "98.50"] and rows[3][2:] == ["86.25", "99.25"]
