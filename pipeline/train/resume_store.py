@@ -10,8 +10,8 @@ experiments alike); the store is::
 (the working directory when ``DVC_ROOT`` is unset: ``python stages/pretrain.py`` by hand). The
 key is the fingerprint that already decides whether a checkpoint may be resumed
 (:func:`pipeline.train.checkpoint.fingerprint`: training params, shard hashes, training
-code), so the same experiment queued again finds its checkpoint, and a run with other params never opens it
-(the full fingerprint inside ``last.pt`` is still checked on load). ``.checkpoints/`` is
+code), so the same experiment queued again finds its checkpoint, and a run with other params
+never opens it (the full fingerprint inside ``last.pt`` is still checked on load). ``.checkpoints/`` is
 git- and dvc-ignored: never copied into an experiment's workspace, never a DVC output.
 
 Bounded: opening an entry keeps the :data:`KEEP` most recently written ones and deletes the rest
