@@ -11,8 +11,9 @@ experiments alike); the store is::
 key is the fingerprint that already decides whether a checkpoint may be resumed
 (:func:`pipeline.train.checkpoint.fingerprint`: training params, shard hashes, training
 code), so the same experiment queued again finds its checkpoint, and a run with other params
-never opens it (the full fingerprint inside ``last.pt`` is still checked on load). ``.checkpoints/`` is
-git- and dvc-ignored: never copied into an experiment's workspace, never a DVC output.
+never opens it (the full fingerprint inside ``last.pt`` is still checked on load).
+``.checkpoints/`` is git- and dvc-ignored: never copied into an experiment's workspace, never a
+DVC output.
 
 Bounded: opening an entry keeps the :data:`KEEP` most recently written ones and deletes the rest
 (never the one being opened); ``python -m pipeline clean-checkpoints [--keep N]`` deletes them
