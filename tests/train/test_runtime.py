@@ -188,7 +188,9 @@ def test_pretrain__cuda_device_autocast_and_cpu_loadable_outputs(tiny_shards, tm
 
     def spy(q, k, queue, T):
         loss, logits = real(q, k, queue, T)
-        seen.append((q.device.type, queue.device.type, q.dtype, loss.dtype))
+        # the autocast state itself: on CUDA, F.normalize runs in fp32, so q's dtype does not say
+        autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")
+        seen.append((q.device.type, queue.device.type, autocast, loss.dtype))
         return loss, logits
 
     monkeypatch.setattr(model_mod, "info_nce", spy)
