@@ -97,13 +97,33 @@ def test_seeded_random_resized_crop__a_quarter_square_of_the_image_by_seed():
     assert np.array_equal(np.asarray(a), np.asarray(ref))
 
 
+def _resize_centre_crop_by_hand(image: Image.Image, side: int) -> np.ndarray:
+    """PIL alone: the short side to ``side`` (the long one truncated, as torchvision does),
+    bilinear, then the centred ``side`` x ``side`` window (offsets rounded)."""
+    w, h = image.size
+    new = (side, int(side * h / w)) if w <= h else (int(side * w / h), side)
+    small = image.resize(new, Image.BILINEAR)
+    left, top = round((new[0] - side) / 2), round((new[1] - side) / 2)
+    return np.asarray(small.crop((left, top, left + side, top + side)), dtype=np.float32) / 255
+
+
 def test_eval__resizes_and_centre_crops_once(shards):
-    spec = image_spec(read_manifest(shards / "test"), shards / "test")
+    m = read_manifest(shards / "test")
+    spec = image_spec(m, shards / "test")
     size, mean, std = spec.size, spec.mean, spec.std
     assert size == 24 and len(mean) == 3 and spec.variable
     x, y, keys = next(iter(eval_loader(shards / "test", batch_size=4,
                                        transform=build_eval_transform(size, mean, std))))
-    assert x.shape[1:] == (3, 24, 24) and len(keys) == len(y)
+    assert x.shape == (4, 3, 24, 24) and len(keys) == len(y) == 4
+    # each tensor is the stored (short side 32) image resized once to 24 and centre-cropped
+    stored = {}
+    for s in m["shards"]:
+        for record in iter_shard(shards / "test" / s["name"]):
+            key, image, _ = decode_record(record, m["mode"])
+            stored[key] = image
+    for i, key in enumerate(keys):
+        want = (_resize_centre_crop_by_hand(stored[key], 24) - np.float32(mean)) / np.float32(std)
+        np.testing.assert_allclose(x[i].permute(1, 2, 0).numpy(), want, rtol=0, atol=1e-5)
 
 
 def test_config__max_side_only_for_imagefolder():

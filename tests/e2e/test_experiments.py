@@ -209,8 +209,13 @@ def test_queue__three_parallel_from_no_db__all_finish_pretrain_not_rerun(repo):
         assert r["artifact_uri"].startswith((dst / "mlartifacts").as_uri() + "/")
         path = Path(r["artifact_uri"].removeprefix("file://"))
         assert (path / "config/params.resolved.json").is_file()
+    # `dvc exp show` lists them: [workspace, {baseline commit, "experiments": [{"revs": [...]}]}]
+    # (the workspace row alone would make the list non-empty, so read the experiments' params)
     shown = json.loads(out(sh(["dvc", "exp", "show", "--json"], dst, env)).strip() or "[]")
-    assert shown  # the experiments are listed
+    listed = sorted(rev["data"]["params"]["params.yaml"]["data"]["knn"]["k"]
+                    for row in shown for exp in row.get("experiments") or []
+                    for rev in exp["revs"])
+    assert listed == [3, 5, 7], shown
 
 
 def test_temp__knn_param__pretrain_not_rerun(repo):

@@ -39,7 +39,8 @@ def _worker(r, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=r, world_size=WORLD)
     try:
         res = {"rank": rank(), "world": world_size()}
-        # 1. shuffle / unshuffle across ranks
+        # 1. shuffle / unshuffle across ranks (rank 0 draws the permutation: seeded here)
+        torch.manual_seed(0)
         x = torch.arange(N * 3, dtype=torch.float32).view(N, 3) + 100 * r
         xs, idx_unshuffle = batch_shuffle_ddp(x)
         res.update(x=x, xs=xs, idx=idx_unshuffle, back=batch_unshuffle_ddp(xs, idx_unshuffle))
@@ -76,9 +77,14 @@ def results(tmp_path_factory):
 def test_batch_shuffle_ddp__unshuffle_is_identity_and_mixes_ranks(results):
     assert [res["rank"] for res in results] == [0, 1] and results[0]["world"] == 2
     assert torch.equal(results[0]["idx"], results[1]["idx"])  # one permutation for all ranks
-    everything = torch.cat([res["x"] for res in results])
+    everything = torch.cat([res["x"] for res in results])  # (2N, 3): rank 0's rows, then 1's
     shuffled = torch.cat([res["xs"] for res in results])
-    assert sorted(shuffled[:, 0].tolist()) == sorted(everything[:, 0].tolist())
+    # rank r encodes rows idx_shuffle[r N:(r + 1) N] of the gathered batch, idx_shuffle being
+    # the inverse of the returned idx_unshuffle
+    idx_shuffle = torch.argsort(results[0]["idx"])
+    assert torch.equal(shuffled, everything[idx_shuffle])
+    # mixed: each rank encodes rows of the other rank (values >= 100 come from rank 1)
+    assert (results[0]["xs"][:, 0] >= 100).any() and (results[1]["xs"][:, 0] < 100).any()
     for res in results:
         assert torch.equal(res["back"], res["x"])
 

@@ -67,11 +67,6 @@ def test_key_queue__initial_keys_are_unit_columns_and_never_written():
     assert math.isnan(queue.mean_age(5)) and queue.filled() == 0.0
 
 
-def test_key_queue__memory_is_k_times_d_times_4_bytes():
-    queue = KeyQueue(128, 4096)
-    assert queue.keys.numel() * queue.keys.element_size() == 4096 * 128 * 4
-
-
 def test_key_queue__no_grad_and_fp32_storage():
     queue = KeyQueue(4, 6)
     keys = torch.randn(3, 4, requires_grad=True)

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from reporthelpers import CLASS_NAMES, features
 
 from pipeline.report import figures as fg
@@ -34,8 +35,13 @@ def test_nearest_neighbours__matches_brute_force(monkeypatch, chunk_rows):
 
 
 def test_nearest_neighbours__k_clipped_to_bank(tmp_path):
-    idx, sim = fg.nearest_neighbours(torch.ones(2, 3), torch.eye(3), 10)
-    assert idx.shape == sim.shape == (2, 3)
+    # query (1, 1, 1) against (1, 0, 0), (1, 1, 0), (1, 1, 1): cosines 1/sqrt(3), 2/sqrt(6), 1;
+    # k = 10 clipped to the 3 bank rows, most similar first
+    bank = torch.tensor([[1.0, 0, 0], [1, 1, 0], [1, 1, 1]])
+    idx, sim = fg.nearest_neighbours(torch.ones(2, 3), bank, 10)
+    assert idx.tolist() == [[2, 1, 0]] * 2
+    want = [1.0, 2 / 6**0.5, 1 / 3**0.5]
+    assert np.allclose(sim.numpy(), [want, want], atol=1e-6)
     with pytest.raises(ValueError, match="k must be"):
         fg.nearest_neighbours(torch.ones(2, 3), torch.eye(3), 0)
 
@@ -63,4 +69,7 @@ def test_plot_per_class_accuracy__class_absent_from_test_set(tmp_path):
     path = fg.plot_per_class_accuracy(
         CLASS_NAMES, {"kNN": [70.0, float("nan"), 60.0]}, tmp_path / "p.png"
     )
-    assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    with Image.open(path) as png:
+        png.load()  # decodes every byte: a truncated or broken file raises here
+        # 3 classes: width max(6, 0.6 * 3 + 2) = 6 in, height 4 in, at the module's DPI
+        assert (png.format, png.size) == ("PNG", (6 * fg.DPI, 4 * fg.DPI))

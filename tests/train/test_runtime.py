@@ -55,10 +55,25 @@ def test_precision__fp16_scales_and_steps_on_cpu():
     assert Precision(None, CPU).name == "fp32" and not Precision(None, CPU).scaler.is_enabled()
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_pretrain__autocast_runs_with_fp32_loss(tiny_shards, tmp_path, precision):
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16", torch.bfloat16),
+                                                  ("fp16", torch.float16)])
+def test_pretrain__autocast_runs_with_fp32_loss(tiny_shards, tmp_path, monkeypatch, precision,
+                                                dtype):
+    import pipeline.moco.model as model_mod
+
+    real, seen = model_mod.info_nce, []
+
+    def spy(q, k, queue, T):
+        loss, logits = real(q, k, queue, T)
+        seen.append((q.dtype, k.dtype, logits.dtype, loss.dtype))
+        return loss, logits
+
+    monkeypatch.setattr(model_mod, "info_nce", spy)
     m = run_pretrain(tiny_shards, tmp_path, {"pretrain": {"precision": precision, "epochs": 1}})
     assert math.isfinite(m["loss"]) and m["steps"] == 192 // 16
+    # every step ran its encoders under autocast (q, k in the low precision) and its logits
+    # and loss in fp32
+    assert seen == [(dtype, dtype, torch.float32, torch.float32)] * (192 // 16)
 
 
 def test_thread_candidates__all_cores_all_minus_workers_and_half(monkeypatch):
@@ -135,7 +150,7 @@ def test_log_window__averages_by_hand():
 
 
 @pytest.mark.slow
-def test_pretrain__compile_on_cpu_and_resume_bit_identical(tiny_shards, tmp_path):
+def test_pretrain__compile_on_cpu_and_resume_bit_identical(tiny_shards, tmp_path, caplog):
     # width 16: at width 4 with one thread, torch 2.14's CPU convolutions in channels_last
     # (which inductor picks) corrupt memory; the same crash happens eagerly with channels_last
     over = {"model": {"width": 16}, "pretrain": {"compile": "true", "epochs": 1,
@@ -143,7 +158,10 @@ def test_pretrain__compile_on_cpu_and_resume_bit_identical(tiny_shards, tmp_path
     full = run_pretrain(tiny_shards, tmp_path / "full", over)
     assert math.isfinite(full["loss"])
     run_pretrain(tiny_shards, tmp_path / "part", over, max_steps=5)  # checkpoint at 4
+    caplog.set_level("INFO")
     run_pretrain(tiny_shards, tmp_path / "part", over)
+    # a fresh start would be bit-identical too: the second run must have resumed at step 4
+    assert f"resuming from {tmp_path / 'part/ckpt/last.pt'} at step 4" in caplog.text
     a = torch.load(tmp_path / "full/encoder.pt", weights_only=True)
     b = torch.load(tmp_path / "part/encoder.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -156,3 +174,30 @@ def test_plan_error__bad_bn_mode_is_a_one_line_user_error(tiny_shards, tmp_path)
     with pytest.raises(PlanError, match="moco.bn"):
         run_pretrain(tiny_shards, tmp_path, {"moco": {"bn": "shuffle"}})
     assert PlanError in _user_errors()  # stage_main prints one `error:` line for it
+
+
+@pytest.mark.gpu
+def test_pretrain__cuda_device_autocast_and_cpu_loadable_outputs(tiny_shards, tmp_path,
+                                                                  monkeypatch):
+    # With CUDA the engine picks cuda:0 once and everything follows it; precision auto is bf16
+    # where the GPU supports it, else fp16 + GradScaler. The exported files hold CPU tensors, so
+    # a machine without a GPU loads them without map_location.
+    import pipeline.moco.model as model_mod
+
+    real, seen = model_mod.info_nce, []
+
+    def spy(q, k, queue, T):
+        loss, logits = real(q, k, queue, T)
+        # the autocast state itself: on CUDA, F.normalize runs in fp32, so q's dtype does not say
+        autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")
+        seen.append((q.device.type, queue.device.type, autocast, loss.dtype))
+        return loss, logits
+
+    monkeypatch.setattr(model_mod, "info_nce", spy)
+    m = run_pretrain(tiny_shards, tmp_path, {"pretrain": {"epochs": 1, "compile": "false"}})
+    low = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    assert seen == [("cuda", "cuda", low, torch.float32)] * (192 // 16)
+    assert math.isfinite(m["loss"]) and m["peak_memory_bytes"] > 0
+    encoder = torch.load(tmp_path / "encoder.pt", weights_only=True)
+    head = torch.load(tmp_path / "head.pt", weights_only=True)["state_dict"]
+    assert {v.device.type for v in [*encoder.values(), *head.values()]} == {"cpu"}

@@ -1,17 +1,20 @@
+import io
 import json
 import math
 import os
 import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
-import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torchvision
 from helpers import build_tiny_shards, run_pretrain
+from PIL import Image
 
 from pipeline.evaluate.run.embed import load_encoder
 from pipeline.schedules import lr_schedule
@@ -92,13 +95,16 @@ def test_pretrain__nan_loss_stops_with_step_and_keeps_checkpoint(tiny_shards, tm
     assert not (tmp_path / "encoder.pt").exists()
 
 
-def test_pretrain__resume_after_interruption_is_bit_identical(tiny_shards, tmp_path):
+def test_pretrain__resume_after_interruption_is_bit_identical(tiny_shards, tmp_path, caplog):
     run_pretrain(tiny_shards, tmp_path / "full")
     part = tmp_path / "part"
     run_pretrain(tiny_shards, part, max_steps=7)  # "crash" after step 7 (checkpoint at 6)
     ck = torch.load(part / "ckpt/last.pt", weights_only=True)
     assert ck["step"] == 6
+    caplog.set_level("INFO")
     run_pretrain(tiny_shards, part)
+    # a fresh start would be bit-identical too: the restart must have resumed at step 6
+    assert f"resuming from {part / 'ckpt/last.pt'} at step 6" in caplog.text
     assert same_state(tmp_path / "full/encoder.pt", part / "encoder.pt")
 
 
@@ -121,39 +127,93 @@ def test_pretrain__same_params_other_shards_explained(tmp_path, caplog):
     assert "same params, so the shards or the training code changed" in caplog.text
 
 
+# The tiny run in a subprocess that blocks right before the checkpoint of step `at` is written:
+# SIGKILL then lands at a known point. On disk: the checkpoint of step `at - 2` (one every 2
+# steps); in memory, lost with the process: 2 more optimizer steps, queue and RNG advances.
 KILL_SCRIPT = textwrap.dedent("""
-    import sys
+    import sys, time
     from pathlib import Path
     sys.path.insert(0, {tests!r})
     from helpers import run_pretrain
+    from pipeline.train.checkpoint import Checkpointer
+    real_save = Checkpointer.save
+    def save_or_block(self, net, optimizer, scaler, state):
+        if state.step == {at}:
+            print("blocked", flush=True)
+            time.sleep(600)  # the test SIGKILLs the process here
+        real_save(self, net, optimizer, scaler, state)
+    Checkpointer.save = save_or_block
     run_pretrain(Path({shards!r}), Path({out!r}))
 """)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("delay", [0.0, 0.7])
-def test_pretrain__sigkill_then_restart_is_bit_identical(tiny_shards, tmp_path, delay):
+@pytest.mark.parametrize("at", [4, 16], ids=["epoch0", "epoch1"])
+def test_pretrain__sigkill_then_restart_is_bit_identical(tiny_shards, tmp_path, at, caplog):
+    # 12 steps per epoch: at=4 resumes inside the first epoch, at=16 inside the second (the
+    # restart must rebuild epoch 1's order and skip its first 14 - 12 = 2 batches)
     run_pretrain(tiny_shards, tmp_path / "full")
     out = tmp_path / "killed"
-    code = KILL_SCRIPT.format(tests=str(ROOT / "tests"), shards=str(tiny_shards), out=str(out))
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
-    deadline = time.time() + 120
-    while not (out / "ckpt/last.pt").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(delay)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (out / "encoder.pt").exists() or delay > 0
+    code = KILL_SCRIPT.format(tests=str(ROOT / "tests"), shards=str(tiny_shards), out=str(out),
+                              at=at)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "blocked"
+        assert proc.poll() is None  # still running: the kill interrupts a live training
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert torch.load(out / "ckpt/last.pt", weights_only=True)["step"] == at - 2
+    assert not (out / "encoder.pt").exists()
+    caplog.set_level("INFO")
     run_pretrain(tiny_shards, out)
+    assert f"resuming from {out / 'ckpt/last.pt'} at step {at - 2}" in caplog.text
     assert same_state(tmp_path / "full/encoder.pt", out / "encoder.pt")
+
+
+def _first_images(split_dir: Path, n: int) -> tuple[torch.Tensor, list[int]]:
+    """The first ``n`` samples in manifest order, read with tarfile + PIL (not the loader):
+    ``(n, 1, H, W)`` floats normalised with the manifest's mean and std, and the labels."""
+    manifest = json.loads((split_dir / "manifest.json").read_text())
+    images, labels = [], []
+    for shard in manifest["shards"]:
+        with tarfile.open(split_dir / shard["name"]) as tar:
+            files = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+        for name in sorted(f for f in files if f.endswith(".png")):
+            images.append(np.asarray(Image.open(io.BytesIO(files[name]))))
+            labels.append(int(files[name[:-len(".png")] + ".cls"]))
+    x = torch.tensor(np.stack(images[:n]), dtype=torch.float32)[:, None] / 255
+    return (x - manifest["mean"][0]) / manifest["std"][0], labels[:n]
 
 
 def test_pretrain__knn_monitor_curve(tiny_shards, tmp_path):
     m = run_pretrain(tiny_shards, tmp_path, {"pretrain": {
         "knn_every_epochs": 1, "knn_monitor_train_images": 64, "knn_monitor_test_images": 32}})
-    rows = (tmp_path / "knn.tsv").read_text().splitlines()
-    assert [r.split("\t")[0] for r in rows] == ["epoch", "0", "1", "2"]
-    assert 0 <= m["knn_top1"] <= 100 and "knn_top1_init" in m
+    rows = [r.split("\t") for r in (tmp_path / "knn.tsv").read_text().splitlines()]
+    assert [r[:2] for r in rows] == [["epoch", "step"], ["0", "0"], ["1", "12"], ["2", "24"]]
+    assert float(rows[1][2]) == m["knn_top1_init"] and float(rows[3][2]) == m["knn_top1"]
+    # 4 classes, every one in the bank: the top-5 (= top-4) vote always holds the true class
+    assert [float(r[3]) for r in rows[1:]] == [100.0] * 3
+    # the final top-1 recomputed by hand from the exported encoder (the query backbone after the
+    # last step): the first 64 train / 32 test images, cosine, k = min(200, 64) = all 64 bank
+    # rows, votes exp(sim / 0.1), ties to the lowest class
+    backbone, _ = load_encoder(tmp_path / "encoder.pt")
+    with torch.no_grad():
+        bank_x, bank_y = _first_images(tiny_shards / "train", 64)
+        query_x, query_y = _first_images(tiny_shards / "test", 32)
+        bank = [v / v.norm() for v in backbone.eval()(bank_x).double()]
+        queries = [v / v.norm() for v in backbone(query_x).double()]
+    correct = 0
+    for q, y in zip(queries, query_y):
+        votes = [0.0] * 4
+        for b, c in zip(bank, bank_y):
+            votes[c] += math.exp(float(q @ b) / 0.1)
+        correct += max(range(4), key=lambda c: (votes[c], -c)) == y
+    assert m["knn_top1"] == pytest.approx(100 * correct / 32)  # 78.125 (25 of 32) when written
 
 
 TORCHRUN = textwrap.dedent("""
