@@ -124,3 +124,73 @@ def test_batch_two_crop__small_crops_after_q_and_k_which_stay_unchanged():
     assert all(torch.equal(a, b) for a, b in zip(s, again))
     with pytest.raises(ValueError, match="crop scale range"):
         build_batch_view("v2_grey", 12, *grey, 0.5, crop_max_scale=0.4)
+
+
+def _ref_ops(preset, size, mean, std, scale):
+    """The per-image torchvision recipe (tests/data/reference_views.py) as canonical tuples."""
+    from reference_views import RandomGaussianBlur, build_pretrain_transform
+
+    def jitter(j, p):
+        rng = [getattr(j, a) for a in ("brightness", "contrast", "saturation", "hue")]
+        return ("jitter", p, *[tuple(round(x, 6) for x in r) if r else None for r in rng])
+
+    out = []
+    for op in build_pretrain_transform(preset, size, mean, std, scale).transforms:
+        if isinstance(op, T.RandomResizedCrop):
+            out.append(("crop", op.size, tuple(op.scale), tuple(round(r, 6) for r in op.ratio)))
+        elif isinstance(op, T.RandomGrayscale):
+            out.append(("gray", op.p))
+        elif isinstance(op, T.ColorJitter):
+            out.append(jitter(op, 1.0))
+        elif isinstance(op, T.RandomApply):
+            inner = op.transforms[0]
+            if isinstance(inner, T.ColorJitter):
+                out.append(jitter(inner, op.p))
+            else:
+                assert isinstance(inner, RandomGaussianBlur)
+                out.append(("blur", op.p, inner.sigma))
+        elif isinstance(op, T.RandomHorizontalFlip):
+            out.append(("flip", op.p))
+        elif isinstance(op, T.Normalize):
+            out.append(("normalize", tuple(op.mean), tuple(op.std)))
+    return out
+
+
+def _kornia_ops(view):
+    import kornia.augmentation as K
+
+    def rng(v, centre):  # kornia's strength -> torchvision's factor range
+        return None if not v else tuple(round(x, 6) for x in (centre - v, centre + v))
+
+    out = []
+    for op in view:
+        g = getattr(op, "_param_generator", None)
+        if isinstance(op, K.RandomResizedCrop):
+            out.append(("crop", op.flags["size"], tuple(g.scale),
+                        tuple(round(r, 6) for r in g.ratio)))
+        elif isinstance(op, K.RandomGrayscale):
+            out.append(("gray", op.p))
+        elif isinstance(op, K.ColorJitter):
+            out.append(("jitter", op.p, rng(g.brightness, 1), rng(g.contrast, 1),
+                        rng(g.saturation, 1), rng(g.hue, 0)))
+        elif isinstance(op, K.RandomGaussianBlur):
+            out.append(("blur", op.p, tuple(float(s) for s in g.sigma)))
+        elif isinstance(op, K.RandomHorizontalFlip):
+            out.append(("flip", op.p))
+        elif isinstance(op, K.Normalize):
+            out.append(("normalize", tuple(op.flags["mean"].tolist()),
+                        tuple(op.flags["std"].tolist())))
+    return out
+
+
+@pytest.mark.parametrize("preset", ["v1", "v2", "v2_small", "v2_grey"])
+def test_batch_views__every_op_matches_the_per_image_reference(preset):
+    # the batched kornia preset and the per-image torchvision recipe of the MoCo papers: the
+    # same ops in the same order with the same parameters (probabilities, ranges, crop, stats)
+    mean, std = (0.5, 0.25, 0.125), (0.5, 0.5, 0.25)
+    if preset == "v2_grey":
+        mean, std = (0.5,), (0.25,)
+    ref = _ref_ops(preset, 24, mean, std, 0.3)
+    got = _kornia_ops(build_batch_view(preset, 24, mean, std, 0.3))
+    assert got == ref
+    assert [r[0] for r in ref][0] == "crop" and ref[-1][0] == "normalize"
