@@ -115,8 +115,9 @@ def test_pretrain_stage__signal_then_restart__killed_run_and_bit_identical(
     assert run.info.run_id == killed.info.run_id and run.info.status == "FINISHED"
     tags = run.data.tags
     assert "killed.reason" not in tags and tags["interrupted.count"] == "1"
-    assert tags["interrupted.1"].startswith(f"KILLED: {name}: checkpoint written at step "
-                                            f"{stopped}; resumed from the checkpoint by pid")
+    assert tags["interrupted.1"].startswith(
+        f"KILLED: {name}: checkpoint written at step {stopped} to "
+        f"{ckpt_path.relative_to(workdir)}; resumed from the checkpoint by pid")
     # every logged step once, from the first to the last (SIGTERM checkpoints at its step)
     assert loss_steps(mlflow_db, run.info.run_id) == list(range(2, TOTAL_STEPS + 1, 2))
     recorded = json.loads((workdir / "runs/pretrain.json").read_text())
