@@ -1,4 +1,4 @@
-"""Pretraining img/s of recipe variants with the real loader, in one run: what equal wall time means.
+"""Pretraining img/s of recipe variants with the real loader, in one run (equal wall time).
 
 Each variant is the default params plus ``-S``-style overrides (``section.key=value``); every
 variant runs ``--steps`` steps of the real pretrain engine on the default shards, interleaved over
