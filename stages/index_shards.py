@@ -63,7 +63,8 @@ def run(p: Params) -> None:
                 mlrun.log_artifact(index_location(split) / MANIFEST_NAME, f"index/{split}")
         write_json(VALIDATORS, fresh)
         print(json.dumps({s: {"shards": len(m["shards"]), "images": m["num_samples"],
-                              "broken_skipped": m["num_broken"]} for s, m in manifests.items()}),
+                              "broken_skipped": m["num_broken"]} for s, m in manifests.items()},
+                         sort_keys=True),
               file=sys.stderr)
 
 
