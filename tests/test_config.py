@@ -239,3 +239,14 @@ def test_validate__own_images_params_accepted():
                             "label_field": "label", "pretrain_labelled": False,
                             "pretrain_shards": "s3://b/unl-{0..99}.tar"}})
     assert p.data.label_field == "label"
+
+
+def test_unlabelled_preset__the_default_recipe_on_the_unlabelled_tree():
+    # same model / moco / pretrain / evaluation params as params.yaml; only what the data is
+    base = to_dict(load_params(ROOT / "params.yaml"))
+    p = to_dict(load_params(ROOT / "configs/fashion-mnist-unlabelled.yaml"))
+    assert {k: v for k, v in p.items() if k != "data"} == {
+        k: v for k, v in base.items() if k != "data"}
+    changed = {k: v for k, v in p["data"].items() if base["data"][k] != v}
+    assert changed == {"unlabelled_root": "data/raw/fmnist-unlabelled",
+                       "pretrain_labelled": False, "max_train_images": 6000}

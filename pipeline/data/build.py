@@ -43,7 +43,14 @@ from pipeline.data.shards import (
     ShardError,
     sha256_file,
 )
-from pipeline.data.sources import SPLITS, Sample, Source, open_source
+from pipeline.data.sources import (
+    SPLITS,
+    PretrainMix,
+    Sample,
+    Source,
+    UnlabelledTree,
+    open_source,
+)
 
 if TYPE_CHECKING:
     from pipeline.config import DataParams
@@ -357,8 +364,6 @@ def open_data(params: DataParams, seed: int) -> tuple[Source, dict[str, Any]]:
         SourceError: raw data missing or invalid.
         ShardError: webdataset shards unreadable or too many broken.
     """
-    from pipeline.data.sources.unlabelled import PretrainMix, UnlabelledTree
-
     index = None
     if params.source == "webdataset":
         from pipeline.data.index import read_previous

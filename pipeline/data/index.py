@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 INDEX_DIR = Path("data/index")  # beside data/shards; the index_shards stage's outputs
 VALIDATORS = INDEX_DIR / "validators.json"
 SETS = ("pretrain", "labelled")
+_VALUES = np.arange(256, dtype=np.uint64)
 
 
 def _round6(xs: Any) -> list[float]:
@@ -95,13 +96,14 @@ def _read_shard(url: str) -> dict[str, Any]:
             with open_image(data) as im:
                 grey = grey and image_kind(im) == "L"
                 sizes.add(im.size)
-                rgb = np.asarray(to_mode(im, "RGB")).reshape(-1, 3)
+                # (3, 256) pixel counts per channel value: exact sums, ~10x faster than numpy
+                hist = np.asarray(to_mode(im, "RGB").histogram(), np.uint64).reshape(3, 256)
         except Exception as e:  # noqa: BLE001 (PIL and the mode conversion raise many types)
             broken.append({"key": key, "why": f"{type(e).__name__}: {str(e)[:120]}"})
             continue
-        pix_sum += rgb.sum(axis=0, dtype=np.uint64)
-        pix_sq += np.square(rgb, dtype=np.uint64).sum(axis=0, dtype=np.uint64)
-        n_pix += rgb.shape[0]
+        pix_sum += hist @ _VALUES
+        pix_sq += hist @ _VALUES**2
+        n_pix += int(hist[0].sum())
         good += 1
     if local:
         digest.update(bytes=Path(url).stat().st_size, sha256=sha256_file(url))

@@ -43,6 +43,7 @@ from pipeline.data.shards import (
     decode_record,
     iter_shard,
     read_manifest,
+    require_images,
     sha256_file,
     shard_location,
 )
@@ -545,10 +546,7 @@ def eval_loader(manifest_dir: str | Path | ShardURL, *, transform: EvalTransform
                 max_images=(max_images, 0))
     directory = shards_location(manifest_dir)
     manifest = read_manifest(directory)
-    if not manifest["num_samples"]:
-        raise ShardError(f"{directory}: no images in this split (data.source "
-                         f"{manifest['source']}): the evaluation stages need a labelled source "
-                         "with train and test images (docs/data.md, no labels at all)")
+    require_images(manifest, directory)
     total = min(max_images, manifest["num_samples"]) if max_images else manifest["num_samples"]
     stream = _EvalStream(_shard_list(directory, manifest), manifest["mode"], transform,
                          batch_size=batch_size, total=total)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import webdataset as wds
 from PIL import Image
 
 from pipeline.data.remote import RemoteError, ShardURL, open_stream, read_url, shards_location
@@ -148,6 +147,18 @@ class ImageSpec:
     variable: bool = False
 
 
+def require_images(manifest: dict[str, Any], where: Path | ShardURL | str) -> None:
+    """Refuse a split without images (``data.source: none`` builds no train or test images).
+
+    Raises:
+        ShardError: the split is empty; the message says what the evaluation stages need.
+    """
+    if not manifest["num_samples"]:
+        raise ShardError(f"{where}: no images in this split (data.source "
+                         f"{manifest['source']}): the evaluation stages need a labelled source "
+                         "with train and test images (docs/data.md, no labels at all)")
+
+
 def image_spec(manifest: dict[str, Any], where: Path | ShardURL | str) -> ImageSpec:
     """The :class:`ImageSpec` of a split, from its manifest (:func:`read_manifest`).
 
@@ -155,9 +166,10 @@ def image_spec(manifest: dict[str, Any], where: Path | ShardURL | str) -> ImageS
     ``data.max_side`` keep whole images of varying size; they use the build's ``image_size``.
 
     Raises:
-        ShardError: the images are neither all one square size nor built with ``max_side``
-            (names the manifest).
+        ShardError: no images (:func:`require_images`), or images neither all one square size
+            nor built with ``max_side`` (names the manifest).
     """
+    require_images(manifest, where)
     shape = manifest.get("image_shape")
     build = manifest.get("build") or {}
     mean, std = tuple(manifest["mean"]), tuple(manifest["std"])
@@ -199,6 +211,9 @@ def iter_shard(path: str | Path | ShardURL, *, expect: tuple[int, str] | None = 
         yield from _iter_url_shard(str(path), expect, digest)
         return
     try:
+        import webdataset as wds  # here: importing it imports torch (seconds), needless for
+        # the manifests alone (the index stage with nothing to index, verify-shards' listing)
+
         yield from wds.tarfile_samples([{"url": str(path)}])
     except Exception as e:  # tarfile / gopen errors
         raise ShardError(f"{path}: unreadable shard ({type(e).__name__}: {e})") from None

@@ -118,3 +118,37 @@ def test_unlabelled__evaluation_uses_only_labelled_images(repo):
 def test_unlabelled__second_repro_runs_only_the_index(repo):
     dst, env, _ = repo
     assert ran(out(sh(["dvc", "repro"], dst, env))) == ["index_shards"]
+
+
+# --- recipe 3: no labels at all ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nolabels(tmp_path_factory):
+    base = tmp_path_factory.mktemp("nolabels")
+    unlabelled_tree(base / "photos", n=120, seed=3)
+    tree = params({"data": {"source": "none", "unlabelled_root": str(base / "photos")}})
+    dst = base / "repo"
+    env = make_repo(dst, tree)
+    return dst, env, out(sh(["dvc", "repro", "pretrain"], dst, env))
+
+
+def test_no_labels__repro_pretrain_gives_the_encoder(nolabels):
+    dst, _, text = nolabels
+    assert ran(text) == ["check_params", "index_shards", "build_shards", "pretrain"]
+    assert (dst / "models/encoder.pt").is_file() and (dst / "models/encoder.json").is_file()
+    assert "kNN monitor off: no labelled train or test images" in text
+    assert read_manifest(dst / "data/shards/pretrain")["num_samples"] == 120
+    assert read_manifest(dst / "data/shards/train")["num_samples"] == 0
+    assert json.loads((dst / "metrics/pretrain.json").read_text())["pretrain_images"] == 120
+
+
+def test_no_labels__evaluation_stages_say_what_they_need(nolabels):
+    dst, env, _ = nolabels
+    res = sh(["dvc", "repro"], dst, env, ok=False)
+    text = out(res)
+    assert res.returncode != 0 and "Traceback" not in text
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, text[-3000:]
+    assert "no images in this split (data.source none): the evaluation stages need a labelled " \
+           "source with train and test images" in errors[0]
