@@ -76,7 +76,7 @@ COMMANDS = {
     "cp configs/cifar10-r18.yaml params.yaml": Ran(
         E2E, 'shutil.copy(ROOT / "configs/ci.yaml", dst / "params.yaml")', "the ci preset"),
     "dvc repro": Ran(E2E, 'out = sh(["dvc", "repro"], dst, env)'),
-    "dvc repro pretrain": Ran("tests/e2e/test_unlabelled.py",
+    "dvc repro pretrain": Ran("tests/e2e/test_own_folders.py",
                               'sh(["dvc", "repro", "pretrain"], dst, env)',
                               "data.source none with an unlabelled tree"),
     "dvc exp run -S pretrain.lr=0.06": Ran(

@@ -1,5 +1,5 @@
 """A copy of the working tree as a fresh git + DVC repo in tmp, with a tiny recipe (the e2e
-tests of own images: tests/e2e/test_unlabelled.py, test_remote_shards.py, test_fmnist_tree.py)."""
+tests of own images: tests/e2e/test_own_folders.py, test_remote_shards.py, test_fmnist_tree.py)."""
 
 from __future__ import annotations
 
