@@ -133,6 +133,20 @@ def test_index__unchanged_shards_not_read_again_changed_ones_are(tmp_path, monke
     assert len(reads) == 4
 
 
+def test_index__a_shard_added_to_the_directory_is_read_the_others_kept(tmp_path, monkeypatch):
+    img2dataset_shards(tmp_path / "ext", shards=2, per_shard=5)
+    first, v1 = index_shards(str(tmp_path / "ext"), split="pretrain", key="k",
+                             max_broken_fraction=0)
+    reads = []
+    real = index_mod._read_shard
+    monkeypatch.setattr(index_mod, "_read_shard", lambda url: reads.append(url) or real(url))
+    (added,) = img2dataset_shards(tmp_path / "ext", shards=1, per_shard=3, start=2)
+    now, _ = index_shards(str(tmp_path / "ext"), split="pretrain", key="k",
+                          max_broken_fraction=0, previous=first, validators=v1)
+    assert reads == [str(added)] and now["num_samples"] == 13
+    assert now["shards"][:2] == first["shards"]
+
+
 def test_pretrain_manifest__no_index_is_the_built_split(tmp_path):
     shards = build_tiny_shards(tmp_path / "sh", n_pretrain=32, n_train=16, n_test=16)
     assert pretrain_manifest(shards, None) == read_manifest(shards / "pretrain")
