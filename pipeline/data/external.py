@@ -65,9 +65,7 @@ def _list_url(url: str) -> list[str]:
             found = fs.glob(path)
         else:
             found = [p for p in fs.find(path, maxdepth=1) if p.endswith(".tar")]
-    except (ImportError, ValueError) as e:
-        raise RemoteError(f"{url}: cannot list ({type(e).__name__}: {e})") from None
-    except OSError as e:
+    except (ImportError, ValueError, OSError) as e:  # no backend, bad URL, unreachable
         raise RemoteError(f"{url}: cannot list ({type(e).__name__}: {e})") from None
     return sorted(fs.unstrip_protocol(p) if not is_url(p) else p for p in found)
 

@@ -82,3 +82,41 @@ def test_sample_label__cls_or_json_field():
         sample_label({"__key__": "k", "cls": b"cat"}, "cls")
     with pytest.raises(ValueError, match=".json does not parse"):
         sample_label({"__key__": "k", "json": b"{"}, "label")
+
+
+@pytest.fixture
+def http_dir(tmp_path):
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    for name in ("b.tar", "a.tar", "notes.txt"):
+        _touch(tmp_path / "srv" / name, name.encode())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind",
+                             "127.0.0.1", "--directory", str(tmp_path / "srv")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_expand_shards__http_directory_listing_and_glob(http_dir):
+    # python -m http.server's index page: its links to .tar files, sorted
+    assert expand_shards(f"{http_dir}/", key="k") == [f"{http_dir}/a.tar", f"{http_dir}/b.tar"]
+    assert expand_shards(f"{http_dir}/b*.tar", key="k") == [f"{http_dir}/b.tar"]
+    ((n, v),) = shard_stat([f"{http_dir}/a.tar"])
+    assert n == 5 and v.startswith("Last-Modified:")  # http.server sends no ETag
+    with pytest.raises(RemoteError, match="missing.tar: not found"):
+        shard_stat([f"{http_dir}/missing.tar"])
