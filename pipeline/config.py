@@ -58,6 +58,8 @@ class DataSource(Choice):
     cifar100 = "cifar100"
     stl10 = "stl10"
     imagefolder = "imagefolder"
+    webdataset = "webdataset"  # existing WebDataset shards with labels (``data.label_field``)
+    none = "none"  # no labelled images: pretraining only (unlabelled_root / pretrain_shards)
 
 
 class Backbone(Choice):
@@ -140,6 +142,10 @@ class KnnSelect(Choice):
 # Native image side of the fixed-size sources (data.image_size 0 keeps it); imagefolder: unknown.
 NATIVE_SIDE = {DataSource.fashion_mnist: 28, DataSource.cifar10: 32, DataSource.cifar100: 32,
                DataSource.stl10: 96}
+# Pretraining images of the fixed-size sources (their pretrain split: train; STL-10: train +
+# unlabeled), so check_params can bound moco.K before any work.
+PRETRAIN_IMAGES = {DataSource.fashion_mnist: 60000, DataSource.cifar10: 50000,
+                   DataSource.cifar100: 50000, DataSource.stl10: 105000}
 FORBIDDEN_KEYS = ("size", "nfiles")  # DVC's run cache ignores params with these names
 
 
@@ -160,8 +166,12 @@ class MlflowParams:
 class DataParams:
     """Where the images come from and how they are sharded.
 
-    ``max_*_images = 0`` means "all". ``test_fraction`` only applies to an ImageFolder without
-    ``train/`` and ``test/`` sub-folders.
+    ``max_*_images = 0`` means "all"; ``max_pretrain_images`` caps the BUILT pretrain split (the
+    labelled source's part and ``unlabelled_root`` together), not ``pretrain_shards``, which are
+    read whole. ``test_fraction`` applies to an ImageFolder without ``train/`` and ``test/``
+    sub-folders and to the ``webdataset`` source. The pretraining images are the union of the
+    labelled source's pretrain split (``pretrain_labelled``), the ``unlabelled_root`` tree and the
+    ``pretrain_shards`` read in place (docs/data.md, "Your own images").
     """
 
     source: DataSource = DataSource.fashion_mnist
@@ -177,6 +187,17 @@ class DataParams:
     samples_per_shard: int = 10000
     test_fraction: float = 0.2
     shards_dir: str = "data/shards"
+    # An image tree without class folders (any nesting, sizes, modes): its images join the
+    # pretrain split with label -1. "" = none. Local directory.
+    unlabelled_root: str = ""
+    pretrain_labelled: bool = True  # the labelled source's pretrain split joins pretraining
+    # Existing WebDataset shards read in place for pretraining (never copied): a directory, a
+    # glob or a URL, with {000000..000123} braces; img2dataset layout. "" = none.
+    pretrain_shards: str = ""
+    label_field: str = "cls"  # data.source webdataset: the .cls member, else this .json field
+    # WebDataset shards (pretrain_shards, the webdataset source): undecodable samples are
+    # skipped and counted up to this share of the samples; more stops the stage.
+    max_broken_fraction: float = 0.001
 
 
 @dataclass
@@ -406,15 +427,17 @@ def _validate_data(p: Params) -> None:
     _pos("data.samples_per_shard", p.data.samples_per_shard)
     _pos("data.max_side", p.data.max_side, strict=False)
     if p.data.max_side:
-        _check(p.data.source == "imagefolder", "data.max_side",
-               "0 unless data.source is imagefolder (fixed-size datasets keep image_size)",
-               p.data.max_side)
+        _check(p.data.source in (DataSource.imagefolder, DataSource.webdataset)
+               or bool(p.data.unlabelled_root), "data.max_side",
+               "0 unless data.source is imagefolder or webdataset or data.unlabelled_root is set "
+               "(fixed-size datasets keep image_size)", p.data.max_side)
         _check(0 < p.data.image_size <= p.data.max_side, "data.image_size",
                f"between 1 and data.max_side ({p.data.max_side}) when max_side is set",
                p.data.image_size)
     _check(0 < p.data.test_fraction < 1, "data.test_fraction", "0 < x < 1", p.data.test_fraction)
     _check(bool(p.data.shards_dir), "data.shards_dir", "a non-empty path or URL",
            p.data.shards_dir)
+    _validate_own_images(p.data)
     _check(0 < p.augment.crop_min_scale <= 1, "augment.crop_min_scale", "0 < x <= 1",
            p.augment.crop_min_scale)
     a = p.augment
@@ -434,6 +457,60 @@ def _validate_data(p: Params) -> None:
         if side:
             _check(small_crop_side(a, side) < side, "augment.small_crop_size",
                    f"smaller than the training image side ({side} px)", a.small_crop_size)
+
+
+def _validate_own_images(d: DataParams) -> None:
+    """The unlabelled tree, the pretraining shards and the webdataset source."""
+    _check("://" not in d.unlabelled_root, "data.unlabelled_root",
+           "a local directory (images on a URL: data.pretrain_shards)", d.unlabelled_root)
+    _check(d.source != DataSource.webdataset or bool(d.root), "data.root",
+           "the labelled shards (a directory, glob or URL) when data.source is webdataset",
+           d.root)
+    _check(bool(d.label_field.strip()), "data.label_field",
+           "cls (the .cls member) or the name of a .json field", d.label_field)
+    _check(0 <= d.max_broken_fraction < 1, "data.max_broken_fraction", "0 <= x < 1",
+           d.max_broken_fraction)
+    labelled = d.pretrain_labelled and d.source != DataSource.none
+    none = " (data.source none has no labelled images)" if d.source == DataSource.none else ""
+    _check(labelled or bool(d.unlabelled_root) or bool(d.pretrain_shards),
+           "data.pretrain_labelled", "true, or pretraining images from data.unlabelled_root or "
+           "data.pretrain_shards" + none, d.pretrain_labelled)
+
+
+def pretrain_images_bound(d: DataParams) -> int | None:
+    """An upper bound on the pretraining images that the params alone fix, else None.
+
+    Known when the pretraining images are the labelled part of a fixed-size source
+    (:data:`PRETRAIN_IMAGES`) and nothing else, or when ``data.max_pretrain_images`` caps the
+    built split and no ``pretrain_shards`` are read in place.
+    """
+    if d.pretrain_shards:
+        return None
+    labelled = d.pretrain_labelled and d.source != DataSource.none
+    known = None if d.unlabelled_root else (PRETRAIN_IMAGES.get(d.source) if labelled else 0)
+    if d.max_pretrain_images:
+        return d.max_pretrain_images if known is None else min(known, d.max_pretrain_images)
+    return known
+
+
+def check_queue_size(K: int, n_images: int, where: str) -> None:  # noqa: N803 (MoCo's K)
+    """Refuse a queue at least as long as the pretraining set (moco#146).
+
+    With ``K >= N`` the queue holds keys of the very images in the current batch (from earlier
+    epochs) as negatives: the loss then pushes an image away from itself.
+
+    Args:
+        K: ``moco.K``.
+        n_images: the number of pretraining images, or an upper bound on it.
+        where: where ``n_images`` comes from, for the message.
+
+    Raises:
+        ParamsError: ``K >= n_images``; the message names both numbers and the reason.
+    """
+    _check(K < n_images, "moco.K",
+           f"< {n_images}, the number of pretraining images ({where}): a queue of K >= N keys "
+           "holds keys of the very images in the batch as negatives (moco#146); lower moco.K "
+           "or add images", K)
 
 
 def _validate_model(p: Params) -> None:
@@ -463,12 +540,17 @@ def _validate_pretrain(p: Params) -> None:
     for k in ("channels_last", "compile"):
         _switch(f"pretrain.{k}", t, k, ("auto", "true", "false"))
     n = p.data.max_pretrain_images  # an upper bound on the pretraining images when set
-    if n:
+    if n and not p.data.pretrain_shards:
         _check(t.batch_size <= n, "pretrain.batch_size",
                f"<= data.max_pretrain_images ({n})", t.batch_size)
         _check(t.steps_per_epoch * t.batch_size <= n, "pretrain.steps_per_epoch",
                f"at most one epoch: steps_per_epoch * batch_size <= data.max_pretrain_images "
                f"({n})", t.steps_per_epoch)
+    bound = pretrain_images_bound(p.data)
+    if bound is not None:
+        capped = bool(p.data.max_pretrain_images) and bound == p.data.max_pretrain_images
+        check_queue_size(p.moco.K, bound, "at most, data.max_pretrain_images" if capped
+                         else f"data.source {p.data.source}")
     if p.moco.bn == "split":
         _check(t.batch_size % p.moco.bn_splits == 0, "moco.bn_splits",
                f"a divisor of pretrain.batch_size ({t.batch_size})", p.moco.bn_splits)

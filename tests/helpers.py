@@ -88,3 +88,46 @@ def relabel_first_sample(shard: Path) -> None:
     data = bytearray(shard.read_bytes())
     data[cls.offset_data] = ord("1") if data[cls.offset_data] != ord("1") else ord("2")
     shard.write_bytes(bytes(data))
+
+
+def img2dataset_shards(root: Path, *, shards: int = 2, per_shard: int = 20, size: int = 16,
+                       broken: dict[int, int] | None = None, cls: tuple[int, ...] = (),
+                       start: int = 0, seed: int = 0, colour: bool = True) -> list[Path]:
+    """Shards in img2dataset's layout: ``<key>.jpg`` + ``.json`` + ``.txt`` per sample.
+
+    Keys are 9-digit running numbers (img2dataset's). ``broken`` = ``{shard: n}`` replaces the
+    JPEG of the first ``n`` samples of that shard by truncated bytes; shards in ``cls`` also
+    carry ``<key>.cls`` (the class, ``i % 4``, as ASCII). The images are learnable (a bright
+    quadrant per class, as :func:`make_samples`), ``size`` px square, RGB or grey.
+
+    Returns:
+        The shard paths ``root/{start:05d}.tar``, ...
+    """
+    import io
+    import tarfile
+
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for s in range(start, start + shards):
+        samples = make_samples(per_shard, size=size, seed=seed + s,
+                               mode="RGB" if colour else "L")
+        path = root / f"{s:05d}.tar"
+        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for i, smp in enumerate(samples):
+                key = f"{s:05d}{i:04d}"
+                buf = io.BytesIO()
+                smp.image.save(buf, format="JPEG", quality=90)
+                jpg = buf.getvalue()
+                if i < (broken or {}).get(s, 0):
+                    jpg = jpg[: len(jpg) // 3]  # a download cut short
+                members = {"jpg": jpg, "txt": f"caption {key}".encode(),
+                           "json": json.dumps({"key": key, "label": smp.label,
+                                               "name": "abcd"[smp.label]}).encode()}
+                if s in cls:
+                    members["cls"] = str(smp.label).encode()
+                for ext, data in members.items():
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size, info.mtime = len(data), 0
+                    tar.addfile(info, io.BytesIO(data))
+        paths.append(path)
+    return paths

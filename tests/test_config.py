@@ -85,6 +85,15 @@ def test_imagenet_preset__matches_moco_v2():
     ({"linear": {"val_fraction": 1.0}}, "linear.val_fraction"),
     ({"data": {"size": 3}}, "data.size"),                  # DVC run-cache-ignored name
     ({"pretrain": {"lr": float("nan")}}, "pretrain.lr"),
+    # own images
+    ({"data": {"source": "none"}}, "data.pretrain_labelled"),  # nothing to pretrain on
+    ({"data": {"pretrain_labelled": False}}, "data.pretrain_labelled"),
+    ({"data": {"source": "webdataset"}}, "data.root"),  # the shards must be named
+    ({"data": {"unlabelled_root": "https://host/photos"}}, "data.unlabelled_root"),
+    ({"data": {"max_broken_fraction": 1.0}}, "data.max_broken_fraction"),
+    ({"data": {"label_field": " "}}, "data.label_field"),
+    ({"data": {"max_side": 64, "image_size": 32}}, "data.max_side"),  # fixed-size source
+    ({"moco": {"K": 60000}}, "moco.K"),  # Fashion-MNIST: 60,000 pretraining images
 ])
 def test_from_dict__error_names_the_key(tree, key):
     with pytest.raises(ParamsError) as e:
@@ -193,3 +202,51 @@ def test_load_params__error_names_the_file_once(tmp_path):
     with pytest.raises(ParamsError) as e:
         load_params(f)
     assert str(e.value) == f"{f}: 'knn.k' = -3 is invalid; allowed: > 0"  # no 'params:' twice
+
+
+@pytest.mark.parametrize(("data", "K", "bound"), [
+    ({}, 60000, "60000, the number of pretraining images (data.source fashion_mnist)"),
+    ({"source": "stl10"}, 105000, "105000, the number of pretraining images (data.source stl10)"),
+    ({"max_pretrain_images": 2048}, 2048,
+     "2048, the number of pretraining images (at most, data.max_pretrain_images)"),
+    ({"source": "imagefolder", "root": "x", "max_pretrain_images": 500,
+      "unlabelled_root": "y"}, 600,
+     "500, the number of pretraining images (at most, data.max_pretrain_images)"),
+])
+def test_validate__queue_as_long_as_the_known_data_refused(data, K, bound):
+    with pytest.raises(ParamsError) as e:
+        from_dict({"data": data, "moco": {"K": K}})
+    msg = str(e.value)
+    assert msg.startswith(f"params: 'moco.K' = {K} is invalid; allowed: < {bound}: ")
+    assert "moco#146" in msg and len(msg.splitlines()) == 1
+    from_dict({"data": data, "moco": {"K": int(bound.split(",")[0]) - 1}})  # one less is fine
+
+
+@pytest.mark.parametrize("data", [
+    {"source": "imagefolder", "root": "x"},  # unknown until the folder is read
+    {"unlabelled_root": "photos"},  # the tree adds an unknown number
+    {"pretrain_shards": "https://host/{000..009}.tar", "max_pretrain_images": 100},  # read whole
+])
+def test_validate__unknown_count__queue_left_to_the_pretrain_stage(data):
+    assert from_dict({"data": data, "moco": {"K": 10**6}}).moco.K == 10**6
+
+
+def test_validate__own_images_params_accepted():
+    p = from_dict({"data": {"source": "none", "unlabelled_root": "photos", "max_side": 64,
+                            "image_size": 32}})
+    assert (p.data.source, p.data.max_side) == ("none", 64)
+    p = from_dict({"data": {"source": "webdataset", "root": "s3://b/{0..9}.tar",
+                            "label_field": "label", "pretrain_labelled": False,
+                            "pretrain_shards": "s3://b/unl-{0..99}.tar"}})
+    assert p.data.label_field == "label"
+
+
+def test_unlabelled_preset__the_default_recipe_on_the_unlabelled_tree():
+    # same model / moco / pretrain / evaluation params as params.yaml; only what the data is
+    base = to_dict(load_params(ROOT / "params.yaml"))
+    p = to_dict(load_params(ROOT / "configs/fashion-mnist-unlabelled.yaml"))
+    assert {k: v for k, v in p.items() if k != "data"} == {
+        k: v for k, v in base.items() if k != "data"}
+    changed = {k: v for k, v in p["data"].items() if base["data"][k] != v}
+    assert changed == {"unlabelled_root": "data/raw/fmnist-unlabelled",
+                       "pretrain_labelled": False, "max_train_images": 6000}

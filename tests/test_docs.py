@@ -74,6 +74,9 @@ COMMANDS = {
     "cp configs/cifar10-r18.yaml params.yaml": Ran(
         E2E, 'shutil.copy(ROOT / "configs/ci.yaml", dst / "params.yaml")', "the ci preset"),
     "dvc repro": Ran(E2E, 'out = sh(["dvc", "repro"], dst, env)'),
+    "dvc repro pretrain": Ran("tests/e2e/test_own_folders.py",
+                              'sh(["dvc", "repro", "pretrain"], dst, env)',
+                              "data.source none with an unlabelled tree"),
     "dvc exp run -S pretrain.lr=0.06": Ran(
         E2E, '["dvc", "exp", "run", "-S", "pretrain.lr=0.05"]', "lr 0.05"),
     "dvc exp run -S linear.lr=10": Parsed(),  # + its `# reruns` comment against dvc.yaml
@@ -104,6 +107,12 @@ COMMANDS = {
     # docs/data.md
     "cp params.yaml params-remote.yaml": Here(),
     "python -m pipeline check-params --params params-remote.yaml": Here(),
+    "python benchmarks/fmnist_unlabelled_tree.py --out data/raw/fmnist-unlabelled": Ran(
+        "tests/e2e/test_fmnist_tree.py", '"benchmarks/fmnist_unlabelled_tree.py"),',
+        "--limit 600 into a tmp folder"),
+    "cp configs/fashion-mnist-unlabelled.yaml params.yaml": Ran(
+        "tests/e2e/test_fmnist_tree.py", '(ROOT / "configs/fashion-mnist-unlabelled.yaml")',
+        "loaded, shrunk to a tiny model and 300/200 labels, written as params.yaml"),
     "python stages/pretrain.py --params params-remote.yaml": Ran(
         "tests/train/test_url_multinode.py", '[sys.executable, str(ROOT / "stages/pretrain.py"), '
         '"--params",', "a params file whose data.shards_dir is an http URL"),
@@ -292,15 +301,18 @@ def rerun_set(keys: list[str]) -> set[str]:
 
     ``check_params`` depends on the whole params.yaml, so it always reruns, but its stamp has
     the same bytes for every valid file (tests/test_config.py): nothing reruns because of it.
+    An ``always_changed`` stage (``index_shards``) runs every time; its outputs change only
+    with the data it indexes (tests/e2e/test_remote_shards.py), never with a params change.
     """
     stages = _dvc_stages()
+    stable = {"check_params"} | {n for n, st in stages.items() if st.get("always_changed")}
     hit = {name for name, st in stages.items()
-           if "params.yaml" in st.get("deps", [])
+           if "params.yaml" in st.get("deps", []) or st.get("always_changed")
            or any(k == p or k.startswith(p + ".") for k in keys for p in _names(st.get("params")))}
     while True:
         more = {name for name, st in stages.items() if name not in hit
                 and any(_under(d, o) for d in st.get("deps", [])
-                        for up in hit - {"check_params"} for o in _outs(stages[up]))}
+                        for up in hit - stable for o in _outs(stages[up]))}
         if not more:
             return hit
         hit |= more
@@ -324,9 +336,9 @@ def test_docs__reruns_comment_matches_dvc_yaml(doc, line, cmd, comment):
 
 def test_rerun_set__matches_the_e2e_tests():
     # the sets tests/e2e/test_pipeline.py measured with `dvc exp run`
-    assert rerun_set(["knn.k"]) == {"check_params", "knn", "report"}
-    assert rerun_set(["pretrain.lr"]) == {"check_params", "pretrain", "embed", "knn", "linear",
-                                          "report"}
+    assert rerun_set(["knn.k"]) == {"check_params", "index_shards", "knn", "report"}
+    assert rerun_set(["pretrain.lr"]) == {"check_params", "index_shards", "pretrain", "embed",
+                                          "knn", "linear", "report"}
 
 
 # --- README tables ---------------------------------------------------------------------------

@@ -42,7 +42,14 @@ from pipeline.data.shards import (
     ShardError,
     sha256_file,
 )
-from pipeline.data.sources import SPLITS, Sample, open_source
+from pipeline.data.sources import (
+    SPLITS,
+    PretrainMix,
+    Sample,
+    Source,
+    UnlabelledTree,
+    open_source,
+)
 
 if TYPE_CHECKING:
     from pipeline.config import DataParams
@@ -326,20 +333,75 @@ def _chain(first: Sample, rest: Iterator[Sample]) -> Iterator[Sample]:
     yield from rest
 
 
+def empty_split(out_dir: Path, *, split: str, source: str, class_names: Sequence[str],
+                mode: str, build: dict[str, Any]) -> dict[str, Any]:
+    """Write the manifest of a split without images (``data.source: none``: no train/test).
+
+    Returns:
+        The manifest dict (``num_samples`` 0, no shards).
+    """
+    manifest = {"format": MANIFEST_FORMAT, "source": source, "split": split, "num_samples": 0,
+                "samples_per_shard": 0, "class_names": list(class_names), "mode": mode,
+                "image_shape": None, "mean": [], "std": [], "pixel_mean": [], "pixel_std": [],
+                "label_counts": {}, "build": build, "shards": []}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest
+
+
+def open_data(params: DataParams, seed: int) -> tuple[Source, dict[str, Any]]:
+    """The source ``build_all`` writes: the labelled source, with the unlabelled tree mixed in.
+
+    Returns:
+        ``(source, record)``: the source (its ``pretrain`` split already the union, see
+        :class:`pipeline.data.sources.unlabelled.PretrainMix`) and what the pretrain manifest
+        records about the unlabelled tree (``{}`` without one).
+
+    Raises:
+        SourceError: raw data missing or invalid.
+        ShardError: webdataset shards unreadable or too many broken.
+    """
+    index = None
+    if params.source == "webdataset":
+        from pipeline.data.index import read_previous
+
+        index = read_previous("labelled")
+    src = open_source(params.source, params.root, download=params.download,
+                      test_fraction=params.test_fraction, seed=seed,
+                      label_field=params.label_field,
+                      max_broken_fraction=params.max_broken_fraction, index=index)
+    if not params.unlabelled_root and params.pretrain_labelled:
+        return src, {}
+    tree = UnlabelledTree(params.unlabelled_root) if params.unlabelled_root else None
+    mix = PretrainMix(src, tree, include_labelled=params.pretrain_labelled,
+                      resized=bool(params.image_size or params.max_side))
+    record = {"pretrain_labelled": params.pretrain_labelled}
+    if tree is not None:
+        record["unlabelled"] = tree.build_record()
+        log.info("unlabelled tree %s: %d images, skipped %s", tree.root, len(tree),
+                 tree.describe_skipped())
+    return mix, record
+
+
 def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[str, dict[str, Any]]:
     """Build the ``pretrain``, ``train`` and ``test`` shards under ``params.shards_dir``.
 
     Each split is written in a seeded random order (so a shard, and any prefix a loader takes
     with ``max_images``, mixes all classes). All three splits are built into a temporary
-    directory that then replaces ``shards_dir`` as a whole.
+    directory that then replaces ``shards_dir`` as a whole. The pretrain split is the labelled
+    source's own (``data.pretrain_labelled``) and the ``data.unlabelled_root`` images (label
+    -1), capped together by ``data.max_pretrain_images``; a split without images (no labelled
+    source, or pretraining only from ``data.pretrain_shards``) gets a manifest with no shards.
 
-    Normalisation: the source's published mean/std; for ImageFolder (none published) the pixel
-    mean/std of the pretrain split as built, recorded in all three manifests.
+    Normalisation: the source's published mean/std; otherwise (ImageFolder, webdataset, or
+    a mode changed by the unlabelled images) the pixel mean/std of the pretrain split as built,
+    or of the train split when the pretrain split is empty, recorded in all three manifests.
 
     Args:
         params: a :class:`pipeline.config.DataParams` (``source``, ``root``, ``download``,
             ``image_size``, ``max_*_images``, ``samples_per_shard``, ``test_fraction``,
-            ``shards_dir``).
+            ``shards_dir``, ``unlabelled_root``, ``pretrain_labelled``, ``label_field``,
+            ``max_broken_fraction``).
         seed: the global ``seed`` (ImageFolder split, caps, write order).
         progress: progress bar / log lines.
 
@@ -348,15 +410,15 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
 
     Raises:
         SourceError: raw data missing or invalid.
-        ShardError: a split without samples.
+        ShardError: a URL ``shards_dir``; unreadable webdataset shards.
     """
     if isinstance(shards_location(params.shards_dir), ShardURL):
         raise ShardError(f"data.shards_dir = {params.shards_dir}: build_shards writes a local "
-                         "directory; a URL is for reading shards published elsewhere (build "
-                         "into a local shards_dir, then copy or `dvc push` them there)")
+                         "directory; images on a URL come in through data.pretrain_shards "
+                         "(pretraining, read in place) and data.source webdataset (the labelled "
+                         "data), indexed by the index_shards stage (docs/data.md)")
     max_side = getattr(params, "max_side", 0)
-    src = open_source(params.source, params.root, download=params.download,
-                      test_fraction=params.test_fraction, seed=seed)
+    src, record = open_data(params, seed)
     caps = {"pretrain": params.max_pretrain_images, "train": params.max_train_images,
             "test": params.max_test_images}
     out = Path(params.shards_dir)
@@ -367,24 +429,28 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
     manifests = {}
     try:
         for split in SPLITS:
+            n = src.count(split)
+            build = {"seed": seed, "max_images": caps[split], "image_size": params.image_size,
+                     **({"max_side": max_side} if max_side else {}),
+                     "test_fraction": params.test_fraction, **src.build_settings,
+                     **(record if split == "pretrain" else {})}
+            if n == 0:
+                manifests[split] = empty_split(tmp / split, split=split, source=src.name,
+                                               class_names=src.class_names, mode=src.mode,
+                                               build=build)
+                continue
             samples: Iterable[Sample] = src.iter(split, max_images=caps[split], seed=seed,
                                                  shuffle=True)
             if max_side:
                 samples = limit_short_side(samples, max_side)
             elif params.image_size:
                 samples = resize_samples(samples, params.image_size)
-            n = src.count(split)
             m = write_shards(samples, tmp / split, split=split, source=src.name,
                              class_names=src.class_names, mode=src.mode,
                              samples_per_shard=params.samples_per_shard, mean=mean, std=std,
                              expected_count=min(caps[split], n) if caps[split] else n,
-                             build={"seed": seed, "max_images": caps[split],
-                                    "image_size": params.image_size,
-                                    **({"max_side": max_side} if max_side else {}),
-                                    "test_fraction": params.test_fraction,
-                                    **src.build_settings},
-                             progress=progress)
-            if mean is None:  # no published stats: use the pretrain split's pixel stats
+                             build=build, progress=progress)
+            if mean is None:  # no published stats: the first split built gives them
                 mean, std = m["pixel_mean"], m["pixel_std"]
             manifests[split] = m
         _replace_dir(tmp, out)

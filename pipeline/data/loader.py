@@ -12,7 +12,11 @@ time), partial last batch kept, for any ``num_workers``: global batch ``i`` is b
 decoding) the shards that overlap its batches and skips the others.
 
 Only ``.png``/``.jpg``/``.cls`` members are decoded (with PIL / as ASCII); pickle-like members
-are refused with an error naming the shard and key.
+are refused with an error naming the shard and key. The pretraining set may also list shards
+read in place from elsewhere (``url`` entries with ``layout: "webdataset"``, see
+:mod:`pipeline.data.index`): of those only the image member is decoded (to the set's mode, by
+:func:`pipeline.data.sources.modes.to_mode`), every other member is ignored, and the samples the
+index found broken are skipped before any position is counted, so the epoch stays exact.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import math
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -30,15 +34,20 @@ import webdataset as wds
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.data.remote import ShardURL, shards_location
+from pipeline.data.external import image_member, open_image
+from pipeline.data.remote import ShardURL, is_url, shards_location
 from pipeline.data.shards import (
+    LAYOUT_OWN,
     ShardError,
     check_members,
     decode_record,
     iter_shard,
     read_manifest,
+    require_images,
     sha256_file,
+    shard_location,
 )
+from pipeline.data.sources.modes import to_mode
 from pipeline.data.workers import worker_death
 from pipeline.seeds import derive_seed
 
@@ -71,11 +80,23 @@ def _file_sha256(path: Path, size: int, mtime_ns: int) -> str:
     return _DIGESTS[key]
 
 
-Shard = tuple[str, int, tuple[int, str] | None]  # (path or URL, samples, (bytes, sha256) to check)
+class Shard(NamedTuple):
+    """One shard as the readers see it."""
+
+    url: str  # path or URL
+    count: int  # samples to yield (broken ones excluded)
+    expect: tuple[int, str] | None  # (bytes, sha256) to check while streaming a URL
+    layout: str = LAYOUT_OWN  # pipeline (png + cls, strict) | webdataset (image read, rest ignored)
+    skip: frozenset[str] = frozenset()  # keys of broken samples (webdataset layout)
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """The raw samples to use, broken ones left out (a URL is read to its end)."""
+        raw = iter_shard(self.url, expect=self.expect)
+        return (r for r in raw if r.get("__key__") not in self.skip) if self.skip else raw
 
 
 def _shard_list(directory: Path | ShardURL, manifest: dict[str, Any]) -> list[Shard]:
-    """The shards in manifest order as ``(path or URL, samples, expect)``.
+    """The shards in manifest order (:class:`Shard`: location, samples, expect, layout).
 
     Local files are checked here, before any reading: each present with the manifest's byte
     size and sha256 (``expect = None``). A shard cut at a member boundary still reads as a
@@ -91,12 +112,15 @@ def _shard_list(directory: Path | ShardURL, manifest: dict[str, Any]) -> list[Sh
         ShardError: a local shard is missing, or its size or sha256 differs from the manifest
             (names the file).
     """
-    if isinstance(directory, ShardURL):
-        return [(str(directory / s["name"]), s["num_samples"], (s["bytes"], s["sha256"]))
-                for s in manifest["shards"]]
     out: list[Shard] = []
     for s in manifest["shards"]:
-        path = directory / s["name"]
+        where = shard_location(directory, s)
+        layout = s.get("layout", LAYOUT_OWN)
+        skip = frozenset(b["key"] for b in s.get("broken", ()))
+        if is_url(where):
+            out.append(Shard(where, s["num_samples"], (s["bytes"], s["sha256"]), layout, skip))
+            continue
+        path = Path(where)
         if not path.is_file():
             raise ShardError(f"{path}: shard listed in the manifest is missing")
         st = path.stat()
@@ -107,7 +131,7 @@ def _shard_list(directory: Path | ShardURL, manifest: dict[str, Any]) -> list[Sh
         if digest != s["sha256"]:
             raise ShardError(f"{path}: sha256 {digest[:16]}... != manifest {s['sha256'][:16]}... "
                              "(altered; rebuild with `dvc repro -f build_shards`)")
-        out.append((str(path), s["num_samples"], None))
+        out.append(Shard(str(path), s["num_samples"], None, layout, skip))
     return out
 
 
@@ -202,25 +226,25 @@ class _TrainStream(IterableDataset):
         return start, per_worker[logical]
 
     def _raw(self, logical: int) -> Iterator[dict[str, Any]]:
-        counts = [c for _, c, _ in self.shards]
+        counts = [s.count for s in self.shards]
         perm, offset = epoch_order(counts, seed=self.seed, epoch=self.epoch)
         start, length = self._slice(logical)
         position = start  # in the rotated epoch sequence: seeds per-image crops
         for shard, first, end in reader_runs(counts, perm, offset, start, length):
-            url, count, expect = self.shards[shard]
+            sh = self.shards[shard]
             got = 0
-            if expect is None:  # local, checked already: stop reading at the run's end
-                records = itertools.islice(iter_shard(url), first, end)
+            if sh.expect is None:  # local, checked already: stop reading at the run's end
+                records = itertools.islice(sh.records(), first, end)
             else:  # a URL: read to the end of the shard so its sha256 is checked
-                records = (r for i, r in enumerate(iter_shard(url, expect=expect))
-                           if first <= i < end)
+                records = (r for i, r in enumerate(sh.records()) if first <= i < end)
             for record in records:
                 got += 1
                 record["__pos__"] = position
+                record["__layout__"] = sh.layout
                 position += 1
-                yield check_members(record)
+                yield check_members(record) if sh.layout == LAYOUT_OWN else record
             if got != end - first:
-                raise ShardError(f"{url}: fewer samples than the manifest's {count}")
+                raise ShardError(f"{sh.url}: fewer samples than the manifest's {sh.count}")
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
         logical, dropped, batches = self._plan()
@@ -238,7 +262,7 @@ class _TrainStream(IterableDataset):
 
         def decode(src: Iterator[dict[str, Any]]) -> Iterator[tuple[np.ndarray, str]]:
             for record in src:
-                key, image, _ = decode_record(record, self.mode)
+                key, image = _decode_any(record, self.mode)
                 if self.crop is None:
                     yield _to_uint8(image), key
                 else:  # (V, C, S, S): the views' crops, a pure function of (seed, epoch, pos)
@@ -254,6 +278,25 @@ class _TrainStream(IterableDataset):
             wds.batched(b, collation_fn=_stack_uint8, partial=False),
         )
         return iter(pipeline)
+
+
+def _decode_any(record: dict[str, Any], mode: str) -> tuple[str, Image.Image]:
+    """``(key, image in mode)`` of a raw sample of either layout.
+
+    Raises:
+        ShardError: the image does not decode (names the shard and key).
+    """
+    if record.get("__layout__", LAYOUT_OWN) == LAYOUT_OWN:
+        key, image, _ = decode_record(record, mode)
+        return key, image
+    key = str(record["__key__"])
+    try:
+        with open_image(image_member(record) or b"") as im:
+            return key, to_mode(im, mode)
+    except Exception as e:  # noqa: BLE001 (the index decoded it: the shard changed since)
+        raise ShardError(f"{record.get('__url__')}: sample '{key}' undecodable "
+                         f"({type(e).__name__}); the index found it decodable: rerun "
+                         "`dvc repro`") from None
 
 
 def _to_uint8(image: Image.Image) -> np.ndarray:
@@ -289,7 +332,7 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
                  seed: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
                  skip_batches: int = 0, shuffle_buffer: int = 0,
                  pin_memory: bool = False, crop: Crop | None = None,
-                 views: int = 2) -> DataLoader:
+                 views: int = 2, manifest: dict[str, Any] | None = None) -> DataLoader:
     """One rank's batches of one epoch, as uint8 images (augmentation happens on the device).
 
     Every image of the split is yielded at most once per epoch across all ranks and workers:
@@ -334,6 +377,10 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
             position of the sample in the epoch sequence, view)``: the crops do not depend on
             the number of ranks or workers, and a resumed epoch repeats them.
         views: crops per image when ``crop`` is given (2: MoCo's query and key).
+        manifest: the split's manifest when it is not (only) ``manifest_dir``'s, e.g. the
+            pretraining set joined with indexed shards
+            (:func:`pipeline.data.index.pretrain_manifest`); ``manifest_dir`` then only names
+            it in messages.
 
     Returns:
         A DataLoader (``len() == steps - skip_batches``) yielding ``(images, keys)``: images
@@ -355,7 +402,7 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
     if skip_batches > steps:
         raise ValueError(f"skip_batches must be <= steps ({steps}), got {skip_batches}")
     directory = shards_location(manifest_dir)
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory) if manifest is None else manifest
     n = int(manifest["num_samples"])
     if steps * batch_size * world_size > n:
         raise ValueError(f"{directory}: an epoch of {steps} steps x {batch_size} images x "
@@ -444,7 +491,7 @@ class _EvalStream(IterableDataset):
         b = self.batch_size
         start = 0
         pending: list[tuple[torch.Tensor, int, str]] = []
-        for url, count, expect in self.shards:
+        for url, count, expect, *_ in self.shards:
             end = min(start + count, self.total)
             if start >= end:
                 break
@@ -510,6 +557,7 @@ def eval_loader(manifest_dir: str | Path | ShardURL, *, transform: EvalTransform
                 max_images=(max_images, 0))
     directory = shards_location(manifest_dir)
     manifest = read_manifest(directory)
+    require_images(manifest, directory)
     total = min(max_images, manifest["num_samples"]) if max_images else manifest["num_samples"]
     stream = _EvalStream(_shard_list(directory, manifest), manifest["mode"], transform,
                          batch_size=batch_size, total=total)

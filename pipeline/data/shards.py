@@ -7,6 +7,11 @@ and no metadata) and ``<key>.cls`` (the integer label as ASCII text, ``-1`` = un
 
 The manifest lists the shards in order with their sample count, byte size and sha256, plus the
 class names, image mode and shape, and the normalisation ``mean``/``std`` the loaders should use.
+A split may be empty (``num_samples`` 0, no shards: ``data.source: none`` has no train/test
+images). A shard entry names a file of the split directory (``name``) or, in the index of
+existing WebDataset shards (:mod:`pipeline.data.index`), gives its own location (``url``: a
+path or URL) and ``layout: "webdataset"``: img2dataset-style samples whose image is read and
+every other member ignored, minus the ``broken`` keys the index found undecodable.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import webdataset as wds
 from PIL import Image
 
 from pipeline.data.remote import RemoteError, ShardURL, open_stream, read_url, shards_location
@@ -32,6 +36,7 @@ _SHARD_NAME_RE = re.compile(r"^shard-\d{6}\.tar$")
 KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,90}$")
 IMAGE_EXTS = ("png", "jpg", "jpeg")
 LABEL_EXT = "cls"
+LAYOUT_OWN, LAYOUT_WEBDATASET = "pipeline", "webdataset"  # shard entry ``layout``
 # members that would need unpickling (or are otherwise unknown) are refused by the readers
 _PICKLE_EXTS = ("pyd", "pickle", "pkl", "pth", "pt", "npy", "npz")
 CHANNELS = {"L": 1, "RGB": 3}
@@ -95,17 +100,26 @@ def read_manifest(directory: str | Path | ShardURL) -> dict[str, Any]:
                        ("class_names", list), ("mean", list), ("std", list), ("shards", list)):
         need(isinstance(m.get(field), typ), f"'{field}' missing or not a {typ.__name__}")
     need(m["mode"] in CHANNELS, f"'mode' must be one of {list(CHANNELS)}")
-    need(len(m["mean"]) == len(m["std"]) == CHANNELS[m["mode"]], "'mean'/'std' length != channels")
-    need(len(m["shards"]) > 0, "no shards")
+    empty = not m["shards"]
+    need(len(m["mean"]) == len(m["std"]) == CHANNELS[m["mode"]]
+         or (empty and not m["mean"] and not m["std"]), "'mean'/'std' length != channels")
+    need(not empty or m["num_samples"] == 0, "no shards")
     names = []
     for i, s in enumerate(m["shards"]):
-        need(isinstance(s, dict) and isinstance(s.get("name"), str)
-             and bool(_SHARD_NAME_RE.match(s["name"])), f"shards[{i}].name invalid")
-        need(isinstance(s.get("num_samples"), int) and s["num_samples"] > 0,
-             f"shards[{i}].num_samples must be a positive int")
+        external = isinstance(s, dict) and "url" in s
+        if external:
+            need(isinstance(s["url"], str) and bool(s["url"])
+                 and s.get("layout", LAYOUT_OWN) in (LAYOUT_OWN, LAYOUT_WEBDATASET),
+                 f"shards[{i}] needs a 'url' string and a known 'layout'")
+        else:
+            need(isinstance(s, dict) and isinstance(s.get("name"), str)
+                 and bool(_SHARD_NAME_RE.match(s["name"])), f"shards[{i}].name invalid")
+            names.append(s["name"])
+        need(isinstance(s.get("num_samples"), int) and (s["num_samples"] > 0 or (
+            external and s["num_samples"] == 0)), f"shards[{i}].num_samples must be a "
+             "positive int")
         need(isinstance(s.get("bytes"), int) and isinstance(s.get("sha256"), str),
              f"shards[{i}] needs 'bytes' and 'sha256'")
-        names.append(s["name"])
     need(names == sorted(set(names)), "shard names must be unique and sorted")
     need(sum(s["num_samples"] for s in m["shards"]) == m["num_samples"],
          "'num_samples' != sum of the shards' num_samples")
@@ -133,6 +147,18 @@ class ImageSpec:
     variable: bool = False
 
 
+def require_images(manifest: dict[str, Any], where: Path | ShardURL | str) -> None:
+    """Refuse a split without images (``data.source: none`` builds no train or test images).
+
+    Raises:
+        ShardError: the split is empty; the message says what the evaluation stages need.
+    """
+    if not manifest["num_samples"]:
+        raise ShardError(f"{where}: no images in this split (data.source "
+                         f"{manifest['source']}): the evaluation stages need a labelled source "
+                         "with train and test images (docs/data.md, no labels at all)")
+
+
 def image_spec(manifest: dict[str, Any], where: Path | ShardURL | str) -> ImageSpec:
     """The :class:`ImageSpec` of a split, from its manifest (:func:`read_manifest`).
 
@@ -140,13 +166,14 @@ def image_spec(manifest: dict[str, Any], where: Path | ShardURL | str) -> ImageS
     ``data.max_side`` keep whole images of varying size; they use the build's ``image_size``.
 
     Raises:
-        ShardError: the images are neither all one square size nor built with ``max_side``
-            (names the manifest).
+        ShardError: no images (:func:`require_images`), or images neither all one square size
+            nor built with ``max_side`` (names the manifest).
     """
+    require_images(manifest, where)
     shape = manifest.get("image_shape")
     build = manifest.get("build") or {}
     mean, std = tuple(manifest["mean"]), tuple(manifest["std"])
-    if not shape and build.get("max_side") and build.get("image_size"):
+    if not shape and (build.get("max_side") or build.get("variable")) and build.get("image_size"):
         return ImageSpec(len(mean), int(build["image_size"]), mean, std, variable=True)
     if not shape or shape[1] != shape[2]:
         raise ShardError(f"{where}/{MANIFEST_NAME}: images are not all the same square size "
@@ -154,8 +181,13 @@ def image_spec(manifest: dict[str, Any], where: Path | ShardURL | str) -> ImageS
     return ImageSpec(int(shape[0]), int(shape[1]), mean, std)
 
 
-def iter_shard(path: str | Path | ShardURL, *, expect: tuple[int, str] | None = None
-               ) -> Iterator[dict[str, Any]]:
+def shard_location(directory: Path | ShardURL, entry: dict[str, Any]) -> str:
+    """Where a manifest's shard entry lives: its ``url``, else ``directory / name``."""
+    return entry["url"] if "url" in entry else str(directory / entry["name"])
+
+
+def iter_shard(path: str | Path | ShardURL, *, expect: tuple[int, str] | None = None,
+               digest: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
     """Yield the raw samples (``{"__key__", "__url__", ext: bytes}``) of one shard.
 
     A URL is streamed (:func:`pipeline.data.remote.open_stream`: retries with backoff) and
@@ -167,6 +199,8 @@ def iter_shard(path: str | Path | ShardURL, *, expect: tuple[int, str] | None = 
     Args:
         path: a local shard file or a shard URL.
         expect: ``(bytes, sha256)`` from the manifest, checked at the end of a URL.
+        digest: for a URL, filled with ``bytes`` and ``sha256`` of the whole stream once it is
+            exhausted (the index records them without reading the shard twice).
 
     Raises:
         ShardError: the tar cannot be read, the URL failed, or ``expect`` differs (names the
@@ -174,15 +208,19 @@ def iter_shard(path: str | Path | ShardURL, *, expect: tuple[int, str] | None = 
     """
     if isinstance(path, ShardURL) or (isinstance(path, str) and isinstance(
             shards_location(path), ShardURL)):
-        yield from _iter_url_shard(str(path), expect)
+        yield from _iter_url_shard(str(path), expect, digest)
         return
     try:
+        import webdataset as wds  # here: importing it imports torch (seconds), needless for
+        # the manifests alone (the index stage with nothing to index, verify-shards' listing)
+
         yield from wds.tarfile_samples([{"url": str(path)}])
     except Exception as e:  # tarfile / gopen errors
         raise ShardError(f"{path}: unreadable shard ({type(e).__name__}: {e})") from None
 
 
-def _iter_url_shard(url: str, expect: tuple[int, str] | None) -> Iterator[dict[str, Any]]:
+def _iter_url_shard(url: str, expect: tuple[int, str] | None,
+                    digest: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
     from webdataset.tariterators import group_by_keys, tar_file_expander
 
     try:
@@ -207,6 +245,8 @@ def _iter_url_shard(url: str, expect: tuple[int, str] | None) -> Iterator[dict[s
             why = str(e.args[0]).split(" @ ")[0] if e.args else ""
             raise ShardError(f"{url}: unreadable shard at byte {raw.pos} "
                              f"({type(e).__name__}: {why}); truncated or corrupt") from None
+    if digest is not None:
+        digest.update(bytes=raw.pos, sha256=raw.sha256.hexdigest())
     if expect is not None:
         nbytes, sha = expect
         if raw.pos != nbytes:
@@ -316,6 +356,8 @@ def verify_shards(directory: str | Path | ShardURL) -> dict[str, Any]:
     """
     directory = shards_location(directory)
     m = read_manifest(directory)
+    if any("url" in s for s in m["shards"]):
+        return _verify_entries(directory, m)
     listed = [s["name"] for s in m["shards"]]
     if isinstance(directory, ShardURL):
         return _verify_url(directory, m)
@@ -358,6 +400,47 @@ def _verify_samples(records: Iterator[dict[str, Any]], where: Path | ShardURL, e
         count += 1
     if count != expected:
         raise ShardError(f"{where}: {count} samples, manifest says {expected}")
+
+
+def _verify_entries(directory: Path | ShardURL, m: dict[str, Any]) -> dict[str, Any]:
+    """An index manifest: every listed shard (paths or URLs) against its size and sha256."""
+    from pipeline.data.external import image_member, open_image
+
+    for s in m["shards"]:
+        where = shard_location(directory, s)
+        if s.get("layout", LAYOUT_OWN) == LAYOUT_OWN:
+            _verify_samples(_checked_records(where, s), where, s["num_samples"], m, set())
+            continue
+        broken = {b["key"] for b in s.get("broken", ())}
+        count = 0
+        for record in _checked_records(where, s):
+            if record["__key__"] in broken:
+                continue
+            data = image_member(record)
+            try:
+                open_image(data if data is not None else b"")
+            except Exception as e:  # noqa: BLE001 (PIL raises several types)
+                raise ShardError(f"{where}: sample '{record['__key__']}' undecodable "
+                                 f"({type(e).__name__}) but not listed as broken") from None
+            count += 1
+        if count != s["num_samples"]:
+            raise ShardError(f"{where}: {count} samples, manifest says {s['num_samples']}")
+    return {"dir": str(directory), "split": m["split"], "source": m["source"],
+            "num_shards": len(m["shards"]), "num_samples": m["num_samples"],
+            "bytes": sum(s["bytes"] for s in m["shards"])}
+
+
+def _checked_records(where: str, s: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The raw samples of a listed shard, its bytes and sha256 checked (URLs while streaming)."""
+    if isinstance(shards_location(where), ShardURL):
+        return iter_shard(where, expect=(s["bytes"], s["sha256"]))
+    path = Path(where)
+    if not path.is_file():
+        raise ShardError(f"{path}: shard listed in the manifest is missing")
+    if path.stat().st_size != s["bytes"] or sha256_file(path) != s["sha256"]:
+        raise ShardError(f"{path}: size or sha256 differs from the manifest (altered; rerun "
+                         "`dvc repro` to index it again)")
+    return iter_shard(path)
 
 
 def _verify_url(directory: ShardURL, m: dict[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -115,6 +115,8 @@ class Run:
         opt: the ``pretrain`` params (cadences, workers).
         seed: the run seed (data order, views).
         shards_dir: holds ``pretrain/``, ``train/``, ``test/``.
+        pretrain_set: the pretraining set's manifest (the built split, possibly joined with
+            indexed shards read in place: :func:`pipeline.data.index.pretrain_manifest`).
         net: the MoCo module (its state is what a checkpoint saves).
         ddp_net: what the step calls (``net``, possibly DDP-wrapped and compiled).
         precision: autocast and gradient scaling.
@@ -137,6 +139,7 @@ class Run:
     opt: PretrainParams
     seed: int
     shards_dir: Path | ShardURL
+    pretrain_set: dict[str, Any]
     net: MoCo
     ddp_net: nn.Module
     precision: Precision
@@ -192,7 +195,8 @@ def train_one_epoch(r: Run, epoch: int, stop_at: int) -> None:
     loader = train_loader(r.shards_dir / "pretrain", batch_size=plan.per_rank_batch, steps=spe,
                           epoch=epoch, seed=r.seed, rank=r.rt.rank, world_size=r.rt.world_size,
                           num_workers=r.opt.num_workers, skip_batches=state.step - epoch * spe,
-                          pin_memory=r.rt.device.type == "cuda", crop=r.crop)
+                          pin_memory=r.rt.device.type == "cuda", crop=r.crop,
+                          manifest=r.pretrain_set)
     r.net.train()
     window = LogWindow(r.opt.batch_size)
     batches = iter(loader)
@@ -252,7 +256,8 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
              seed: int, shards_dir: Path | ShardURL, encoder_path: Path,
              checkpoint_dir: Path | Callable[[str], Path], metrics_path: Path,
              plots_path: Path, knn_plots_path: Path, run: StageRun | None = None,
-             max_steps: int | None = None) -> dict[str, float]:
+             max_steps: int | None = None,
+             pretrain_set: dict[str, Any] | None = None) -> dict[str, float]:
     """Pretrain MoCo on the ``pretrain`` shards and export the query backbone.
 
     Args:
@@ -273,6 +278,9 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
         knn_plots_path: kNN-monitor TSV per epoch (``plots/knn_monitor.tsv``).
         run: MLflow handle (rank 0) or None.
         max_steps: stop after this global step (tests simulate an interruption with it).
+        pretrain_set: the pretraining set's manifest when it is more than
+            ``shards_dir/pretrain`` (:func:`pipeline.data.index.pretrain_manifest`); None =
+            that split alone.
 
     Returns:
         The final metrics (also written to ``metrics_path``).
@@ -286,7 +294,8 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
     """
     with kept_threads():
         r = _build_run(model=model, moco=moco, opt=opt, augment=augment, seed=seed,
-                       shards_dir=shards_dir, checkpoint_dir=checkpoint_dir, run=run)
+                       shards_dir=shards_dir, checkpoint_dir=checkpoint_dir, run=run,
+                       pretrain_set=pretrain_set)
         stop_at = r.plan.total_steps if max_steps is None else min(max_steps,
                                                                     r.plan.total_steps)
         if r.state.step == 0 and not r.state.knn_rows:
@@ -307,12 +316,14 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
 
 def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
                augment: AugmentParams, seed: int, shards_dir: Path | ShardURL,
-               checkpoint_dir: Path | Callable[[str], Path], run: StageRun | None) -> Run:
+               checkpoint_dir: Path | Callable[[str], Path], run: StageRun | None,
+               pretrain_set: dict[str, Any] | None) -> Run:
     """Plan, build the model and optimizer, restore a fitting checkpoint, pick threads."""
     rt = setup_device()
-    manifest = read_manifest(shards_dir / "pretrain")
-    plan = plan_run(manifest, shards_dir / "pretrain", opt=opt, moco=moco,
-                    world_size=rt.world_size, cuda=rt.device.type == "cuda")
+    manifest = pretrain_set or read_manifest(shards_dir / "pretrain")
+    parts = manifest.get("build", {}).get("parts")
+    plan = plan_run(manifest, " + ".join(parts) if parts else shards_dir / "pretrain", opt=opt,
+                    moco=moco, world_size=rt.world_size, cuda=rt.device.type == "cuda")
     spec = plan.spec
     configure_determinism(opt.deterministic, rt.device)
     torch.manual_seed(seed)
@@ -344,7 +355,8 @@ def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
                   if augment.small_crops else None)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     return Run(
-        rt=rt, plan=plan, opt=opt, seed=seed, shards_dir=shards_dir, net=net,
+        rt=rt, plan=plan, opt=opt, seed=seed, shards_dir=shards_dir, pretrain_set=manifest,
+        net=net,
         ddp_net=wrap_model(net, rt, channels_last=channels_last, compile_=compile_),
         precision=precision, optimizer=optimizer, ckpt=ckpt, state=state,
         views=BatchTwoCrop(view.to(rt.device), fmt, small_view=small_view,
@@ -354,7 +366,9 @@ def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
         monitor=KnnMonitor(shards_dir, transform=build_eval_transform(spec.size, spec.mean,
                                                                       spec.std),
                            device=rt.device, n_train=opt.knn_monitor_train_images,
-                           n_test=opt.knn_monitor_test_images, every_epochs=opt.knn_every_epochs),
+                           n_test=opt.knn_monitor_test_images,
+                           every_epochs=opt.knn_every_epochs if opt.knn_every_epochs
+                           and _labelled(shards_dir) else 0),
         policy=CheckpointPolicy(opt.checkpoint_every_epochs, opt.checkpoint_every_steps,
                                 plan.total_steps, plan.steps_per_epoch),
         stop=StopFlag(),
@@ -371,6 +385,8 @@ def _finish(r: Run, model: ModelParams, encoder_path: Path, metrics_path: Path,
                             world_size=r.rt.world_size)
     if r.rt.world_size > 1:
         metrics["queue_ranks_identical"] = int(_queues_identical(r.net))
+    metrics["pretrain_images"] = int(r.pretrain_set["num_samples"])
+    metrics["broken_images_skipped"] = int(r.pretrain_set.get("num_broken", 0))
     if r.rt.is_main:
         export_outputs(r.net, model, in_channels=r.plan.spec.channels,
                        image_size=r.plan.spec.size, state=r.state, metrics=metrics,
@@ -381,6 +397,14 @@ def _finish(r: Run, model: ModelParams, encoder_path: Path, metrics_path: Path,
     if r.rt.world_size > 1:
         dist.barrier()
     return metrics
+
+
+def _labelled(shards_dir: Path | ShardURL) -> bool:
+    """Whether the train and test splits hold images (the kNN monitor needs both)."""
+    empty = [s for s in ("train", "test") if not read_manifest(shards_dir / s)["num_samples"]]
+    if empty:
+        log.info("kNN monitor off: no labelled %s images (data.source none)", " or ".join(empty))
+    return not empty
 
 
 def _queues_identical(net: MoCo) -> bool:

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import BnMode, MocoParams, ModelParams, PretrainParams
+from pipeline.config import (
+    BnMode,
+    MocoParams,
+    ModelParams,
+    ParamsError,
+    PretrainParams,
+    check_queue_size,
+)
 from pipeline.data.remote import ShardURL
 from pipeline.data.shards import ImageSpec, image_spec
 from pipeline.moco.backbones import (
@@ -55,21 +62,22 @@ class RunPlan:
     momenta: list[float]
 
 
-def plan_run(manifest: dict[str, Any], where: Path | ShardURL, *, opt: PretrainParams,
+def plan_run(manifest: dict[str, Any], where: Path | ShardURL | str, *, opt: PretrainParams,
              moco: MocoParams, world_size: int, cuda: bool) -> RunPlan:
     """Check the run's sizes against the pretraining data and precompute the schedules.
 
     Args:
         manifest: the ``pretrain`` split's manifest.
-        where: its directory or URL (for messages).
+        where: its directory or URL, or the parts it joins (for messages).
         opt: the ``pretrain`` params.
         moco: the ``moco`` params (K, BN mode).
         world_size: number of processes.
         cuda: whether training runs on CUDA (SyncBN needs it).
 
     Raises:
-        PlanError: batch not divisible by the ranks, an epoch longer than the data, a BN mode
-            that does not fit, or SyncBN on CPU (each message names the param).
+        PlanError: batch not divisible by the ranks, an epoch longer than the data, a queue
+            at least as long as the data (``moco.K >= N``, moco#146), a BN mode that does not
+            fit, or SyncBN on CPU (each message names the param).
         ShardError: the manifest's images have no single training size.
     """
     spec = image_spec(manifest, where)
@@ -92,9 +100,14 @@ def plan_run(manifest: dict[str, Any], where: Path | ShardURL, *, opt: PretrainP
     if moco.bn == BnMode.sync and not cuda:
         raise PlanError("moco.bn = 'sync' needs CUDA (torch's SyncBatchNorm rejects CPU tensors "
                         "in training); use 'shuffle' under torchrun on CPU")
-    if moco.K > n_images // 2:
-        log.warning("moco.K = %d exceeds half the pretraining set (%d images): the queue holds "
-                    "several keys of the same image", moco.K, n_images)
+    try:
+        check_queue_size(moco.K, n_images, str(where))
+    except ParamsError as e:
+        raise PlanError(str(e)) from None
+    if 2 * moco.K >= n_images:
+        log.warning("moco.K = %d is at least half the pretraining set (%d images): every image "
+                    "has a key in the queue after half an epoch, older keys of the same images "
+                    "follow (moco#146)", moco.K, n_images)
     total = spe * opt.epochs
     lrs = lr_schedule(base_lr=opt.lr, batch_size=opt.batch_size, total_steps=total,
                       steps_per_epoch=spe, schedule=opt.lr_schedule,

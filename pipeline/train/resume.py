@@ -12,12 +12,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pipeline.config import AugmentParams, MocoParams, ModelParams, PretrainParams
-from pipeline.data.remote import ShardURL
-from pipeline.data.shards import read_manifest
 from pipeline.train.checkpoint import checkpoint_fingerprint
 
 log = logging.getLogger(__name__)
@@ -26,7 +25,7 @@ log = logging.getLogger(__name__)
 def resumable_run_id(checkpoint: Path | Callable[[str], Path], *, seed: int,
                      model: ModelParams, moco: MocoParams, augment: AugmentParams,
                      opt: PretrainParams,
-                     pretrain_split: Path | ShardURL, world_size: int) -> str | None:
+                     pretrain_set: dict[str, Any], world_size: int) -> str | None:
     """The MLflow run id stored in a checkpoint that the engine will resume, else None.
 
     The checkpoint is resumed when its fingerprint equals this run's (the same computation as
@@ -41,19 +40,15 @@ def resumable_run_id(checkpoint: Path | Callable[[str], Path], *, seed: int,
         moco: ``moco`` section.
         augment: ``augment`` section.
         opt: ``pretrain`` section.
-        pretrain_split: the pretraining shards (their manifest's sha256 enter the fingerprint).
+        pretrain_set: the pretraining set's manifest (:func:`pipeline.data.index.pretrain_manifest`;
+            its shards' sha256 enter the fingerprint).
         world_size: number of training processes (``WORLD_SIZE``, 1 without torchrun).
 
     Returns:
         The run id, or None: no checkpoint, an unreadable one, another fingerprint (it will be
         ignored and training starts fresh), or one written with MLflow disabled.
     """
-    try:
-        manifest = read_manifest(pretrain_split)
-    except Exception as e:  # noqa: BLE001 - the engine reports unreadable shards itself
-        log.debug("no resumable run: %s", e)
-        return None
-    fp, _ = checkpoint_fingerprint(seed, model, moco, augment, opt, world_size, manifest)
+    fp, _ = checkpoint_fingerprint(seed, model, moco, augment, opt, world_size, pretrain_set)
     checkpoint = Path(checkpoint(fp) if callable(checkpoint) else checkpoint)
     if not checkpoint.is_file():
         return None

@@ -7,7 +7,8 @@ file order on that one repo:
 
 1. the baseline ran every stage, check_params first; metrics are rounded; MLflow runs are
    FINISHED, in the repo's artifact store, in an experiment tagged as model development;
-2. a clone + ``dvc pull`` is up to date and ``dvc repro`` runs nothing;
+2. a clone + ``dvc pull`` is up to date and ``dvc repro`` runs nothing but the index (which has
+   nothing to index and logs no run);
 3. from NO ``mlflow.db``, three queued ``-S knn.k=...`` experiments run with ``-j 3``: all
    finish, pretrain never reruns, artifacts land in the repo (not the deleted temp workspaces);
 4. ``--temp`` likewise;
@@ -33,9 +34,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
-STAGES = ["check_params", "build_shards", "pretrain", "embed", "baselines", "knn", "linear",
-          "report"]
-TRACKED = STAGES[1:]  # check_params (a cheap validation) logs no MLflow run
+STAGES = ["check_params", "index_shards", "build_shards", "pretrain", "embed", "baselines", "knn",
+          "linear", "report"]
+INDEX = "index_shards"  # always_changed: runs at every `dvc repro`; nothing to index here
+TRACKED = STAGES[2:]  # check_params (a cheap validation) and an empty index log no MLflow run
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not FMNIST.exists(), reason="Fashion-MNIST not installed "
@@ -178,8 +180,8 @@ def test_clone__dvc_pull__up_to_date_and_repro_runs_nothing(repo, tmp_path):
     sh(["git", "clone", "-q", str(dst), str(clone)], tmp_path, env)
     sh(["dvc", "pull"], clone, env)
     status = sh(["dvc", "status"], clone, env)
-    assert "Data and pipelines are up to date." in out(status), out(status)
-    assert ran(out(sh(["dvc", "repro"], clone, env))) == []
+    assert out(status).split() == [f"{INDEX}:", "always", "changed"], out(status)
+    assert ran(out(sh(["dvc", "repro"], clone, env))) == [INDEX]
     assert not (clone / "mlflow.db").exists()  # nothing executed, nothing logged
 
 
@@ -223,7 +225,7 @@ def test_temp__knn_param__pretrain_not_rerun(repo):
     db = dst / "mlflow.db"
     before = len(runs(db, "pretrain"))
     res = sh(["dvc", "exp", "run", "--temp", "-S", "knn.k=9"], dst, env)
-    assert ran(out(res)) == ["check_params", "knn", "report"]
+    assert ran(out(res)) == ["check_params", INDEX, "knn", "report"]
     assert len(runs(db, "pretrain")) == before
     assert [r["k"] for r in runs(db, "knn")][-1] == "9", describe(runs(db))
 
@@ -268,7 +270,7 @@ def test_params_typo__repro_fails_one_line_outputs_intact(key, repo):
     finally:
         (dst / "params.yaml").write_text(good)
     # fixed (the same bytes as before): nothing to redo, every output is still up to date
-    assert ran(out(sh(["dvc", "repro"], dst, env))) == []
+    assert ran(out(sh(["dvc", "repro"], dst, env))) == [INDEX]
 
 
 def test_copied_repo__stage_artifacts_land_inside_the_copy(repo, tmp_path):

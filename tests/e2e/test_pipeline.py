@@ -3,12 +3,13 @@
 A copy of the working tree becomes a fresh git repo in tmp; `configs/ci.yaml` replaces
 params.yaml (so DVC sees every value); MLflow logs to a throwaway SQLite database. Then: every
 accuracy is far above chance, the raw-pixel and MoCo kNN numbers equal a numpy reference
-computed from the original idx files, a second `dvc repro` is a no-op, `dvc exp run -S
-knn.k=...` reruns only knn and report, `-S pretrain.lr=...` reruns pretrain and everything
-after it (not build_shards or baselines), and every executed stage left a FINISHED MLflow run.
-The encoder (#30): each pretraining registers a version of `moco-encoder`; the champion loads in
-a fresh process and gives the features of `features/test.pt` bit for bit; it moves only for a
-higher linear top-1.
+computed from the original idx files, a second `dvc repro` runs only the (always_changed)
+index_shards stage, which has nothing to index here, `dvc exp run -S knn.k=...` reruns only knn
+and report, `-S pretrain.lr=...` reruns pretrain and everything after it (not build_shards or
+baselines), and every executed stage left a FINISHED MLflow run (index_shards logs none
+without shards). The encoder (#30): each pretraining registers a version of `moco-encoder`; the
+champion loads in a fresh process and gives the features of `features/test.pt` bit for bit; it
+moves only for a higher linear top-1.
 """
 
 import gzip
@@ -28,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 STAGES = ["build_shards", "pretrain", "embed", "baselines", "knn", "linear", "report"]
+INDEX = "index_shards"  # always_changed: runs at every `dvc repro`, changes nothing here
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not FMNIST.exists(), reason="Fashion-MNIST not installed "
@@ -76,7 +78,8 @@ def repo(tmp_path_factory):
 
 def test_pipeline__all_stages_run_with_sane_metrics(repo):
     dst, _, out = repo
-    assert ran(out) == ["check_params", *STAGES]  # params validated before any output is touched
+    # params validated before any output is touched
+    assert ran(out) == ["check_params", INDEX, *STAGES]
     m = {n: json.loads((dst / f"metrics/{n}.json").read_text())
          for n in ("pretrain", "embed", "baselines", "knn", "linear")}
     for name, metrics in m.items():
@@ -215,21 +218,22 @@ def test_pipeline__knn_numbers_equal_a_numpy_reference(repo):
 def test_pipeline__second_repro_is_noop(repo):
     dst, env, _ = repo
     out = sh(["dvc", "repro"], dst, env)
-    assert ran(out) == []
-    assert "up to date" in sh(["dvc", "status"], dst, env)
+    assert ran(out) == [INDEX]
+    status = sh(["dvc", "status"], dst, env)
+    assert status.split() == [f"{INDEX}:", "always", "changed"], status
 
 
 def test_pipeline__knn_param_reruns_only_knn_and_report(repo):
     dst, env, _ = repo
     out = sh(["dvc", "exp", "run", "-S", "knn.k=20"], dst, env)
-    assert ran(out) == ["check_params", "knn", "report"]  # its stamp is content-stable
+    assert ran(out) == ["check_params", INDEX, "knn", "report"]  # both outputs content-stable
     assert json.loads((dst / "metrics/knn.json").read_text())["k"] == 20
 
 
 def test_pipeline__pretrain_param_reruns_pretrain_and_after(repo):
     dst, env, _ = repo
     out = sh(["dvc", "exp", "run", "-S", "pretrain.lr=0.05"], dst, env)
-    assert ran(out) == ["check_params", "pretrain", "embed", "knn", "linear", "report"]
+    assert ran(out) == ["check_params", INDEX, "pretrain", "embed", "knn", "linear", "report"]
 
 
 def test_pipeline__second_pretraining__new_version_champion_moves_only_if_higher(repo):

@@ -1,6 +1,6 @@
 """Dataset readers: every source yields :class:`Sample` ``(key, PIL image, label)`` per split.
 
-One interface for five sources, one entry point (``open_source(name, root)``):
+One interface for seven sources, one entry point (``open_source(name, root)``):
 
 ========================  =====================================================================
 ``fashion_mnist``         the four idx ``.gz`` files (Debian ``dataset-fashion-mnist`` or
@@ -8,9 +8,14 @@ One interface for five sources, one entry point (``open_source(name, root)``):
 ``cifar10``/``cifar100``  the official python pickle batches; md5-checked BEFORE unpickling.
 ``stl10``                 the official binary ``*_X.bin``/``*_y.bin`` files (no pickle).
 ``imagefolder``           ``root/<class>/**/*.jpg`` or ``root/{train,test}/<class>/...``.
+``webdataset``            existing WebDataset shards with labels (``.cls`` or a ``.json`` field),
+                          a directory, glob or URL; held in memory (evaluation data).
+``none``                  no labelled images at all (pretraining only).
 ========================  =====================================================================
 
-Splits: ``pretrain`` (the images MoCo learns from: the train split; STL-10 train + unlabeled),
+Splits: ``pretrain`` (the images MoCo learns from: the train split; STL-10 train + unlabeled;
+``unlabelled.PretrainMix`` adds an unlabelled image tree, label -1, or leaves the labelled part
+out),
 ``train`` (labelled train split) and ``test``. Labels are ``0..C-1``; STL-10's unlabeled images
 carry ``-1``.
 
@@ -28,6 +33,9 @@ Modules (import the public names from this package, not from the modules):
 - ``cifar``: CIFAR-10/100 pickles, verified before a restricted unpickling.
 - ``stl10``: STL-10 binaries.
 - ``imagefolder``: class-folder trees of image files.
+- ``unlabelled``: an image tree without classes (``data.unlabelled_root``), the pretrain split
+  that mixes it in, and the ``none`` source.
+- ``webdataset``: labelled WebDataset shards (``data.source: webdataset``).
 - ``modes``: every PIL image mode to 8-bit ``L`` or ``RGB`` (scaled, composited on white, or
   refused), and the grey/colour rule that sets a folder's channel count.
 - ``registry``: :func:`open_source` (the names: :class:`pipeline.config.DataSource`).
@@ -51,6 +59,8 @@ from pipeline.data.sources.idx import (
 from pipeline.data.sources.imagefolder import IMAGE_EXTENSIONS, ImageFolderSource
 from pipeline.data.sources.registry import open_source
 from pipeline.data.sources.stl10 import Stl10Source
+from pipeline.data.sources.unlabelled import NoLabelsSource, PretrainMix, UnlabelledTree
+from pipeline.data.sources.webdataset import WebDatasetSource
 
 __all__ = [
     "DEFAULT_ROOTS",
@@ -63,10 +73,14 @@ __all__ = [
     "CifarSource",
     "FashionMnistSource",
     "ImageFolderSource",
+    "NoLabelsSource",
+    "PretrainMix",
     "Sample",
     "Source",
     "SourceError",
     "Stl10Source",
+    "UnlabelledTree",
+    "WebDatasetSource",
     "open_source",
     "select_indices",
     "verify_file",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from pipeline.config import DataSource
 from pipeline.data.sources.base import Source
@@ -12,20 +13,28 @@ from pipeline.data.sources.cifar import CifarSource
 from pipeline.data.sources.idx import FashionMnistSource
 from pipeline.data.sources.imagefolder import ImageFolderSource
 from pipeline.data.sources.stl10 import Stl10Source
+from pipeline.data.sources.unlabelled import NoLabelsSource
+from pipeline.data.sources.webdataset import WebDatasetSource
 
 
 def open_source(name: str, root: str | Path = "", *, download: bool = False,
                 test_fraction: float = 0.2, seed: int = 0,
-                checksums: Mapping[str, Checksum] | None = None) -> Source:
+                checksums: Mapping[str, Checksum] | None = None, label_field: str = "cls",
+                max_broken_fraction: float = 0.001,
+                index: dict[str, Any] | None = None) -> Source:
     """Open a dataset by name (``data.source``).
 
     Args:
         name: a :class:`pipeline.config.DataSource` name.
         root: raw-data directory; "" = the source's default (``DEFAULT_ROOTS``).
         download: let torchvision download missing files (not for imagefolder).
-        test_fraction: ImageFolder held-out share when there is no train/test split on disk.
-        seed: ImageFolder held-out split seed.
+        test_fraction: held-out share (ImageFolder without a train/test split on disk,
+            webdataset).
+        seed: held-out split seed (ImageFolder, webdataset).
         checksums: override the accepted digests per file name (fashion_mnist, cifar*; tests).
+        label_field: webdataset: ``cls`` or a ``.json`` field (``data.label_field``).
+        max_broken_fraction: webdataset: undecodable samples skipped (``data.max_broken_fraction``).
+        index: webdataset: the set's index manifest, when the ``index_shards`` stage wrote one.
 
     Returns:
         The opened :class:`Source`.
@@ -33,6 +42,7 @@ def open_source(name: str, root: str | Path = "", *, download: bool = False,
     Raises:
         ValueError: unknown name (lists the known ones).
         SourceError: missing, malformed or unverified raw files.
+        ShardError: webdataset shards unreadable or with too many broken samples.
     """
     if name == "fashion_mnist":
         return FashionMnistSource(root, download=download, checksums=checksums)
@@ -43,4 +53,9 @@ def open_source(name: str, root: str | Path = "", *, download: bool = False,
         return Stl10Source(root, download=download)
     if name == "imagefolder":
         return ImageFolderSource(root, test_fraction=test_fraction, seed=seed)
+    if name == "webdataset":
+        return WebDatasetSource(str(root), label_field=label_field, test_fraction=test_fraction,
+                                seed=seed, max_broken_fraction=max_broken_fraction, index=index)
+    if name == "none":
+        return NoLabelsSource()
     raise ValueError(f"unknown data source {name!r}; known: {', '.join(DataSource.names())}")

@@ -1,0 +1,193 @@
+"""Existing WebDataset shards (img2dataset's layout): where they are and what a sample holds.
+
+A shard set is one string (``data.pretrain_shards``, or ``data.root`` of the ``webdataset``
+source), expanded by :func:`expand_shards`:
+
+* braces first, with `braceexpand <https://github.com/trendels/braceexpand>`_ (a webdataset
+  dependency): ``https://host/data-{000000..000123}.tar``, ``{a,b}``; order as written;
+* then each result: a local directory gives its ``*.tar`` files (not recursive); a local glob
+  (``*``, ``?``, ``[``; ``**`` recurses) its matches; a URL of a directory (no ``.tar`` at the
+  end) or with glob characters is listed with `fsspec <https://filesystem-spec.readthedocs.io>`_
+  (``s3://`` needs ``s3fs``, ``gs://`` ``gcsfs``; ``http(s)://`` parses the links of the
+  directory's index page, as ``python -m http.server`` serves it); anything else is one shard.
+  Listings and globs are sorted.
+
+A sample (:func:`image_member`) is the tar members sharing a key: its image is the first of
+``.jpg .jpeg .png .webp`` present (any case), its label (:func:`sample_label`, only for the
+``webdataset`` source) the ``.cls`` member or a field of the ``.json`` member. Every other
+member (``.txt`` captions, ``.json`` metadata, even a ``.pyd`` pickle) is ignored: nothing but
+the image, the ``.cls`` text and the ``.json`` text is ever decoded, and nothing is unpickled.
+
+:func:`shard_stat` gives a shard's byte size and a change detector: the ETag (or Content-MD5,
+Digest, Last-Modified, for http what DVC's own URL dependencies use) of a remote object, the
+mtime of a local file. The index (:mod:`pipeline.data.index`) re-reads a shard only when they
+change.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from PIL import Image
+
+from pipeline.data.remote import RemoteError, is_url
+
+IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
+LABEL_MEMBER = "cls"
+_GLOB_CHARS = ("*", "?", "[")
+# info() keys that change with an object's content, in order of preference (fsspec's http
+# implementation copies ETag / Content-MD5 / Digest / Last-Modified from the HEAD response)
+_VALIDATOR_KEYS = ("ETag", "etag", "Content-MD5", "md5Hash", "Digest", "Last-Modified",
+                   "LastModified", "last_modified", "updated", "mtime")
+STAT_THREADS = 16  # concurrent HEAD / stat requests
+
+
+def _brace_expand(spec: str) -> list[str]:
+    from braceexpand import braceexpand
+
+    try:
+        return list(braceexpand(spec))
+    except Exception as e:  # noqa: BLE001 (braceexpand raises plain exceptions on bad ranges)
+        raise ValueError(f"{spec!r}: bad brace expression ({e})") from None
+
+
+def _list_url(url: str) -> list[str]:
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        if any(c in path for c in _GLOB_CHARS):
+            found = fs.glob(path)
+        else:
+            found = [p for p in fs.find(path, maxdepth=1) if p.endswith(".tar")]
+    except (ImportError, ValueError, OSError) as e:  # no backend, bad URL, unreachable
+        raise RemoteError(f"{url}: cannot list ({type(e).__name__}: {e})") from None
+    return sorted(fs.unstrip_protocol(p) if not is_url(p) else p for p in found)
+
+
+def expand_shards(spec: str, *, key: str) -> list[str]:
+    """The shard paths/URLs a shard-set string names, in order, without duplicates.
+
+    Args:
+        spec: the string (see the module docstring).
+        key: the param it comes from, for messages (``data.pretrain_shards``).
+
+    Returns:
+        Local paths (as written, relative paths stay relative) and URLs.
+
+    Raises:
+        ValueError: a malformed brace expression, or nothing found (names ``key`` and ``spec``).
+        RemoteError: a URL that cannot be listed.
+    """
+    out: list[str] = []
+    for item in _brace_expand(spec.strip()):
+        if is_url(item):
+            tail = item.rsplit("/", 1)[-1]
+            listed = any(c in item.split("://", 1)[1] for c in _GLOB_CHARS) or "." not in tail
+            out += _list_url(item) if listed else [item]
+        elif any(c in item for c in _GLOB_CHARS):
+            out += sorted(glob.glob(item, recursive=True))
+        elif os.path.isdir(item):
+            out += sorted(os.path.join(item, f) for f in os.listdir(item) if f.endswith(".tar"))
+        else:
+            out.append(item)
+    unique = list(dict.fromkeys(out))
+    if not unique:
+        raise ValueError(f"{key} = {spec!r}: no shards found")
+    return unique
+
+
+def _stat_one(location: str) -> tuple[int, str]:
+    if not is_url(location):
+        try:
+            st = os.stat(location)
+        except OSError as e:
+            raise RemoteError(f"{location}: {type(e).__name__}: {e.strerror}") from None
+        return st.st_size, f"mtime_ns:{st.st_mtime_ns}"
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(location)
+        info = fs.info(path)
+    except FileNotFoundError:
+        raise RemoteError(f"{location}: not found") from None
+    except Exception as e:  # noqa: BLE001 (aiohttp / botocore raise their own types)
+        raise RemoteError(f"{location}: {type(e).__name__}: {e}") from None
+    size = info.get("size")
+    if not isinstance(size, int):
+        raise RemoteError(f"{location}: the server reports no size")
+    validator = next((f"{k}:{info[k]}" for k in _VALIDATOR_KEYS if info.get(k)), "")
+    return size, validator
+
+
+def shard_stat(locations: list[str]) -> list[tuple[int, str]]:
+    """``(bytes, change detector)`` of each shard, asked concurrently (HEAD / stat).
+
+    The detector is ``"ETag:<value>"`` (or another of the server's validators) for a URL,
+    ``"mtime_ns:<n>"`` for a local file, ``""`` when the server gives none (the shard is then
+    read again every time).
+
+    Raises:
+        RemoteError: a shard is missing or its server fails (one line naming it).
+    """
+    with ThreadPoolExecutor(max_workers=min(STAT_THREADS, max(1, len(locations)))) as pool:
+        return list(pool.map(_stat_one, locations))
+
+
+def _member(record: dict[str, Any], names: tuple[str, ...]) -> str | None:
+    lower = {k.lower(): k for k in record if not k.startswith("__")}
+    return next((lower[n] for n in names if n in lower), None)
+
+
+def image_member(record: dict[str, Any]) -> bytes | None:
+    """The encoded image of a raw sample (first of :data:`IMAGE_MEMBERS`), or None."""
+    name = _member(record, IMAGE_MEMBERS)
+    return None if name is None else record[name]
+
+
+def sample_label(record: dict[str, Any], field: str) -> int | str | None:
+    """A raw sample's label: the ``.cls`` member (``field == "cls"``) or ``.json[field]``.
+
+    Returns:
+        An int (``.cls`` text, or a JSON integer), a str (a JSON string), or None when the
+        sample has no such member or field (an unlabelled sample).
+
+    Raises:
+        ValueError: the member is there but not an integer / the JSON does not parse / the
+            field is neither an integer nor a string (names the key).
+    """
+    where = f"sample '{record.get('__key__')}'"
+    if field == LABEL_MEMBER:
+        name = _member(record, (LABEL_MEMBER,))
+        if name is None:
+            return None
+        try:
+            return int(record[name].decode("ascii").strip())
+        except (UnicodeDecodeError, ValueError):
+            raise ValueError(f"{where}: .cls is not an integer") from None
+    name = _member(record, ("json",))
+    if name is None:
+        return None
+    try:
+        meta = json.loads(record[name].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: .json does not parse ({e})") from None
+    value = meta.get(field) if isinstance(meta, dict) else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{where}: .json field {field!r} is {value!r}, not an integer or a "
+                         "string")
+    return value
+
+
+def open_image(data: bytes) -> Image.Image:
+    """Decode encoded image bytes completely with PIL (raises on truncated or corrupt data)."""
+    im = Image.open(io.BytesIO(data))
+    im.load()
+    return im

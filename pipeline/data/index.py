@@ -1,0 +1,294 @@
+"""The index of existing WebDataset shards: their identity for DVC, the loader and the resume.
+
+Shards that others wrote (img2dataset, webdataset's ``ShardWriter``, a data team; local, http,
+s3, gs) are read IN PLACE: the ``index_shards`` stage copies no image. It records, per shard,
+the location, byte size, sha256 and number of decodable samples, plus the keys of the samples
+it could not decode, in ``data/index/<set>/manifest.json`` (the split-manifest format of
+:mod:`pipeline.data.shards`, with ``url`` shard entries and ``layout: "webdataset"``):
+
+* ``pretrain``: ``data.pretrain_shards``, read in place by the pretraining loader, beside the
+  built ``pretrain`` split (:func:`pretrain_manifest` joins the two);
+* ``labelled``: ``data.root`` when ``data.source`` is ``webdataset`` (the labelled shards the
+  ``build_shards`` stage turns into the evaluation splits).
+
+That manifest is the data's identity: ``pretrain`` and ``build_shards`` depend on it in
+``dvc.yaml``, and its sha256 list enters the resume fingerprint. The stage runs at every
+``dvc repro`` (``always_changed``: a remote cannot be watched otherwise, see docs/data.md) and
+is cheap when nothing changed: one HEAD (or stat) per shard, and a shard whose size and change
+detector (ETag, Last-Modified, mtime; :func:`pipeline.data.external.shard_stat`) equal those of
+the last index keeps its entry without being read. The detectors live in
+``data/index/validators.json``, not in the manifests, so a re-upload of identical bytes reruns
+nothing downstream. A new, changed or added shard is read once, streamed: hashed and every
+image decoded, nothing stored.
+
+Broken images (web crawls always hold a few): a sample without an image member or whose image
+does not decode is skipped and counted, up to ``data.max_broken_fraction`` of all the set's
+samples; beyond that the stage stops with one line naming the shard with the most and its
+first key.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.data.external import expand_shards, image_member, open_image, shard_stat
+from pipeline.data.remote import RemoteError, ShardURL, is_url
+from pipeline.data.shards import (
+    CHANNELS,
+    LAYOUT_OWN,
+    LAYOUT_WEBDATASET,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    ShardError,
+    image_spec,
+    iter_shard,
+    read_manifest,
+    sha256_file,
+    shard_location,
+)
+from pipeline.data.sources.modes import image_kind, to_mode
+
+log = logging.getLogger(__name__)
+
+INDEX_DIR = Path("data/index")  # beside data/shards; the index_shards stage's outputs
+VALIDATORS = INDEX_DIR / "validators.json"
+SETS = ("pretrain", "labelled")
+_VALUES = np.arange(256, dtype=np.uint64)
+
+
+def _round6(xs: Any) -> list[float]:
+    return [round(float(x), 6) for x in xs]
+
+
+def empty_manifest(split: str, spec: str = "") -> dict[str, Any]:
+    """The manifest of a set with no shards (``spec`` empty)."""
+    return {"format": MANIFEST_FORMAT, "source": "webdataset", "split": split,
+            "num_samples": 0, "num_broken": 0, "class_names": [], "mode": "L", "mean": [],
+            "std": [], "pixel_mean": [], "pixel_std": [], "image_shape": None,
+            "label_counts": {}, "build": {"spec": spec}, "shards": []}
+
+
+def _read_shard(url: str) -> dict[str, Any]:
+    """Stream one shard: sha256, bytes, decodable samples, broken keys, pixel statistics."""
+    digest: dict[str, Any] = {}
+    local = not is_url(url)
+    records: Iterator[dict[str, Any]] = iter_shard(url) if local else iter_shard(url,
+                                                                             digest=digest)
+    good, broken, grey = 0, [], True
+    sizes: set[tuple[int, int]] = set()
+    pix_sum = np.zeros(3, dtype=np.uint64)
+    pix_sq = np.zeros(3, dtype=np.uint64)
+    n_pix = 0
+    for record in records:
+        key = str(record.get("__key__"))
+        data = image_member(record)
+        if data is None:
+            members = sorted(k for k in record if not k.startswith("__"))
+            broken.append({"key": key, "why": f"no image member (has {', '.join(members)})"})
+            continue
+        try:
+            with open_image(data) as im:
+                grey = grey and image_kind(im) == "L"
+                sizes.add(im.size)
+                # (3, 256) pixel counts per channel value: exact sums, ~10x faster than numpy
+                hist = np.asarray(to_mode(im, "RGB").histogram(), np.uint64).reshape(3, 256)
+        except Exception as e:  # noqa: BLE001 (PIL and the mode conversion raise many types)
+            broken.append({"key": key, "why": f"{type(e).__name__}: {str(e)[:120]}"})
+            continue
+        pix_sum += hist @ _VALUES
+        pix_sq += hist @ _VALUES**2
+        n_pix += int(hist[0].sum())
+        good += 1
+    if local:
+        digest.update(bytes=Path(url).stat().st_size, sha256=sha256_file(url))
+    (w, h), = sizes if len(sizes) == 1 else [(None, None)]
+    return {"url": url, "layout": LAYOUT_WEBDATASET, "num_samples": good,
+            "bytes": digest["bytes"], "sha256": digest["sha256"], "broken": broken,
+            "grey": grey, "image_wh": [w, h] if w is not None else None, "pixels": n_pix,
+            "pixel_sum": [int(x) for x in pix_sum], "pixel_sq": [int(x) for x in pix_sq]}
+
+
+def check_broken_budget(entries: list[dict[str, Any]], max_fraction: float, key: str) -> None:
+    """Stop when more than ``max_fraction`` of all samples are broken.
+
+    Raises:
+        ShardError: over the budget; one line naming the shard with the most broken samples,
+            its first broken key and why, and the totals.
+    """
+    n_broken = sum(len(s["broken"]) for s in entries)
+    total = n_broken + sum(s["num_samples"] for s in entries)
+    if n_broken <= max_fraction * total:
+        return
+    worst = max(entries, key=lambda s: len(s["broken"]))
+    first = worst["broken"][0]
+    raise ShardError(
+        f"{worst['url']}: {len(worst['broken'])} of "
+        f"{len(worst['broken']) + worst['num_samples']} samples undecodable, first key "
+        f"{first['key']!r} ({first['why']}); {n_broken} of {total} in {key} = "
+        f"{100 * n_broken / total:.2f} % > data.max_broken_fraction {max_fraction:g} "
+        f"({100 * max_fraction:g} %)")
+
+
+def _assemble(entries: list[dict[str, Any]], *, split: str, spec: str,
+              max_fraction: float) -> dict[str, Any]:
+    """The set's manifest from its shard entries (statistics summed exactly)."""
+    grey = all(s["grey"] for s in entries if s["num_samples"])
+    mode = "L" if grey else "RGB"
+    n_pix = sum(s["pixels"] for s in entries)
+    total = np.array([sum(s["pixel_sum"][c] for s in entries) for c in range(3)], np.float64)
+    sq = np.array([sum(s["pixel_sq"][c] for s in entries) for c in range(3)], np.float64)
+    mean = total / (255.0 * max(n_pix, 1))
+    std = np.sqrt(np.maximum(sq / (255.0**2 * max(n_pix, 1)) - mean**2, 0.0))
+    if grey:  # three equal channels
+        mean, std = mean[:1], std[:1]
+    shapes = {tuple(s["image_wh"]) if s["image_wh"] else None for s in entries
+              if s["num_samples"]}
+    shape = None
+    if len(shapes) == 1 and None not in shapes:
+        (w, h), = shapes
+        shape = [CHANNELS[mode], h, w]
+    return {"format": MANIFEST_FORMAT, "source": "webdataset", "split": split,
+            "num_samples": sum(s["num_samples"] for s in entries),
+            "num_broken": sum(len(s["broken"]) for s in entries), "class_names": [],
+            "mode": mode, "mean": _round6(mean), "std": _round6(std),
+            "pixel_mean": _round6(mean), "pixel_std": _round6(std), "image_shape": shape,
+            "label_counts": {}, "build": {"spec": spec, "max_broken_fraction": max_fraction},
+            "shards": entries}
+
+
+def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
+                 previous: dict[str, Any] | None = None,
+                 validators: dict[str, dict[str, Any]] | None = None
+                 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Index one shard set, re-reading only the shards that changed since ``previous``.
+
+    Args:
+        spec: the set (:func:`pipeline.data.external.expand_shards`); "" = no shards.
+        split: the manifest's ``split`` (``pretrain`` or ``labelled``).
+        key: the param ``spec`` comes from, for messages.
+        max_broken_fraction: ``data.max_broken_fraction``.
+        previous: the last manifest of this set (its entries are reused when unchanged).
+        validators: the last ``{location: {"bytes", "validator"}}``.
+
+    Returns:
+        ``(manifest, validators)`` of the set as it is now.
+
+    Raises:
+        ShardError: a malformed spec or one naming no shard, a shard that cannot be listed,
+            asked for its size or read, or too many broken samples (one line).
+    """
+    if not spec.strip():
+        return empty_manifest(split), {}
+    t0 = time.monotonic()
+    try:
+        urls = expand_shards(spec, key=key)
+        stats = shard_stat(urls)
+    except (ValueError, RemoteError) as e:
+        raise ShardError(str(e)) from None
+    old = {}
+    if previous and previous.get("build", {}).get("spec") == spec:
+        old = {s["url"]: s for s in previous.get("shards", []) if "url" in s}
+    entries, fresh = [], {}
+    for url, (nbytes, detector) in zip(urls, stats):
+        last, seen = old.get(url), (validators or {}).get(url)
+        if (last is not None and detector and seen == {"bytes": nbytes, "validator": detector}
+                and last["bytes"] == nbytes):
+            entries.append(last)
+        else:
+            t = time.monotonic()
+            entry = _read_shard(url)
+            log.info("index %s: %s: %d samples, %d broken (%.1fs)", split, url,
+                     entry["num_samples"], len(entry["broken"]), time.monotonic() - t)
+            if entry["bytes"] != nbytes:  # changed while being read: read again next time
+                detector = ""
+            entries.append(entry)
+        fresh[url] = {"bytes": nbytes, "validator": detector}
+    check_broken_budget(entries, max_broken_fraction, key)
+    manifest = _assemble(entries, split=split, spec=spec, max_fraction=max_broken_fraction)
+    reread = sum(1 for e, u in zip(entries, urls) if e is not old.get(u))
+    log.info("index %s: %d shards (%d read, %d unchanged), %d images, %d broken skipped "
+             "(%.1fs)", split, len(entries), reread, len(entries) - reread,
+             manifest["num_samples"], manifest["num_broken"], time.monotonic() - t0)
+    return manifest, fresh
+
+
+def pretrain_manifest(shards_dir: Path | ShardURL, index_dir: Path | None = None, *,
+                      image_size: int = 0) -> dict[str, Any]:
+    """The pretraining set: the built ``pretrain`` split joined with the indexed shards.
+
+    Without an index (or an empty one) this is the built split's manifest unchanged. Otherwise
+    every shard entry carries its location (``url``) and layout; the mode, normalisation and
+    image size are those of the evaluation data (the built ``train`` split), so the encoder is
+    trained on what it is evaluated on: other images are converted to that mode and, when their
+    sizes differ, cropped per image in the loader workers to that size. Without labelled images
+    the built pretrain split's, else the index's own, apply.
+
+    Args:
+        shards_dir: holds the built ``pretrain/`` and ``train/`` splits.
+        index_dir: ``data/index/pretrain`` (the ``index_shards`` stage's output), or None.
+        image_size: ``data.image_size``: the training crop when nothing else fixes it.
+
+    Returns:
+        A manifest dict (:func:`pipeline.data.shards.read_manifest`'s format).
+
+    Raises:
+        ShardError: a manifest is missing or invalid, there are no pretraining images at all,
+            or the images have no single size and nothing fixes the crop size.
+    """
+    built = read_manifest(shards_dir / "pretrain")
+    if index_dir is not None and not (index_dir / MANIFEST_NAME).is_file():
+        raise ShardError(f"{index_dir}/{MANIFEST_NAME}: no index of data.pretrain_shards (the "
+                         "index_shards stage writes it: `dvc repro`, or `python "
+                         "stages/index_shards.py`)")
+    ext = read_manifest(index_dir) if index_dir is not None else None
+    if ext is None or not ext["num_samples"]:
+        if not built["num_samples"]:
+            raise ShardError(f"{shards_dir / 'pretrain'}: no pretraining images (set "
+                             "data.unlabelled_root, data.pretrain_shards or "
+                             "data.pretrain_labelled)")
+        return built
+    train = read_manifest(shards_dir / "train")
+    candidates = [(train, shards_dir / "train"), (built, shards_dir / "pretrain"),
+                  (ext, index_dir)]
+    ref, ref_at = next((m, at) for m, at in candidates if m["num_samples"])
+    parts = [m for m in (built, ext) if m["num_samples"]]
+    sides = {tuple(m["image_shape"][1:]) if m.get("image_shape") else None for m in parts}
+    spec = image_spec(ref, ref_at) if ref is not ext or ext.get("image_shape") else None
+    side = spec.size if spec is not None else image_size
+    (h, w), = sides if len(sides) == 1 and None not in sides else [(None, None)]
+    fixed = (h is not None and h == w and (spec is None or (not spec.variable and h == side)))
+    if not fixed and not side:
+        raise ShardError(f"{index_dir}: the pretraining images have no single square size and "
+                         "no labelled split fixes one: set data.image_size (the training crop)")
+    shards = [{**s, "url": shard_location(shards_dir / "pretrain", s), "layout": LAYOUT_OWN}
+              for s in built["shards"]] + ext["shards"]
+    return {**ref, "split": "pretrain", "source": "+".join(m["source"] for m in parts),
+            "num_samples": sum(m["num_samples"] for m in parts),
+            "num_broken": ext.get("num_broken", 0),
+            "image_shape": [CHANNELS[ref["mode"]], h, w] if fixed else None,
+            "build": {"image_size": side if not fixed else h, "variable": not fixed,
+                      "parts": [str(shards_dir / "pretrain"), str(index_dir)]},
+            "shards": shards}
+
+
+def index_location(split: str) -> Path:
+    """``data/index/<split>`` (holds ``manifest.json``)."""
+    return INDEX_DIR / split
+
+
+def read_previous(split: str) -> dict[str, Any] | None:
+    """The last written manifest of a set, or None (missing or unreadable: index afresh)."""
+    path = index_location(split)
+    if not (path / MANIFEST_NAME).is_file():
+        return None
+    try:
+        return read_manifest(path)
+    except ShardError as e:
+        log.warning("ignoring the last index %s (%s): indexing afresh", path, e)
+        return None

@@ -1,0 +1,70 @@
+"""DVC stage ``index_shards``: the identity of WebDataset shards read in place (no image copied).
+
+Indexes ``data.pretrain_shards`` (into ``data/index/pretrain``) and, when ``data.source`` is
+``webdataset``, the labelled shards of ``data.root`` (``data/index/labelled``):
+:mod:`pipeline.data.index`. ``dvc.yaml`` marks it ``always_changed``: it runs at every
+``dvc repro`` to ask the shards' servers for changes (one HEAD per shard; unchanged shards are
+not read) and leaves the manifests as they are when nothing changed, so nothing downstream
+reruns. An index that changed is written and logged as one MLflow run (``runs/index_shards.json``
+names it: the lineage of the pretraining data); without shards to index it writes empty
+manifests and logs no MLflow run.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pipeline.cli import stage_entry  # first: light; installs the signal handlers
+
+if TYPE_CHECKING:
+    from pipeline.config import Params
+
+
+def run(p: Params) -> None:
+    import json
+    import logging
+    import sys
+    from pathlib import Path
+
+    from pipeline.atomic import write_json
+    from pipeline.data.index import VALIDATORS, index_location, index_shards, read_previous
+    from pipeline.data.shards import MANIFEST_NAME
+    from pipeline.tracking import stage_run
+
+    sets = {"pretrain": (p.data.pretrain_shards, "data.pretrain_shards"),
+            "labelled": (p.data.root if p.data.source == "webdataset" else "", "data.root")}
+    try:
+        validators = json.loads(VALIDATORS.read_text())
+    except (OSError, ValueError):
+        validators = {}
+    manifests, fresh, changed = {}, {}, False
+    for split, (spec, key) in sets.items():
+        previous = read_previous(split)
+        manifests[split], found = index_shards(
+            spec, split=split, key=key, max_broken_fraction=p.data.max_broken_fraction,
+            previous=previous, validators=validators)
+        fresh.update(found)
+        changed |= json.dumps(previous, sort_keys=True) != json.dumps(manifests[split],
+                                                                      sort_keys=True)
+    summary = {s: {"shards": len(m["shards"]), "images": m["num_samples"],
+                   "broken_skipped": m["num_broken"]} for s, m in manifests.items()}
+    runs_file = Path("runs/index_shards.json")
+    if not changed and runs_file.is_file():
+        logging.getLogger("index_shards").info("index unchanged: nothing written")
+    elif any(m["shards"] for m in manifests.values()):  # one MLflow run per new index
+        with stage_run("index_shards", p) as mlrun:
+            for split, m in manifests.items():
+                write_json(index_location(split) / MANIFEST_NAME, m)
+                mlrun.log_metrics({f"{split}_{k}": v for k, v in summary[split].items()})
+                if m["shards"]:
+                    mlrun.log_artifact(index_location(split) / MANIFEST_NAME, f"index/{split}")
+    else:
+        for split, m in manifests.items():
+            write_json(index_location(split) / MANIFEST_NAME, m)
+        write_json(runs_file, {"stage": "index_shards", "run_id": None})
+    write_json(VALIDATORS, fresh)
+    print(json.dumps(summary, sort_keys=True), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    stage_entry("index_shards", run)

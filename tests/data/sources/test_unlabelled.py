@@ -1,0 +1,115 @@
+"""The unlabelled tree: what is an image, what is skipped and counted, and the pretrain mix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+from srchelpers import KEY_CHARS, md5_table, save
+
+from pipeline.data.sources import SourceError, open_source
+from pipeline.data.sources.unlabelled import (
+    NoLabelsSource,
+    PretrainMix,
+    UnlabelledTree,
+    walk_images,
+)
+
+
+def grey(v: int, size=(8, 8)) -> Image.Image:
+    return Image.new("L", size, v)
+
+
+def test_walk_images__nesting_sorted_and_skips_counted_by_reason(tmp_path):
+    save(tmp_path / "b" / "c" / "deep.PNG", grey(1))
+    save(tmp_path / "a.jpg", grey(2), "JPEG")
+    save(tmp_path / "b" / "x.webp", Image.new("RGB", (8, 8)))
+    (tmp_path / "._a.jpg").write_bytes(b"\0\5\26\7")  # AppleDouble (also a dot file)
+    (tmp_path / ".DS_Store").write_bytes(b"x")
+    (tmp_path / ".cache").mkdir()
+    (tmp_path / ".cache" / "hidden.png").write_bytes(b"never read")  # inside a hidden folder
+    (tmp_path / "b" / "notes.txt").write_text("x")
+    (tmp_path / "b" / "meta.json").write_text("{}")
+    paths, skipped = walk_images(tmp_path)
+    assert [p.relative_to(tmp_path).as_posix() for p in map(type(tmp_path), paths)] == [
+        "a.jpg", "b/c/deep.PNG", "b/x.webp"]
+    assert dict(skipped) == {"appledouble": 1, "hidden": 2, "not_image": 2}
+
+
+def test_unlabelled_tree__keys_labels_and_record(tmp_path):
+    save(tmp_path / "z" / "two words.png", grey(10))
+    save(tmp_path / "a.png", grey(20))
+    (tmp_path / "README.txt").write_text("x")
+    tree = UnlabelledTree(tmp_path)
+    s0, s1 = tree.load(0, "L"), tree.load(1, "L")
+    assert (s0.key, s0.label, s0.image.getpixel((0, 0))) == ("u0000000_a", -1, 20)
+    assert (s1.key, s1.label) == ("u0000001_z_two_words", -1)
+    assert set(s1.key) <= KEY_CHARS
+    assert tree.build_record() == {"root": str(tmp_path), "images": 2,
+                                   "skipped": {"appledouble": 0, "hidden": 0, "not_image": 1}}
+    assert tree.describe_skipped() == "1 not_image"
+
+
+def test_unlabelled_tree__unreadable_header_one_line_naming_the_file(tmp_path):
+    save(tmp_path / "ok.png", grey(1))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "broken.jpg").write_bytes(b"not a jpeg at all")
+    with pytest.raises(SourceError) as e:
+        UnlabelledTree(tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and "1 unreadable image(s)" in msg and "sub/broken.jpg" in msg
+
+
+def test_unlabelled_tree__empty_or_missing_refused(tmp_path):
+    (tmp_path / "README.txt").write_text("x")
+    with pytest.raises(SourceError, match=r"no images .*\(skipped: 1 not_image\)"):
+        UnlabelledTree(tmp_path)
+    with pytest.raises(SourceError, match="not a directory"):
+        UnlabelledTree(tmp_path / "missing")
+
+
+def test_pretrain_mix__labels_order_and_one_mode(tmp_path, tiny_fashion):
+    root, data = tiny_fashion
+    save(tmp_path / "t" / "c.png", Image.new("RGB", (28, 28), (255, 0, 0)))
+    save(tmp_path / "t" / "g.png", grey(7, (28, 28)))
+    fm = open_source("fashion_mnist", root, checksums=md5_table(root))
+    mix = PretrainMix(fm, UnlabelledTree(tmp_path / "t"), include_labelled=True, resized=False)
+    # 6 labelled train images, then the tree's two with -1; train/test are the source's
+    assert mix.labels("pretrain").tolist() == [3, 1, 4, 1, 5, 9, -1, -1]
+    assert mix.labels("test").tolist() == [2, 6, 5, 3]
+    # one colour image: everything RGB, the Fashion-MNIST grey as three equal channels, and
+    # the published one-channel statistics no longer apply (pixel statistics instead)
+    assert mix.mode == "RGB" and mix.mean is None
+    first = next(mix.iter("pretrain"))
+    a = np.asarray(first.image)
+    assert first.image.mode == "RGB" and (a[..., 0] == a[..., 2]).all()
+    assert np.array_equal(a[..., 0], data["train"][0][0])
+    red = [s for s in mix.iter("pretrain") if s.label == -1][0]
+    assert red.image.getpixel((0, 0)) == (255, 0, 0)
+    assert next(mix.iter("test")).image.mode == "RGB"
+
+
+def test_pretrain_mix__tree_alone_and_grey_keeps_published_stats(tmp_path, tiny_fashion):
+    root, _ = tiny_fashion
+    save(tmp_path / "t" / "g.png", grey(7, (28, 28)))
+    fm = open_source("fashion_mnist", root, checksums=md5_table(root))
+    mix = PretrainMix(fm, UnlabelledTree(tmp_path / "t"), include_labelled=False, resized=False)
+    assert mix.labels("pretrain").tolist() == [-1]
+    assert mix.mode == "L" and mix.mean == fm.mean and mix.count("train") == 6
+
+
+def test_pretrain_mix__sizes_stored_as_they_are_must_be_one_square(tmp_path, tiny_fashion):
+    root, _ = tiny_fashion
+    save(tmp_path / "t" / "a.png", grey(7, (28, 28)))
+    save(tmp_path / "t" / "b.png", grey(7, (40, 30)))
+    fm = open_source("fashion_mnist", root, checksums=md5_table(root))
+    tree = UnlabelledTree(tmp_path / "t")
+    with pytest.raises(SourceError, match=r"28x28, 40x30 px and data.image_size is 0.*"
+                                          r"set data.image_size"):
+        PretrainMix(fm, tree, include_labelled=True, resized=False)
+    PretrainMix(fm, tree, include_labelled=True, resized=True)  # resized when sharding: fine
+
+
+def test_no_labels_source__every_split_empty():
+    src = NoLabelsSource()
+    assert src.splits() == {"pretrain": 0, "train": 0, "test": 0} and src.class_names == ()

@@ -1,0 +1,254 @@
+"""The index of WebDataset shards read in place, the joined pretraining set, and its loader."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+import tarfile
+
+import numpy as np
+import pytest
+from helpers import build_tiny_shards, img2dataset_shards
+from PIL import Image
+
+import pipeline.data.index as index_mod
+from pipeline.data.build import empty_split
+from pipeline.data.index import check_broken_budget, index_shards, pretrain_manifest
+from pipeline.data.loader import train_loader
+from pipeline.data.shards import ShardError, read_manifest, verify_shards
+
+
+def write_index(directory, manifest):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    return directory
+
+
+def no_labels(root):
+    """Built splits without images (``data.source: none``, nothing else built)."""
+    for split in ("pretrain", "train", "test"):
+        empty_split(root / split, split=split, source="none", class_names=(), mode="L",
+                    build={})
+    return root
+
+
+def decoded_rgb(paths):
+    """Every decodable image of the shards as RGB arrays (a slow, obvious reference)."""
+    out = []
+    for p in paths:
+        with tarfile.open(p) as t:
+            for m in t.getmembers():
+                if m.name.endswith(".jpg"):
+                    try:
+                        im = Image.open(io.BytesIO(t.extractfile(m).read()))
+                        im.load()
+                    except OSError:
+                        continue
+                    out.append(np.asarray(im.convert("RGB"), dtype=np.float64))
+    return out
+
+
+def test_index__counts_broken_keys_sha_and_pixel_stats(tmp_path):
+    paths = img2dataset_shards(tmp_path / "ext", shards=3, per_shard=10, broken={1: 2})
+    m, validators = index_shards(f"{tmp_path}/ext/{{00000..00002}}.tar", split="pretrain",
+                                 key="data.pretrain_shards", max_broken_fraction=0.1)
+    assert [s["num_samples"] for s in m["shards"]] == [10, 8, 10]
+    assert m["num_samples"] == 28 and m["num_broken"] == 2
+    assert [b["key"] for b in m["shards"][1]["broken"]] == ["000010000", "000010001"]
+    assert [s["sha256"] for s in m["shards"]] == [
+        hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
+    assert [s["bytes"] for s in m["shards"]] == [p.stat().st_size for p in paths]
+    ref = decoded_rgb(paths)
+    assert len(ref) == 28
+    pix = np.concatenate([a.reshape(-1, 3) for a in ref]) / 255
+    assert m["mode"] == "RGB" and m["image_shape"] == [3, 16, 16]
+    np.testing.assert_allclose(m["mean"], pix.mean(axis=0), atol=1e-6)
+    np.testing.assert_allclose(m["std"], pix.std(axis=0), atol=1e-6)
+    assert set(validators) == {str(p) for p in paths}
+
+
+def test_index__grey_set_is_one_channel(tmp_path):
+    img2dataset_shards(tmp_path / "ext", shards=1, per_shard=4, colour=False)
+    m, _ = index_shards(str(tmp_path / "ext"), split="pretrain", key="k",
+                        max_broken_fraction=0.0)
+    assert m["mode"] == "L" and len(m["mean"]) == 1 and m["image_shape"] == [1, 16, 16]
+
+
+def test_broken_budget__at_the_budget_accepted_above_refused_one_line(tmp_path):
+    img2dataset_shards(tmp_path / "ext", shards=2, per_shard=100, broken={1: 1})
+    spec = str(tmp_path / "ext")
+    m, _ = index_shards(spec, split="pretrain", key="k", max_broken_fraction=0.005)
+    assert m["num_broken"] == 1  # 1 of 200 = 0.5 %: exactly the budget
+    with pytest.raises(ShardError) as e:
+        index_shards(spec, split="pretrain", key="data.pretrain_shards",
+                     max_broken_fraction=0.001)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"{tmp_path}/ext/00001.tar: 1 of 100 samples undecodable, first key "
+                          "'000010000' (")
+    assert ("1 of 200 in data.pretrain_shards = 0.50 % > data.max_broken_fraction 0.001 (0.1 %)"
+            in msg)
+
+
+def test_broken_budget__names_the_worst_shard():
+    entries = [{"url": "a", "num_samples": 9, "broken": [{"key": "k1", "why": "x"}]},
+               {"url": "b", "num_samples": 7, "broken": [{"key": "k2", "why": "y"}] * 3}]
+    with pytest.raises(ShardError, match=r"^b: 3 of 10 samples undecodable, first key 'k2'"):
+        check_broken_budget(entries, 0.1, "k")
+    check_broken_budget(entries, 0.2, "k")  # 4 of 20
+
+
+def test_index__a_sample_without_image_is_broken(tmp_path):
+    path = tmp_path / "ext" / "00000.tar"
+    path.parent.mkdir()
+    with tarfile.open(path, "w") as t:
+        for name, data in (("a.json", b"{}"), ("a.txt", b"caption")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    with pytest.raises(ShardError, match=r"first key 'a' \(no image member \(has json, txt\)\)"):
+        index_shards(str(path.parent), split="pretrain", key="k", max_broken_fraction=0.5)
+
+
+def test_index__unchanged_shards_not_read_again_changed_ones_are(tmp_path, monkeypatch):
+    paths = img2dataset_shards(tmp_path / "ext", shards=3, per_shard=5)
+    spec = str(tmp_path / "ext")
+    first, v1 = index_shards(spec, split="pretrain", key="k", max_broken_fraction=0)
+    reads = []
+    real = index_mod._read_shard
+    monkeypatch.setattr(index_mod, "_read_shard", lambda url: reads.append(url) or real(url))
+    again, v2 = index_shards(spec, split="pretrain", key="k", max_broken_fraction=0,
+                             previous=first, validators=v1)
+    assert reads == [] and again == first and v2 == v1
+    img2dataset_shards(tmp_path / "ext", shards=1, per_shard=7, start=1, seed=5)  # rewrite one
+    changed, _ = index_shards(spec, split="pretrain", key="k", max_broken_fraction=0,
+                              previous=first, validators=v1)
+    assert reads == [str(paths[1])]
+    assert changed["num_samples"] == 17 and changed["shards"][0] == first["shards"][0]
+    # another spec string: everything is read again
+    index_shards(f"{spec}/*.tar", split="pretrain", key="k", max_broken_fraction=0,
+                 previous=first, validators=v1)
+    assert len(reads) == 4
+
+
+def test_index__a_shard_added_to_the_directory_is_read_the_others_kept(tmp_path, monkeypatch):
+    img2dataset_shards(tmp_path / "ext", shards=2, per_shard=5)
+    first, v1 = index_shards(str(tmp_path / "ext"), split="pretrain", key="k",
+                             max_broken_fraction=0)
+    reads = []
+    real = index_mod._read_shard
+    monkeypatch.setattr(index_mod, "_read_shard", lambda url: reads.append(url) or real(url))
+    (added,) = img2dataset_shards(tmp_path / "ext", shards=1, per_shard=3, start=2)
+    now, _ = index_shards(str(tmp_path / "ext"), split="pretrain", key="k",
+                          max_broken_fraction=0, previous=first, validators=v1)
+    assert reads == [str(added)] and now["num_samples"] == 13
+    assert now["shards"][:2] == first["shards"]
+
+
+def test_pretrain_manifest__no_index_is_the_built_split(tmp_path):
+    shards = build_tiny_shards(tmp_path / "sh", n_pretrain=32, n_train=16, n_test=16)
+    assert pretrain_manifest(shards, None) == read_manifest(shards / "pretrain")
+    with pytest.raises(ShardError, match="no index of data.pretrain_shards"):
+        pretrain_manifest(shards, tmp_path / "missing")
+
+
+def test_pretrain_manifest__joined_takes_the_evaluation_mode_and_size(tmp_path):
+    shards = build_tiny_shards(tmp_path / "sh", n_pretrain=32, n_train=16, n_test=16, size=16)
+    img2dataset_shards(tmp_path / "ext", shards=2, per_shard=10)
+    m, _ = index_shards(str(tmp_path / "ext"), split="pretrain", key="k", max_broken_fraction=0)
+    joined = pretrain_manifest(shards, write_index(tmp_path / "idx", m))
+    train = read_manifest(shards / "train")
+    assert joined["num_samples"] == 32 + 20 and len(joined["shards"]) == 1 + 2
+    assert (joined["mode"], joined["mean"], joined["std"]) == ("L", train["mean"], train["std"])
+    assert joined["image_shape"] == [1, 16, 16] and joined["build"]["variable"] is False
+    assert joined["shards"][0]["url"] == str(shards / "pretrain" / "shard-000000.tar")
+    # external images of another size: cropped per image to the evaluation size
+    img2dataset_shards(tmp_path / "ext24", shards=1, per_shard=10, size=24)
+    m24, _ = index_shards(str(tmp_path / "ext24"), split="pretrain", key="k",
+                          max_broken_fraction=0)
+    j24 = pretrain_manifest(shards, write_index(tmp_path / "idx24", m24))
+    assert j24["image_shape"] is None and j24["build"] == {
+        "image_size": 16, "variable": True, "parts": [str(shards / "pretrain"),
+                                                      str(tmp_path / "idx24")]}
+
+
+def test_pretrain_manifest__no_labelled_data_needs_a_crop_size(tmp_path):
+    no_labels(tmp_path / "sh")
+    img2dataset_shards(tmp_path / "a", shards=1, per_shard=4, size=16)
+    img2dataset_shards(tmp_path / "a", shards=1, per_shard=4, size=20, start=1)
+    m, _ = index_shards(str(tmp_path / "a"), split="pretrain", key="k", max_broken_fraction=0)
+    idx = write_index(tmp_path / "idx", m)
+    with pytest.raises(ShardError, match="no single square size .* set data.image_size"):
+        pretrain_manifest(tmp_path / "sh", idx)
+    j = pretrain_manifest(tmp_path / "sh", idx, image_size=12)
+    assert (j["mode"], j["mean"], j["build"]["image_size"]) == ("RGB", m["mean"], 12)
+
+
+def _epoch_keys(manifest, *, world_size=1, num_workers=0, epoch=0, batch=4):
+    steps = manifest["num_samples"] // (batch * world_size)
+    keys = []
+    for rank in range(world_size):
+        for _, k in train_loader("joined", batch_size=batch, steps=steps, epoch=epoch, seed=3,
+                                 rank=rank, world_size=world_size, num_workers=num_workers,
+                                 manifest=manifest):
+            keys += k
+    return keys
+
+
+@pytest.mark.parametrize(("world_size", "num_workers"), [(1, 0), (1, 2), (2, 1)])
+def test_train_loader__joined_set_true_epoch_broken_never_seen(tmp_path, world_size,
+                                                               num_workers):
+    shards = build_tiny_shards(tmp_path / "sh", n_pretrain=24, n_train=8, n_test=8)
+    img2dataset_shards(tmp_path / "ext", shards=2, per_shard=9, broken={0: 1})
+    m, _ = index_shards(str(tmp_path / "ext"), split="pretrain", key="k",
+                        max_broken_fraction=0.1)
+    joined = pretrain_manifest(shards, write_index(tmp_path / "idx", m))
+    assert joined["num_samples"] == 24 + 17
+    everything = {f"s{i:05d}" for i in range(24)} | {
+        f"{s:05d}{i:04d}" for s in (0, 1) for i in range(9)} - {"000000000"}
+    keys = _epoch_keys(joined, world_size=world_size, num_workers=num_workers)
+    per = 4 * world_size
+    assert len(keys) == len(set(keys)) == 41 // per * per  # no image twice in an epoch
+    assert set(keys) <= everything and "000000000" not in keys
+    assert _epoch_keys(joined, world_size=world_size, num_workers=num_workers) == keys
+
+
+def test_train_loader__foreign_members_ignored_never_unpickled(tmp_path):
+    class Boom:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "UNPICKLED"), "w"))
+
+    path = tmp_path / "ext" / "00000.tar"
+    path.parent.mkdir()
+    with tarfile.open(path, "w") as t:
+        for i in range(4):
+            buf = io.BytesIO()
+            Image.new("RGB", (16, 16), (i * 60, 0, 0)).save(buf, format="PNG")
+            for ext, data in (("png", buf.getvalue()), ("pyd", pickle.dumps(Boom())),
+                              ("txt", b"caption")):
+                info = tarfile.TarInfo(f"k{i}.{ext}")
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+    m, _ = index_shards(str(path.parent), split="pretrain", key="k", max_broken_fraction=0)
+    no_labels(tmp_path / "sh")
+    joined = pretrain_manifest(tmp_path / "sh", write_index(tmp_path / "idx", m))
+    (images, keys), = list(train_loader("joined", batch_size=4, steps=1, epoch=0, seed=0,
+                                        manifest=joined))
+    assert sorted(keys) == ["k0", "k1", "k2", "k3"] and images.shape == (4, 3, 16, 16)
+    assert sorted(images[:, 0, 0, 0].tolist()) == [0, 60, 120, 180]
+    assert not (tmp_path / "UNPICKLED").exists()
+
+
+def test_verify_shards__index_manifest_and_an_altered_shard(tmp_path):
+    paths = img2dataset_shards(tmp_path / "ext", shards=2, per_shard=5, broken={0: 1})
+    m, _ = index_shards(str(tmp_path / "ext"), split="pretrain", key="k",
+                        max_broken_fraction=0.5)
+    idx = write_index(tmp_path / "idx", m)
+    assert verify_shards(idx)["num_samples"] == 9
+    data = bytearray(paths[1].read_bytes())
+    data[600] ^= 1
+    paths[1].write_bytes(bytes(data))
+    with pytest.raises(ShardError, match="00001.tar: size or sha256 differs"):
+        verify_shards(idx)

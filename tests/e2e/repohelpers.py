@@ -1,0 +1,94 @@
+"""A copy of the working tree as a fresh git + DVC repo in tmp, with a tiny recipe (the e2e
+tests of own images: tests/e2e/test_own_folders.py, test_remote_shards.py, test_fmnist_tree.py)."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# On top of configs/ci.yaml: 16 px images, a width-4 ResNet, one epoch: seconds per stage.
+TINY: dict[str, dict[str, Any]] = {
+    "data": {"image_size": 16, "samples_per_shard": 64, "max_pretrain_images": 0,
+             "max_train_images": 0, "max_test_images": 0},
+    "model": {"width": 4, "head_hidden": 16, "dim": 16},
+    "moco": {"K": 64},
+    "pretrain": {"epochs": 1, "batch_size": 32, "knn_every_epochs": 1,
+                 "knn_monitor_train_images": 100, "knn_monitor_test_images": 50,
+                 "checkpoint_every_steps": 0, "log_every_steps": 2},
+    "embed": {"batch_size": 64, "pool_grid": 1},
+    "knn": {"k": 5, "select": "fixed"},
+    "linear": {"epochs": 2, "batch_size": 32, "lr_milestones": [1, 2]},
+    "report": {"tsne_points": 20, "retrieval_queries": 2, "retrieval_neighbours": 2},
+}
+
+
+def sh(cmd: list[str], cwd: Path, env: dict, *, ok: bool = True,
+       timeout: float = 1200) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if ok:
+        assert proc.returncode == 0, (f"{cmd} failed:\n{proc.stdout[-4000:]}\n"
+                                      f"{proc.stderr[-4000:]}")
+    return proc
+
+
+def out(p: subprocess.CompletedProcess) -> str:
+    return p.stdout + p.stderr
+
+
+def ran(output: str) -> list[str]:
+    return re.findall(r"Running stage '(\w+)'", output)
+
+
+def params(overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """configs/ci.yaml + :data:`TINY` + ``overrides`` (per section)."""
+    tree = yaml.safe_load((ROOT / "configs/ci.yaml").read_text())
+    for layer in (TINY, overrides):
+        for sec, vals in copy.deepcopy(layer).items():
+            tree[sec].update(vals)
+    return tree
+
+
+def make_repo(dst: Path, tree: dict[str, Any]) -> dict[str, str]:
+    """Copy the working tree to ``dst`` (no dvc.lock, metrics, plots, results), write the params,
+    ``git init`` + commit; returns the environment for ``dvc`` (MLflow beside ``dst``)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file() and not f.startswith(("results/", "metrics/", "plots/")):
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, dst / f)
+    (dst / "dvc.lock").unlink(missing_ok=True)
+    (dst / "params.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DVC_", "MLFLOW_"))}
+    env.update({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+                "PYTHONPATH": str(dst), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                "MLFLOW_TRACKING_URI": f"sqlite:///{dst.parent / (dst.name + '-mlflow.db')}",
+                "DVC_NO_ANALYTICS": "1",
+                "GIT_AUTHOR_NAME": "ci", "GIT_AUTHOR_EMAIL": "ci@localhost",
+                "GIT_COMMITTER_NAME": "ci", "GIT_COMMITTER_EMAIL": "ci@localhost"})
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "base"]):
+        sh(cmd, dst, env)
+    return env
+
+
+def commit(dst: Path, env: dict, message: str = "repro") -> None:
+    sh(["git", "add", "-A"], dst, env)
+    sh(["git", "commit", "-qm", message, "--allow-empty"], dst, env)
+
+
+def file_digests(root: Path) -> dict[str, str]:
+    """``{relative path: sha256}`` of every file under ``root``, hidden ones included."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}

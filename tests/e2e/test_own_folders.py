@@ -1,0 +1,154 @@
+"""Your own images, recipe 1: an unlabelled image tree + a small labelled folder, `dvc repro`.
+
+300 generated unlabelled images (nested folders, sizes 12-40 px, square and not, grey and RGB,
+PNG and JPEG, plus a hidden file, an AppleDouble file, a hidden folder and a README.txt) and a
+60-image labelled ImageFolder (4 classes; train/ 40, test/ 20). The pipeline runs end to end;
+the pretrain shards hold the 300 unlabelled images with label -1 plus the 40 labelled train
+images; the evaluation stages see only the 60 labelled images; a second `dvc repro` reruns
+nothing but the index.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from PIL import Image
+from repohelpers import commit, make_repo, out, params, ran, sh
+
+from pipeline.data.shards import iter_shard, read_manifest
+
+pytestmark = pytest.mark.slow
+STAGES = ["check_params", "index_shards", "build_shards", "pretrain", "embed", "baselines",
+          "knn", "linear", "report"]
+
+
+def unlabelled_tree(root, n=300, seed=0):
+    """``n`` images in up to three levels of folders; junk beside them (not counted)."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        d = root.joinpath(*[f"d{(i >> s) % 3}" for s in range(i % 3 + 1)])
+        d.mkdir(parents=True, exist_ok=True)
+        w, h = int(rng.integers(12, 41)), int(rng.integers(12, 41))
+        grey = i % 2 == 0
+        a = rng.integers(0, 256, (h, w) if grey else (h, w, 3), dtype=np.uint8)
+        Image.fromarray(a).save(d / f"im{i:03d}.{'png' if i % 3 else 'jpg'}")
+    (root / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (root / "d0" / "._im000.png").write_bytes(b"\0\5\26\7 AppleDouble")
+    (root / ".thumbnails").mkdir()
+    (root / ".thumbnails" / "x.png").write_bytes(b"not read")
+    (root / "README.txt").write_text("photos from the field trip\n")
+
+
+def labelled_folder(root, seed=1):
+    """train/ 4 x 10 and test/ 4 x 5 grey 20 px images, a bright quadrant per class."""
+    rng = np.random.default_rng(seed)
+    for split, per in (("train", 10), ("test", 5)):
+        for c in range(4):
+            d = root / split / f"class{c}"
+            d.mkdir(parents=True)
+            for j in range(per):
+                a = rng.integers(0, 80, (20, 20), dtype=np.uint8)
+                r, q = divmod(c, 2)
+                a[r * 10:(r + 1) * 10, q * 10:(q + 1) * 10] += 150
+                Image.fromarray(a).save(d / f"{j}.png")
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    base = tmp_path_factory.mktemp("unlabelled")
+    unlabelled_tree(base / "photos")
+    labelled_folder(base / "labelled")
+    tree = params({"data": {"source": "imagefolder", "root": str(base / "labelled"),
+                            "unlabelled_root": str(base / "photos")}})
+    dst = base / "repo"
+    env = make_repo(dst, tree)
+    first = sh(["dvc", "repro"], dst, env)
+    commit(dst, env)
+    return dst, env, out(first)
+
+
+def test_unlabelled__repro_runs_every_stage(repo):
+    _, _, text = repo
+    assert ran(text) == STAGES
+
+
+def test_unlabelled__pretrain_shards_hold_all_300_with_label_minus_one(repo):
+    dst, _, _ = repo
+    m = read_manifest(dst / "data/shards/pretrain")
+    assert m["num_samples"] == 340 and m["label_counts"] == {
+        "-1": 300, "0": 10, "1": 10, "2": 10, "3": 10}
+    # the tree has grey and colour images: one colour image makes the whole set RGB, the
+    # labelled grey ones included (three equal channels), and every split agrees
+    assert m["mode"] == "RGB" and m["image_shape"] == [3, 16, 16]
+    assert read_manifest(dst / "data/shards/train")["mode"] == "RGB"
+    rec = m["build"]["unlabelled"]
+    assert rec["images"] == 300
+    # .DS_Store and the .thumbnails folder (hidden), ._im000.png (AppleDouble), README.txt
+    assert rec["skipped"] == {"appledouble": 1, "hidden": 2, "not_image": 1}
+    keys, labels = [], []
+    for s in m["shards"]:
+        for r in iter_shard(dst / "data/shards/pretrain" / s["name"]):
+            keys.append(r["__key__"])
+            labels.append(int(r["cls"]))
+    unl = [k for k, y in zip(keys, labels) if y == -1]
+    assert len(unl) == 300 and all(k.startswith("u") for k in unl)
+    assert len(set(keys)) == 340
+
+
+def test_unlabelled__skipped_files_counted_in_the_log(repo):
+    _, _, text = repo
+    assert re.search(r"unlabelled tree \S+photos: 300 images, skipped 1 appledouble, "
+                     r"2 hidden, 1 not_image", text), text[-3000:]
+
+
+def test_unlabelled__evaluation_uses_only_labelled_images(repo):
+    dst, _, _ = repo
+    embed = json.loads((dst / "metrics/embed.json").read_text())
+    assert embed["train_images"] == 40 and embed["test_images"] == 20
+    pre = json.loads((dst / "metrics/pretrain.json").read_text())
+    assert pre["pretrain_images"] == 340 and pre["steps"] == 340 // 32
+    for name in ("knn", "linear"):
+        assert 0 <= json.loads((dst / f"metrics/{name}.json").read_text())["top1"] <= 100
+    assert (dst / "reports/report.html").is_file()
+
+
+def test_unlabelled__second_repro_runs_only_the_index(repo):
+    dst, env, _ = repo
+    assert ran(out(sh(["dvc", "repro"], dst, env))) == ["index_shards"]
+
+
+# --- recipe 3: no labels at all ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nolabels(tmp_path_factory):
+    base = tmp_path_factory.mktemp("nolabels")
+    unlabelled_tree(base / "photos", n=120, seed=3)
+    tree = params({"data": {"source": "none", "unlabelled_root": str(base / "photos")}})
+    dst = base / "repo"
+    env = make_repo(dst, tree)
+    return dst, env, out(sh(["dvc", "repro", "pretrain"], dst, env))
+
+
+def test_no_labels__repro_pretrain_gives_the_encoder(nolabels):
+    dst, _, text = nolabels
+    assert ran(text) == ["check_params", "index_shards", "build_shards", "pretrain"]
+    assert (dst / "models/encoder.pt").is_file() and (dst / "models/encoder.json").is_file()
+    assert "kNN monitor off: no labelled train or test images" in text
+    assert read_manifest(dst / "data/shards/pretrain")["num_samples"] == 120
+    assert read_manifest(dst / "data/shards/train")["num_samples"] == 0
+    assert json.loads((dst / "metrics/pretrain.json").read_text())["pretrain_images"] == 120
+
+
+def test_no_labels__evaluation_stages_say_what_they_need(nolabels):
+    dst, env, _ = nolabels
+    res = sh(["dvc", "repro"], dst, env, ok=False)
+    text = out(res)
+    assert res.returncode != 0 and "Traceback" not in text
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, text[-3000:]
+    assert "no images in this split (data.source none): the evaluation stages need a labelled " \
+           "source with train and test images" in errors[0]
