@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,12 @@ _KEY_MAX_CHARS = 80  # USTAR member names are limited to 100 characters (key + e
 Files = list[tuple[str, int]]  # (path, label) pairs
 
 
-def _sanitize_key(relpath: str) -> str:
+def sanitize_key(relpath: str) -> str:
+    """A WebDataset-safe key from a relative path: extension dropped, ``[^A-Za-z0-9_-]`` -> ``_``.
+
+    Truncated to :data:`_KEY_MAX_CHARS` so tar member names stay under USTAR's 100 characters;
+    callers prefix an index, which keeps keys unique.
+    """
     stem = relpath.rsplit(".", 1)[0]
     return re.sub(r"[^A-Za-z0-9_-]+", "_", stem).strip("_")[:_KEY_MAX_CHARS]
 
@@ -101,7 +107,7 @@ class ImageFolderSource(Source):
             remap = [classes.index(c) for c in test_classes]
             return classes, {"train": train, "test": [(p, remap[y]) for p, y in test]}
         ((classes, items),) = _scan_trees([self.root])
-        files = _split_per_class(items, len(classes), test_fraction, seed)
+        files = split_per_class(items, len(classes), test_fraction, seed)
         for split, f in files.items():
             if not f:
                 raise SourceError(f"{self.root}: test_fraction={test_fraction} leaves the "
@@ -123,7 +129,7 @@ class ImageFolderSource(Source):
             try:
                 with Image.open(path) as im:
                     kinds.add(image_kind(im))
-                    sizes.add(_upright_size(im))
+                    sizes.add(upright_size(im))
             except ModeError as e:
                 unsupported.append(f"{path} ({e})")
             except Exception as e:  # PIL raises several types for unreadable files
@@ -147,19 +153,28 @@ class ImageFolderSource(Source):
 
     def _load(self, split: str, index: int) -> Sample:
         path, label = self._files[split][index]
-        try:
-            with Image.open(path) as im:
-                im.load()
-                image = to_mode(ImageOps.exif_transpose(im), self.mode)
-        except ModeError as e:  # e.g. float values outside 0..1
-            raise UnreadableImage(f"{path} ({e})") from None
-        except Exception as e:  # truncated / corrupt data past the header
-            raise UnreadableImage(f"{path} ({type(e).__name__}: {e})") from None
+        image = open_upright(path, self.mode)
         rel = os.path.relpath(path, self.root)
-        return Sample(f"{index:07d}_{_sanitize_key(rel)}", image, label)
+        return Sample(f"{index:07d}_{sanitize_key(rel)}", image, label)
 
 
-def _upright_size(image: Image.Image) -> tuple[int, int]:
+def open_upright(path: str, mode: str) -> Image.Image:
+    """An image file decoded, turned upright by its EXIF orientation, then converted to ``mode``.
+
+    Raises:
+        UnreadableImage: the pixels cannot be decoded or converted (names the file).
+    """
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return to_mode(ImageOps.exif_transpose(im), mode)
+    except ModeError as e:  # e.g. float values outside 0..1
+        raise UnreadableImage(f"{path} ({e})") from None
+    except Exception as e:  # truncated / corrupt data past the header
+        raise UnreadableImage(f"{path} ({type(e).__name__}: {e})") from None
+
+
+def upright_size(image: Image.Image) -> tuple[int, int]:
     """``(W, H)`` as displayed: swapped when the EXIF orientation turns the image by 90°.
 
     Reads headers only: PIL's PNG ``getexif`` would decode the pixels to find an ``eXIf`` chunk
@@ -190,7 +205,7 @@ def _scan_trees(directories: list[Path]) -> list[tuple[list[str], Files]]:
         SourceError: a tree without class sub-folders, or a class folder without images (a
             class folder that is a symlink to a directory counted elsewhere is named as such).
     """
-    walk = _Walk()
+    walk = ImageWalk()
     trees = []
     for directory in directories:
         classes = sorted(d.name for d in directory.iterdir()
@@ -214,12 +229,32 @@ def _scan_trees(directories: list[Path]) -> list[tuple[list[str], Files]]:
     return out
 
 
-class _Walk:
-    """Directory walks that share one set of visited real directories (see :func:`_scan_trees`)."""
+def skip_reason(name: str) -> str | None:
+    """Why a file is not an image of a tree (:data:`SKIP_REASONS`), or None for an image."""
+    if name.startswith("._"):
+        return "appledouble"
+    if name.startswith("."):
+        return "hidden"
+    if not name.lower().endswith(IMAGE_EXTENSIONS):
+        return "not_image"
+    return None
+
+
+SKIP_REASONS = ("appledouble", "hidden", "not_image")  # what a walk skips, by reason
+
+
+class ImageWalk:
+    """Directory walks that share one set of visited real directories (see :func:`_scan_trees`).
+
+    Symlinked directories are followed, each real directory once (loop-safe). Hidden folders
+    and files, AppleDouble ``._*`` files and non-images are skipped, and counted per reason in
+    :attr:`skipped` (a hidden folder counts once and is not entered).
+    """
 
     def __init__(self) -> None:
         self.seen: set[tuple[int, int]] = set()
         self.links: list[tuple[str, list[str]]] = []  # (symlink path, its class's file list)
+        self.skipped: Counter[str] = Counter()
 
     def _first_visit(self, path: str) -> bool:
         st = os.stat(path)
@@ -239,6 +274,7 @@ class _Walk:
     def _walk(self, top: str, files: list[str]) -> None:
         for dirpath, dirnames, filenames in os.walk(top):
             keep = []
+            self.skipped["hidden"] += sum(d.startswith(".") for d in dirnames)
             for d in sorted(d for d in dirnames if not d.startswith(".")):
                 path = os.path.join(dirpath, d)
                 if os.path.islink(path):
@@ -246,8 +282,12 @@ class _Walk:
                 elif self._first_visit(path):
                     keep.append(d)
             dirnames[:] = keep
-            files += [os.path.join(dirpath, f) for f in filenames
-                      if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS)]
+            for f in filenames:
+                why = skip_reason(f)
+                if why is None:
+                    files.append(os.path.join(dirpath, f))
+                else:
+                    self.skipped[why] += 1
 
     def follow_links(self) -> None:
         """Open every pending symlink to a directory not seen yet (new ones join the list)."""
@@ -259,8 +299,19 @@ class _Walk:
                 self._walk(path, files)
 
 
-def _split_per_class(items: Files, num_classes: int, test_fraction: float,
-                     seed: int) -> dict[str, Files]:
+def split_per_class(items: Files, num_classes: int, test_fraction: float,
+                    seed: int) -> dict[str, Files]:
+    """A seeded per-class train/test split: ``round(n_c * test_fraction)`` test files per class.
+
+    Args:
+        items: ``(path, label)`` pairs.
+        num_classes: C.
+        test_fraction: share of each class held out as test.
+        seed: the split's seed.
+
+    Returns:
+        ``{"train": files, "test": files}``.
+    """
     rng = np.random.default_rng([seed, 2])
     by_class: list[Files] = [[] for _ in range(num_classes)]
     for item in items:

@@ -34,8 +34,16 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pipeline.data.sources.base import Sample, Source, SourceError, UnreadableImage
-from pipeline.data.sources.imagefolder import IMAGE_EXTENSIONS, _sanitize_key
+from pipeline.data.sources.base import Sample, Source, SourceError
+from pipeline.data.sources.imagefolder import (
+    BUILD_SETTINGS,
+    IMAGE_EXTENSIONS,
+    SKIP_REASONS,
+    ImageWalk,
+    open_upright,
+    sanitize_key,
+    upright_size,
+)
 from pipeline.data.sources.modes import (
     SUPPORTED_MODES,
     ModeError,
@@ -46,23 +54,14 @@ from pipeline.data.sources.modes import (
 
 log = logging.getLogger(__name__)
 
-SKIP_REASONS = ("appledouble", "hidden", "not_image")  # the counters of skipped files
 KEY_PREFIX = "u"  # keys of unlabelled images: u<7-digit index>_<relative path>
 
 
-def skip_reason(name: str) -> str | None:
-    """Why a file name is not an image of the tree (:data:`SKIP_REASONS`), or None."""
-    if name.startswith("._"):
-        return "appledouble"
-    if name.startswith("."):
-        return "hidden"
-    if not name.lower().endswith(IMAGE_EXTENSIONS):
-        return "not_image"
-    return None
-
-
 def walk_images(root: Path) -> tuple[list[str], Counter[str]]:
-    """Every image file under ``root`` (any nesting), sorted by relative path.
+    """Every image file under ``root`` (any nesting, symlinked folders once), sorted by path.
+
+    The walk of an imagefolder class folder (:class:`~pipeline.data.sources.imagefolder.
+    ImageWalk`): symlinked directories followed, each real directory once.
 
     Args:
         root: the tree's top directory.
@@ -72,20 +71,12 @@ def walk_images(root: Path) -> tuple[list[str], Counter[str]]:
         skipped entries per reason (``appledouble``, ``hidden``, ``not_image``); a hidden folder
         counts once as ``hidden`` and is not entered.
     """
+    walk = ImageWalk()
     found: list[str] = []
-    skipped: Counter[str] = Counter()
-    for dirpath, dirnames, filenames in os.walk(root):
-        hidden = [d for d in dirnames if d.startswith(".")]
-        skipped["hidden"] += len(hidden)
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for f in filenames:
-            why = skip_reason(f)
-            if why is None:
-                found.append(os.path.join(dirpath, f))
-            else:
-                skipped[why] += 1
+    walk.enter(root, found)
+    walk.follow_links()
     found.sort(key=lambda p: os.path.relpath(p, root))
-    return found, skipped
+    return found, walk.skipped
 
 
 class UnlabelledTree:
@@ -120,7 +111,7 @@ class UnlabelledTree:
             try:
                 with Image.open(path) as im:
                     self.kinds.add(image_kind(im))
-                    self.sizes.add(im.size)
+                    self.sizes.add(upright_size(im))
             except ModeError as e:
                 unsupported.append(f"{path} ({e})")
             except Exception as e:  # PIL raises several types for unreadable files
@@ -143,7 +134,8 @@ class UnlabelledTree:
     def build_record(self) -> dict[str, object]:
         """What the pretrain manifest records under ``build.unlabelled``."""
         return {"root": str(self.root), "images": len(self.paths),
-                "skipped": {r: self.skipped[r] for r in SKIP_REASONS}}
+                "skipped": {r: self.skipped[r] for r in SKIP_REASONS},
+                **BUILD_SETTINGS}
 
     def load(self, index: int, mode: str) -> Sample:
         """Image ``index`` in ``mode``, label -1.
@@ -152,16 +144,9 @@ class UnlabelledTree:
             UnreadableImage: the pixels cannot be decoded or converted (names the file).
         """
         path = self.paths[index]
-        try:
-            with Image.open(path) as im:
-                im.load()
-                image = to_mode(im, mode)
-        except ModeError as e:  # e.g. float values outside 0..1
-            raise UnreadableImage(f"{path} ({e})") from None
-        except Exception as e:  # truncated / corrupt data past the header
-            raise UnreadableImage(f"{path} ({type(e).__name__}: {e})") from None
+        image = open_upright(path, mode)
         rel = os.path.relpath(path, self.root)
-        return Sample(f"{KEY_PREFIX}{index:07d}_{_sanitize_key(rel)}", image, -1)
+        return Sample(f"{KEY_PREFIX}{index:07d}_{sanitize_key(rel)}", image, -1)
 
 
 class NoLabelsSource(Source):

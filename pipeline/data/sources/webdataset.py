@@ -29,7 +29,7 @@ import numpy as np
 from pipeline.data.external import image_member, open_image, sample_label
 from pipeline.data.shards import ShardError, iter_shard, sha256_file, shard_location
 from pipeline.data.sources.base import Sample, Source, SourceError, UnreadableImage
-from pipeline.data.sources.imagefolder import _sanitize_key, _split_per_class
+from pipeline.data.sources.imagefolder import sanitize_key, split_per_class
 from pipeline.data.sources.modes import ModeError, to_mode
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class WebDatasetSource(Source):
         if not items:
             raise SourceError(f"data.root = {spec!r}: no labelled sample (data.label_field "
                               f"{label_field!r}); data.source none pretrains without labels")
-        split = _split_per_class(items, len(self.class_names), test_fraction, seed)
+        split = split_per_class(items, len(self.class_names), test_fraction, seed)
         for name, part in split.items():
             if not part:
                 raise SourceError(f"data.root = {spec!r}: data.test_fraction={test_fraction} "
@@ -121,7 +121,7 @@ class WebDatasetSource(Source):
             raise UnreadableImage(f"sample '{self._keys[i]}' ({e})") from None
         except Exception as e:  # noqa: BLE001 (the index decoded it: corrupt since)
             raise UnreadableImage(f"sample '{self._keys[i]}' ({type(e).__name__})") from None
-        return Sample(f"{i:07d}_{_sanitize_key(self._keys[i] + '.x')}", image,
+        return Sample(f"{i:07d}_{sanitize_key(self._keys[i] + '.x')}", image,
                       int(self._labels[i]))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -45,8 +47,10 @@ def test_unlabelled_tree__keys_labels_and_record(tmp_path):
     assert (s0.key, s0.label, s0.image.getpixel((0, 0))) == ("u0000000_a", -1, 20)
     assert (s1.key, s1.label) == ("u0000001_z_two_words", -1)
     assert set(s1.key) <= KEY_CHARS
-    assert tree.build_record() == {"root": str(tmp_path), "images": 2,
-                                   "skipped": {"appledouble": 0, "hidden": 0, "not_image": 1}}
+    assert tree.build_record() == {
+        "root": str(tmp_path), "images": 2,
+        "skipped": {"appledouble": 0, "hidden": 0, "not_image": 1},
+        "exif_orientation": "applied (PIL ImageOps.exif_transpose, before resize/crop)"}
     assert tree.describe_skipped() == "1 not_image"
 
 
@@ -113,3 +117,31 @@ def test_pretrain_mix__sizes_stored_as_they_are_must_be_one_square(tmp_path, tin
 def test_no_labels_source__every_split_empty():
     src = NoLabelsSource()
     assert src.splits() == {"pretrain": 0, "train": 0, "test": 0} and src.class_names == ()
+
+
+def test_walk_images__symlinked_folders_once_and_loops_end(tmp_path):
+    # worked by hand: real a/ (2 images) and b/ (1); link/ -> b (already counted: adds nothing),
+    # b/loop -> the tree's top (a loop: ends), ext -> an outside folder with 1 image (counted)
+    save(tmp_path / "t" / "a" / "1.png", grey(1))
+    save(tmp_path / "t" / "a" / "2.png", grey(2))
+    save(tmp_path / "t" / "b" / "3.png", grey(3))
+    save(tmp_path / "outside" / "4.png", grey(4))
+    (tmp_path / "t" / "link").symlink_to(tmp_path / "t" / "b", target_is_directory=True)
+    (tmp_path / "t" / "b" / "loop").symlink_to(tmp_path / "t", target_is_directory=True)
+    (tmp_path / "t" / "ext").symlink_to(tmp_path / "outside", target_is_directory=True)
+    paths, _ = walk_images(tmp_path / "t")
+    rel = [str(Path(p).relative_to(tmp_path / "t")) for p in paths]
+    assert rel == ["a/1.png", "a/2.png", "b/3.png", "ext/4.png"]
+
+
+def test_unlabelled_tree__exif_orientation_6_loaded_upright(tmp_path):
+    # raw 3 x 2 pixels (W x H) tagged Orientation 6: shown rotated 90 degrees clockwise, 2 x 3;
+    # the raw top-left pixel (value 10) lands at the displayed top-right corner (x=1, y=0)
+    raw = np.array([[10, 20, 30], [40, 50, 60]], dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(raw).save(tmp_path / "photo.jpg", exif=exif, quality=100)
+    tree = UnlabelledTree(tmp_path)
+    assert tree.sizes == {(2, 3)}
+    img = tree.load(0, "L").image
+    assert img.size == (2, 3) and abs(img.getpixel((1, 0)) - 10) <= 3
