@@ -60,7 +60,7 @@ def run(p: Params) -> None:
                      metrics_path=Path("metrics/pretrain.json"),
                      plots_path=Path("plots/pretrain.tsv"),
                      knn_plots_path=Path("plots/knn_monitor.tsv"), run=mlrun,
-                     pretrain_set=pretrain_set)
+                     pretrain_set=pretrain_set, abandoned=watch.abandoned)
         except Terminated as e:  # stopped by the workspace watch: say why
             if watch.reason is None:
                 raise

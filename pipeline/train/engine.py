@@ -257,7 +257,8 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
              checkpoint_dir: Path | Callable[[str], Path], metrics_path: Path,
              plots_path: Path, knn_plots_path: Path, run: StageRun | None = None,
              max_steps: int | None = None,
-             pretrain_set: dict[str, Any] | None = None) -> dict[str, float]:
+             pretrain_set: dict[str, Any] | None = None,
+             abandoned: Callable[[], bool] | None = None) -> dict[str, float]:
     """Pretrain MoCo on the ``pretrain`` shards and export the query backbone.
 
     Args:
@@ -281,6 +282,10 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
         pretrain_set: the pretraining set's manifest when it is more than
             ``shards_dir/pretrain`` (:func:`pipeline.data.index.pretrain_manifest`); None =
             that split alone.
+        abandoned: asked when the data fails between two steps; True = the workspace was
+            abandoned and the failure is its consequence (DVC deleting a killed experiment's
+            shards), so a checkpoint is written and :class:`Terminated` raised instead
+            (:meth:`pipeline.train.resume_store.WorkspaceWatch.abandoned`). None = never.
 
     Returns:
         The final metrics (also written to ``metrics_path``).
@@ -288,7 +293,8 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
     Raises:
         PlanError: sizes that do not fit the data or the processes (names the param).
         NonFiniteLossError: the loss became NaN/inf (the last good checkpoint is kept).
-        Terminated: SIGTERM or SIGINT was received (a checkpoint was written first).
+        Terminated: SIGTERM or SIGINT was received, or ``abandoned`` said so (a checkpoint was
+            written first).
         LoaderWorkerError: a DataLoader worker died (e.g. SIGKILL from the out-of-memory
             killer); the message names the signal and the checkpoint step to resume from.
     """
@@ -304,11 +310,15 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
             try:
                 while r.state.step < stop_at:
                     train_one_epoch(r, r.state.step // r.plan.steps_per_epoch, stop_at)
-            except RuntimeError as e:  # PyTorch's SIGCHLD handler raises at any line
-                died = worker_death(e)
-                if died is None:
+            except Exception as e:
+                died = worker_death(e)  # PyTorch's SIGCHLD handler raises at any line
+                if died is not None:
+                    raise worker_died(r, died) from None
+                if r.in_step or abandoned is None or not abandoned():
                     raise
-                raise worker_died(r, died) from None
+                save_checkpoint(r)
+                raise Terminated(f"workspace abandoned: checkpoint written at step "
+                                 f"{r.state.step} to {r.ckpt.path}") from None
         if r.state.step < r.plan.total_steps:  # stopped early by max_steps (tests)
             return {"step": float(r.state.step)}
         return _finish(r, model, encoder_path, metrics_path, plots_path, knn_plots_path)

@@ -168,10 +168,30 @@ def clean_main(*, keep: int = 0, root: str | Path | None = None) -> int:
 
 
 class WorkspaceWatch:
-    """Why the stage stopped itself (:attr:`reason`), set by :func:`watch_workspace`."""
+    """Why the stage stopped itself (:attr:`reason`), set by :func:`watch_workspace`.
 
-    def __init__(self) -> None:
+    Args:
+        parent: DVC's runner, the parent process when the watch began (None = not watched).
+        cwd: the experiment's workspace.
+    """
+
+    def __init__(self, parent: int | None = None, cwd: str = "") -> None:
         self.reason: str | None = None
+        self.parent, self.cwd = parent, cwd
+
+    def abandoned(self) -> bool:
+        """Check now: True (and :attr:`reason` set) once DVC abandoned the workspace.
+
+        The engine asks this when the data fails between two steps: DVC may delete the
+        workspace's shards before the periodic check's SIGTERM arrives.
+        """
+        if self.reason is None and self.parent is not None:
+            if os.getppid() != self.parent:
+                self.reason = (f"DVC's experiment runner (pid {self.parent}) is gone, so its "
+                               f"workspace {self.cwd} will be deleted (`dvc queue kill --force`?)")
+            elif not os.path.isdir(self.cwd):
+                self.reason = f"the experiment's workspace {self.cwd} was deleted"
+        return self.reason is not None
 
 
 def in_experiment_workspace() -> bool:
@@ -202,24 +222,17 @@ def watch_workspace(interval_s: float = 1.0) -> Iterator[WorkspaceWatch]:
     Yields:
         The watch; ``reason`` stays None unless the process stopped itself.
     """
-    watch = WorkspaceWatch()
     if not in_experiment_workspace():
-        yield watch
+        yield WorkspaceWatch()
         return
-    parent, cwd = os.getppid(), os.getcwd()
+    watch = WorkspaceWatch(os.getppid(), os.getcwd())
     done = threading.Event()
 
     def check() -> None:
         while not done.wait(interval_s):
-            if os.getppid() != parent:
-                watch.reason = (f"DVC's experiment runner (pid {parent}) is gone, so its "
-                                f"workspace {cwd} will be deleted (`dvc queue kill --force`?)")
-            elif not os.path.isdir(cwd):
-                watch.reason = f"the experiment's workspace {cwd} was deleted"
-            else:
-                continue
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
+            if watch.abandoned():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
 
     thread = threading.Thread(target=check, name="workspace-watch", daemon=True)
     thread.start()

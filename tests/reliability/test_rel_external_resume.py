@@ -10,6 +10,7 @@ as the uninterrupted run; the index of the shards is part of the resume fingerpr
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -94,8 +95,10 @@ def test_external_shards__sigkill_mid_epoch_then_resume__bit_identical(
 
     again = run_stage("pretrain", wd, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resuming from .checkpoints/pretrain/last.pt at step" in again.stderr
-    step = int(again.stderr.split("resuming from .checkpoints/pretrain/last.pt at step ")[1]
-               .split()[0])
+    # the resume store keys checkpoints by the training fingerprint (pipeline/train/resume_store.py)
+    m = re.search(r"resuming from \.checkpoints/pretrain/[0-9a-f]{16}/last\.pt at step (\d+)",
+                  again.stderr)
+    assert m, again.stderr[-3000:]
+    step = int(m.group(1))
     assert 2 <= step < 19  # a checkpoint inside the first epoch
     assert same_tensors(load_state(wd / "models/encoder.pt"), load_state(ref / "models/encoder.pt"))

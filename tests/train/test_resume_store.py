@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 from helpers import build_tiny_shards, run_pretrain
 
@@ -72,3 +73,55 @@ def test_pretrain__store_callable__checkpoint_in_the_fingerprint_folder(tmp_path
     (fp,) = seen
     ck = torch.load(tmp_path / "repo" / rs.STORE / fp[:16] / "last.pt", weights_only=True)
     assert ck["fingerprint"] == fp and ck["step"] == 2
+
+
+def _failing_loader_after(monkeypatch, n_batches: int) -> None:
+    """The loaders yield ``n_batches`` batches in all, then fail as a deleted shard does."""
+    import pipeline.train.engine as engine
+    from pipeline.data.shards import ShardError
+
+    real, served = engine.train_loader, {"n": 0}
+
+    def loader(*a, **k):
+        for batch in real(*a, **k):
+            if served["n"] == n_batches:
+                raise ShardError("pretrain/shard-000000.tar: shard listed in the manifest is "
+                                 "missing")
+            served["n"] += 1
+            yield batch
+
+    monkeypatch.setattr(engine, "train_loader", loader)
+
+
+def test_pretrain__data_fails_in_an_abandoned_workspace__checkpoint_and_terminated(
+        tiny_shards, tmp_path, monkeypatch):
+    from pipeline.signals import Terminated
+
+    _failing_loader_after(monkeypatch, 3)  # checkpoints every 2 steps: the last one at step 2
+    with pytest.raises(Terminated, match=r"^workspace abandoned: checkpoint written at step 3 "
+                                         r"to \S+last\.pt$") as e:
+        run_pretrain(tiny_shards, tmp_path, abandoned=lambda: True)
+    assert e.value.exit_code == 143
+    assert torch.load(tmp_path / "ckpt/last.pt", weights_only=True)["step"] == 3
+
+
+def test_pretrain__data_fails_in_a_live_workspace__the_data_error(tiny_shards, tmp_path,
+                                                                  monkeypatch):
+    from pipeline.data.shards import ShardError
+
+    _failing_loader_after(monkeypatch, 3)
+    with pytest.raises(ShardError, match="shard listed in the manifest is missing"):
+        run_pretrain(tiny_shards, tmp_path, abandoned=lambda: False)
+    assert torch.load(tmp_path / "ckpt/last.pt", weights_only=True)["step"] == 2
+
+
+def test_workspace_watch__abandoned_when_the_parent_changes_or_the_folder_goes(tmp_path):
+    from pipeline.train.resume_store import WorkspaceWatch
+
+    assert not WorkspaceWatch().abandoned()  # not in an experiment workspace: never
+    here = WorkspaceWatch(os.getppid(), str(tmp_path))
+    assert not here.abandoned() and here.reason is None
+    orphan = WorkspaceWatch(os.getppid() + 1_000_000, str(tmp_path))
+    assert orphan.abandoned() and f"pid {os.getppid() + 1_000_000}) is gone" in orphan.reason
+    gone = WorkspaceWatch(os.getppid(), str(tmp_path / "deleted"))
+    assert gone.abandoned() and gone.reason.endswith("deleted was deleted")
