@@ -409,7 +409,11 @@ def test_readme__results_table_matches_the_metrics():
         assert (pct(cells[0]), pct(cells[1])) == (knn["top1"], lin["top1"]), prefix
         assert f"k={knn['k']}, T={knn['T']}" in cells[0], prefix
     assert pct(row("raw pixels, kNN k=200")[0]) == base["raw_pixels_top1"]
-    tuned = row("raw pixels, kNN with k and T chosen")
+    w48 = row("MoCo, width 48")
+    knn, lin = (_json(f"results/fashion-mnist-w48-4ep/metrics/{m}.json") for m in ("knn", "linear"))
+    assert (pct(w48[0]), pct(w48[1])) == (knn["top1"], lin["top1"])
+    assert w48[2] == f"{knn['protocol_top1']} / {lin['protocol_top1']} %"
+    tuned = row("raw pixels, kNN, k and T chosen")
     assert pct(tuned[0]) == base["raw_pixels_knn_tuned_top1"]
     assert (base["raw_pixels_knn_tuned_k"], base["raw_pixels_knn_tuned_T"]) == (10, 0.02)
     assert pct(row("raw pixels, linear probe")[1]) == base["raw_pixels_linear_top1"]
