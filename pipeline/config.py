@@ -150,7 +150,16 @@ FORBIDDEN_KEYS = ("size", "nfiles")  # DVC's run cache ignores params with these
 
 
 class ParamsError(ValueError):
-    """A params file that does not satisfy the schema (message names the key)."""
+    """A params file that does not satisfy the schema (message names the key).
+
+    Args:
+        message: the one-line message.
+        key: the dotted key it is about, when one is (:func:`check_params_file` reads it).
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass
@@ -336,7 +345,7 @@ class Params:
 
 def _check(ok: bool, key: str, allowed: str, value: Any) -> None:
     if not ok:
-        raise ParamsError(f"params: '{key}' = {value!r} is invalid; allowed: {allowed}")
+        raise ParamsError(f"params: '{key}' = {value!r} is invalid; allowed: {allowed}", key)
 
 
 def _pos(key: str, v: float, strict: bool = True) -> None:
@@ -513,6 +522,43 @@ def check_queue_size(K: int, n_images: int, where: str) -> None:  # noqa: N803 (
            "or add images", K)
 
 
+def check_against_data(p: Params, pretrain_set: dict[str, Any], split: object) -> None:
+    """Refuse, before any training, the params that only the pretraining set can refute.
+
+    The ``check_data`` stage runs this between ``build_shards`` and ``pretrain`` (so a refusal
+    deletes none of pretrain's outputs), and ``stages/pretrain.py`` again before training:
+
+    * ``moco.K`` at least the number of pretraining images (moco#146): :func:`validate` already
+      refuses it when the params fix the count (:func:`pretrain_images_bound`); with an
+      unlabelled tree, an imagefolder or shards read in place only the manifest knows it.
+    * An ``embed.pool_grid`` the images cannot fill: :func:`validate` bounds it when the params
+      fix the image side; an ``imagefolder`` built at ``data.image_size`` 0 keeps its images'
+      own size, which only the manifest knows. (Shards of whole images, ``data.max_side``, vary
+      in size: left to ``embed``.)
+
+    Args:
+        p: the validated params.
+        pretrain_set: the pretraining set's manifest
+            (:func:`pipeline.data.index.pretrain_manifest`: ``num_samples``, ``image_shape``
+            ``(C, H, W)`` or None for mixed sizes, ``build.parts``).
+        split: where the manifest lives (a path or URL), for the messages.
+
+    Raises:
+        ParamsError: names ``moco.K`` and both numbers, or ``embed.pool_grid`` and the manifest.
+    """
+    build = pretrain_set.get("build", {})
+    where = " + ".join(build.get("parts") or [str(split)])
+    tree = build.get("unlabelled") or {}
+    if tree:
+        where += f"; {tree['images']} of them from data.unlabelled_root {tree['root']}"
+    check_queue_size(p.moco.K, int(pretrain_set["num_samples"]), where)
+    if p.embed.pool_grid <= 1 or image_side(p):
+        return
+    shape = pretrain_set.get("image_shape")  # (C, H, W); None = mixed sizes
+    if shape:
+        check_pool_grid(p, min(shape[1:]), where=f"{split}/manifest.json")
+
+
 def _validate_model(p: Params) -> None:
     _pos("model.width", p.model.width)
     _switch("model.small_stem", p.model, "small_stem", ("auto", "true", "false"))
@@ -624,6 +670,20 @@ def _unknown_key_message(key: str) -> str:
     return f"unknown key{hint} ({where} has: {', '.join(known)})"
 
 
+def _check_shapes(tree: dict[str, Any], schema: dict[str, Any], prefix: str = "") -> None:
+    """Refuse a scalar where the schema has a section or a list.
+
+    OmegaConf's own messages for these name internal node types, or no key at all.
+    """
+    for k, v in tree.items():
+        key, want = f"{prefix}{k}", schema.get(k)
+        if isinstance(want, dict):
+            _check(isinstance(v, dict), key, f"a section (a mapping of {', '.join(want)})", v)
+            _check_shapes(v, want, key + ".")
+        elif isinstance(want, list):
+            _check(isinstance(v, list), key, f"a list, e.g. {want}", v)
+
+
 def from_dict(tree: dict[str, Any] | None) -> Params:
     """Build and validate :class:`Params` from a plain nested dict (e.g. parsed YAML).
 
@@ -634,6 +694,7 @@ def from_dict(tree: dict[str, Any] | None) -> Params:
     if not isinstance(tree, dict):
         raise ParamsError("params: the file must hold a mapping of sections")
     _forbidden_keys(tree)
+    _check_shapes(tree, to_dict(Params()))
     raw = OmegaConf.create(tree)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Params), raw)
@@ -643,7 +704,7 @@ def from_dict(tree: dict[str, Any] | None) -> Params:
         msg = str(e).splitlines()[0]
         if isinstance(e, ConfigKeyError):  # a typo'd key: name the close ones
             msg = _unknown_key_message(key)
-        raise ParamsError(f"params: '{key}': {msg}") from None
+        raise ParamsError(f"params: '{key}': {msg}", key) from None
     if "${" in OmegaConf.to_yaml(raw):
         raise ParamsError("params: '${...}' interpolation is not allowed (DVC compares raw values)")
     obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Params), resolved))
@@ -674,7 +735,7 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     try:
         return from_dict(tree)  # type: ignore[arg-type]
     except ParamsError as e:  # "params.yaml: 'knn.k' = ...", not "params.yaml: params: ..."
-        raise ParamsError(f"{path}: {str(e).removeprefix('params: ')}") from None
+        raise ParamsError(f"{path}: {str(e).removeprefix('params: ')}", e.key) from None
 
 
 def missing_keys(path: str | Path) -> list[str]:
@@ -696,12 +757,22 @@ def check_params_file(path: str | Path) -> Params:
     Raises:
         ParamsError: as :func:`load_params`, or keys missing from the file (all named).
     """
-    params = load_params(path)
+    try:
+        params = load_params(path)
+    except ParamsError as e:
+        # a value refused because a key is absent (its default filled in) is the absence's fault
+        if e.key is None or e.key not in (missing := missing_keys(path)):
+            raise
+        raise _missing_error(path, missing) from None
     missing = missing_keys(path)
     if missing:
-        raise ParamsError(f"{path}: missing keys {', '.join(missing)} (dvc repro needs every "
-                          "key; copy them from params.yaml or a preset in configs/)")
+        raise _missing_error(path, missing)
     return params
+
+
+def _missing_error(path: str | Path, missing: list[str]) -> ParamsError:
+    return ParamsError(f"{path}: missing keys {', '.join(missing)} (dvc repro needs every key; "
+                       "copy them from params.yaml or a preset in configs/)", missing[0])
 
 
 def to_dict(p: Any) -> dict[str, Any]:

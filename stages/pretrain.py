@@ -10,11 +10,7 @@ from typing import TYPE_CHECKING
 from pipeline.cli import stage_entry  # first: light; installs the signal handlers
 
 if TYPE_CHECKING:
-    from pathlib import Path
-    from typing import Any
-
     from pipeline.config import Params
-    from pipeline.data.remote import ShardURL
 
 # Resume state is not a DVC output (gitignored and dvcignored): a `persist: true` output would
 # switch off DVC's run cache for the stage, and a `--queue`/`--temp` workspace is deleted after
@@ -28,6 +24,7 @@ def run(p: Params) -> None:
     import os
     from pathlib import Path
 
+    from pipeline.config import check_against_data
     from pipeline.data.index import index_location, pretrain_manifest
     from pipeline.data.remote import shards_location
     from pipeline.model_registry import publish_encoder
@@ -41,7 +38,7 @@ def run(p: Params) -> None:
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     index = index_location("pretrain") if p.data.pretrain_shards else None
     pretrain_set = pretrain_manifest(shards, index, image_size=p.data.image_size)
-    check_before_training(p, pretrain_set, shards / "pretrain")
+    check_against_data(p, pretrain_set, shards / "pretrain")  # also the check_data stage's check
     # a checkpoint the engine will resume names its MLflow run: continue it (one training = one run)
     resume = resumable_run_id(
         lambda fp: entry_dir(fp) / CHECKPOINT_NAME, seed=p.seed, model=p.model, moco=p.moco,
@@ -70,33 +67,6 @@ def run(p: Params) -> None:
             mlrun.log_artifact(f)
         publish_encoder(mlrun, params=p, encoder_path=Path("models/encoder.pt"),
                         example_split=shards / "test")  # logged model + registry version
-
-
-def check_before_training(p: Params, pretrain_set: dict[str, Any],
-                          split: Path | ShardURL) -> None:
-    """Refuse, before hours of training, what only the data can refute.
-
-    * ``moco.K`` at least the number of pretraining images (moco#146): ``check_params``
-      already refuses it when the params fix the count; with an unlabelled tree, an imagefolder
-      or shards read in place only the manifests know it.
-    * An ``embed.pool_grid`` the images cannot fill: ``check_params`` bounds it when the params
-      fix the image side; an ``imagefolder`` built at ``data.image_size`` 0 keeps its images'
-      own size, which only the manifest knows. (Shards of whole images, ``data.max_side``, vary
-      in size: left to ``embed``.)
-
-    Raises:
-        ParamsError: either (names ``moco.K`` and both numbers, or ``embed.pool_grid`` and the
-            manifest).
-    """
-    from pipeline.config import check_pool_grid, check_queue_size, image_side
-
-    parts = pretrain_set.get("build", {}).get("parts") or [str(split)]
-    check_queue_size(p.moco.K, int(pretrain_set["num_samples"]), " + ".join(parts))
-    if p.embed.pool_grid <= 1 or image_side(p):
-        return
-    shape = pretrain_set.get("image_shape")  # (C, H, W); None = mixed sizes
-    if shape:
-        check_pool_grid(p, min(shape[1:]), where=f"{split}/manifest.json")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,15 @@ import pytest
 import yaml
 
 from pipeline.__main__ import main as cli_main
-from pipeline.config import Params, ParamsError, flatten, from_dict, load_params, to_dict
+from pipeline.config import (
+    Params,
+    ParamsError,
+    check_params_file,
+    flatten,
+    from_dict,
+    load_params,
+    to_dict,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,6 +160,39 @@ def test_check_params_cli__incomplete_file_names_missing_keys(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "missing keys" in err and "report.tsne_points" in err and "moco.m," in err
     assert "moco.K," not in err and "seed," not in err
+
+
+def test_check_params_file__a_deleted_key_is_named_missing_not_its_default_refused(tmp_path):
+    # configs/ci.yaml caps pretraining at 2,048 images: without moco.K the default 4,096 would
+    # fail the queue check, but the user never wrote 4,096; the missing key is the error
+    text = (ROOT / "configs/ci.yaml").read_text()
+    lines = [ln for ln in text.splitlines() if not ln.startswith("  K: ")]
+    assert len(lines) == len(text.splitlines()) - 1
+    f = tmp_path / "p.yaml"
+    f.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ParamsError) as e:
+        check_params_file(f)
+    assert str(e.value) == (f"{f}: missing keys moco.K (dvc repro needs every key; copy them "
+                            "from params.yaml or a preset in configs/)")
+    # a refused value the user did write is still named first
+    f.write_text("\n".join(lines).replace("  m: 0.99", "  m: 2") + "\n")
+    with pytest.raises(ParamsError, match=r"'moco.m' = 2.0 is invalid"):
+        check_params_file(f)
+
+
+@pytest.mark.parametrize("tree, message", [
+    ({"pretrain": {"lr_milestones": 5}},
+     "params: 'pretrain.lr_milestones' = 5 is invalid; allowed: a list, e.g. [120, 160]"),
+    ({"linear": {"lr_milestones": "60,80"}},
+     "params: 'linear.lr_milestones' = '60,80' is invalid; allowed: a list, e.g. [60, 80]"),
+    ({"moco": 4096},
+     "params: 'moco' = 4096 is invalid; allowed: a section (a mapping of K, m, m_schedule, T, "
+     "symmetric, bn, bn_splits)"),
+])
+def test_from_dict__a_scalar_for_a_list_or_a_section_is_named(tree, message):
+    with pytest.raises(ParamsError) as e:
+        from_dict(tree)
+    assert str(e.value) == message
 
 
 def test_check_params_cli__stamp_is_content_stable(tmp_path, capsys):

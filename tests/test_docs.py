@@ -300,12 +300,14 @@ def rerun_set(keys: list[str]) -> set[str]:
     """Stages that ``dvc exp run -S key=...`` reruns: readers of the keys, then downstream.
 
     ``check_params`` depends on the whole params.yaml, so it always reruns, but its stamp has
-    the same bytes for every valid file (tests/test_config.py): nothing reruns because of it.
+    the same bytes for every valid file (tests/test_config.py): nothing reruns because of it;
+    ``check_data``'s stamp is content-stable too.
     An ``always_changed`` stage (``index_shards``) runs every time; its outputs change only
     with the data it indexes (tests/e2e/test_remote_shards.py), never with a params change.
     """
     stages = _dvc_stages()
-    stable = {"check_params"} | {n for n, st in stages.items() if st.get("always_changed")}
+    stable = {"check_params", "check_data"} | {n for n, st in stages.items()
+                                               if st.get("always_changed")}
     hit = {name for name, st in stages.items()
            if "params.yaml" in st.get("deps", []) or st.get("always_changed")
            or any(k == p or k.startswith(p + ".") for k in keys for p in _names(st.get("params")))}

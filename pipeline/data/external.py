@@ -33,7 +33,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from pipeline.data.remote import RemoteError, is_url
 
@@ -187,7 +187,17 @@ def sample_label(record: dict[str, Any], field: str) -> int | str | None:
 
 
 def open_image(data: bytes) -> Image.Image:
-    """Decode encoded image bytes completely with PIL (raises on truncated or corrupt data)."""
-    im = Image.open(io.BytesIO(data))
+    """Decode encoded image bytes completely with PIL.
+
+    Raises:
+        UnidentifiedImageError: no PIL decoder recognises the bytes (the message names no
+            in-memory buffer, so it reads well after a shard and sample name).
+        OSError: truncated or corrupt data (PIL's own message).
+    """
+    try:
+        im = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:  # PIL's message ends in "<_io.BytesIO object at 0x...>"
+        raise UnidentifiedImageError(f"cannot identify the image ({len(data)} bytes, no PIL "
+                                     "decoder recognises them)") from None
     im.load()
     return im

@@ -191,9 +191,9 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
         stats = shard_stat(urls)
     except (ValueError, RemoteError) as e:
         raise ShardError(str(e)) from None
-    old = {}
-    if previous and previous.get("build", {}).get("spec") == spec:
-        old = {s["url"]: s for s in previous.get("shards", []) if "url" in s}
+    # keyed by URL, not by spec: the same shards spelled another way (a directory, a glob,
+    # braces) are the same URLs, and their size and validator say whether they changed
+    old = {s["url"]: s for s in (previous or {}).get("shards", []) if "url" in s}
     entries, fresh = [], {}
     for url, (nbytes, detector) in zip(urls, stats):
         last, seen = old.get(url), (validators or {}).get(url)

@@ -324,9 +324,10 @@ def decode_record(record: dict[str, Any], mode: str) -> tuple[str, Image.Image, 
     check_members(record)
     where = f"{record.get('__url__')}: sample '{record.get('__key__')}'"
     data = next(record[e] for e in IMAGE_EXTS if e in record)
+    from pipeline.data.external import open_image
+
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
+        with open_image(data) as im:
             image = im if im.mode == mode else im.convert(mode)
     except Exception as e:  # PIL raises several types
         raise ShardError(f"{where}: undecodable image ({type(e).__name__}: {e})") from None

@@ -123,14 +123,15 @@ def test_index__unchanged_shards_not_read_again_changed_ones_are(tmp_path, monke
                              previous=first, validators=v1)
     assert reads == [] and again == first and v2 == v1
     img2dataset_shards(tmp_path / "ext", shards=1, per_shard=7, start=1, seed=5)  # rewrite one
-    changed, _ = index_shards(spec, split="pretrain", key="k", max_broken_fraction=0,
-                              previous=first, validators=v1)
+    changed, v3 = index_shards(spec, split="pretrain", key="k", max_broken_fraction=0,
+                               previous=first, validators=v1)
     assert reads == [str(paths[1])]
     assert changed["num_samples"] == 17 and changed["shards"][0] == first["shards"][0]
-    # another spec string: everything is read again
-    index_shards(f"{spec}/*.tar", split="pretrain", key="k", max_broken_fraction=0,
-                 previous=first, validators=v1)
-    assert len(reads) == 4
+    # the same shards spelled as a glob: the same URLs, unchanged, so none is read again
+    globbed, v4 = index_shards(f"{spec}/*.tar", split="pretrain", key="k", max_broken_fraction=0,
+                               previous=changed, validators=v3)
+    assert len(reads) == 1 and v4 == v3
+    assert globbed["shards"] == changed["shards"] and globbed["build"]["spec"] == f"{spec}/*.tar"
 
 
 def test_index__a_shard_added_to_the_directory_is_read_the_others_kept(tmp_path, monkeypatch):

@@ -192,6 +192,16 @@ def test_verify_shards__undecodable_image_with_matching_sha(built: Path):
         verify_shards(built)
 
 
+def test_verify_shards__bytes_no_decoder_knows_are_named_without_a_buffer_address(built: Path):
+    records = [{"__key__": f"n{i}", "png": b"not an image at all", "cls": b"1"} for i in range(2)]
+    rewrite_shard(built, "shard-000002.tar", records)
+    with pytest.raises(ShardError) as e:
+        verify_shards(built)
+    assert str(e.value).endswith(
+        "shard-000002.tar: sample 'n0': undecodable image (UnidentifiedImageError: cannot "
+        "identify the image (19 bytes, no PIL decoder recognises them))")
+
+
 def test_verify_shards__pickle_member_refused(built: Path):
     png = io.BytesIO()
     Image.new("L", (6, 5)).save(png, format="PNG")

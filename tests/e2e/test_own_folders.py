@@ -15,14 +15,15 @@ import re
 
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
-from repohelpers import commit, make_repo, out, params, ran, sh
+from repohelpers import commit, file_digests, make_repo, out, params, ran, sh
 
 from pipeline.data.shards import iter_shard, read_manifest
 
 pytestmark = pytest.mark.slow
-STAGES = ["check_params", "index_shards", "build_shards", "pretrain", "embed", "baselines",
-          "knn", "linear", "report"]
+STAGES = ["check_params", "index_shards", "build_shards", "check_data", "pretrain", "embed",
+          "baselines", "knn", "linear", "report"]
 
 
 def unlabelled_tree(root, n=300, seed=0):
@@ -120,6 +121,35 @@ def test_unlabelled__second_repro_runs_only_the_index(repo):
     assert ran(out(sh(["dvc", "repro"], dst, env))) == ["index_shards"]
 
 
+def test_unlabelled__queue_longer_than_the_tree_is_refused_before_pretrain_loses_anything(repo):
+    # check_params cannot count an unlabelled tree; check_data reads the built manifest (340
+    # images) and refuses K = 340 before DVC deletes any of pretrain's or embed's outputs
+    dst, env, _ = repo
+    kept = ["models", "features", "metrics", "plots"]
+    before = {d: file_digests(dst / d) for d in kept}
+    good = (dst / "params.yaml").read_text()
+    tree = yaml.safe_load(good)
+    tree["moco"]["K"] = 340
+    (dst / "params.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
+    try:
+        res = sh(["dvc", "repro"], dst, env, ok=False)
+    finally:
+        (dst / "params.yaml").write_text(good)
+    text = out(res)
+    assert res.returncode != 0 and "Traceback" not in text
+    assert ran(text) == ["check_params", "index_shards", "check_data"], text[-3000:]
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert errors == [
+        "error: params: 'moco.K' = 340 is invalid; allowed: < 340, the number of pretraining "
+        f"images (data/shards/pretrain; 300 of them from data.unlabelled_root "
+        f"{dst.parent / 'photos'}): a queue of K >= N keys holds keys of the very images in the "
+        "batch as negatives (moco#146); lower moco.K or add images"], text[-3000:]
+    assert {d: file_digests(dst / d) for d in kept} == before
+    # K back at its value: only check_params (params.yaml changed again, its stamp did not) and
+    # the index run
+    assert ran(out(sh(["dvc", "repro"], dst, env))) == ["check_params", "index_shards"]
+
+
 # --- recipe 3: no labels at all ---------------------------------------------------------------
 
 
@@ -135,7 +165,7 @@ def nolabels(tmp_path_factory):
 
 def test_no_labels__repro_pretrain_gives_the_encoder(nolabels):
     dst, _, text = nolabels
-    assert ran(text) == ["check_params", "index_shards", "build_shards", "pretrain"]
+    assert ran(text) == ["check_params", "index_shards", "build_shards", "check_data", "pretrain"]
     assert (dst / "models/encoder.pt").is_file() and (dst / "models/encoder.json").is_file()
     assert "kNN monitor off: no labelled train or test images" in text
     assert read_manifest(dst / "data/shards/pretrain")["num_samples"] == 120

@@ -192,11 +192,13 @@ def test_queue_kill_force__stage_stops_itself_with_a_true_line(repos):
     text = queue_and_kill(main, env, "forced", at_step=20, force=True,
                           params=["-S", f"pretrain.epochs={EPOCHS + 1}"])
     line = last_error(text)
-    # SIGTERM from the watch, or the data failing first as DVC deletes the workspace's shards
+    # SIGTERM from the watch, or the data failing first as DVC deletes the workspace's shards;
+    # the watch sees either the runner gone or the workspace already deleted, whichever is first
     m = re.fullmatch(r"error: Terminated: (?:SIGTERM|workspace abandoned): checkpoint written at "
                      r"step (\d+) to (\S+); "
-                     r"DVC's experiment runner \(pid \d+\) is gone, so its workspace (\S+) will "
-                     r"be deleted \(`dvc queue kill --force`\?\); run the experiment again with "
+                     r"(?:DVC's experiment runner \(pid \d+\) is gone, so its workspace \S+ will "
+                     r"be deleted \(`dvc queue kill --force`\?\)"
+                     r"|the experiment's workspace \S+ was deleted); run the experiment again with "
                      r"the same params \(`dvc exp run`, `--queue` or `--temp`\) to continue", line)
     assert m, line
     step, ckpt = int(m.group(1)), Path(m.group(2))

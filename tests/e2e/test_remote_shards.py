@@ -26,9 +26,9 @@ from repohelpers import commit, make_repo, out, params, ran, sh
 from pipeline.data.shards import read_manifest
 
 pytestmark = pytest.mark.slow
-STAGES = ["check_params", "index_shards", "build_shards", "pretrain", "embed", "baselines",
-          "knn", "linear", "report"]
-AFTER_PRETRAIN = ["index_shards", "pretrain", "embed", "knn", "linear", "report"]
+STAGES = ["check_params", "index_shards", "build_shards", "check_data", "pretrain", "embed",
+          "baselines", "knn", "linear", "report"]
+AFTER_PRETRAIN = ["index_shards", "check_data", "pretrain", "embed", "knn", "linear", "report"]
 
 
 def _free_port() -> int:

@@ -66,3 +66,31 @@ def test_pretrain_stage__queue_longer_than_data_refused_before_anything(tmp_path
     # nothing touched: no model, no checkpoint, no run record, no MLflow database
     assert sorted(p.name for p in wd.iterdir()) == ["data", "params.yaml"]
     assert not (tmp_path / "never").exists()
+
+
+def _check_data(wd: Path, K: int) -> subprocess.CompletedProcess:  # noqa: N803 (MoCo's K)
+    tree = json.loads(json.dumps(TINY))
+    tree["moco"]["K"] = K
+    (wd / "params.yaml").write_text(yaml.safe_dump(tree))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "stages/check_data.py"), "--params",
+                           "params.yaml"], cwd=wd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_check_data_stage__refuses_from_the_manifest_and_writes_a_content_stable_stamp(tmp_path):
+    # the stage DVC runs between build_shards and pretrain: the same check, on the manifest only
+    wd = tmp_path / "wd"
+    build_tiny_shards(wd / "data" / "shards", n_pretrain=64, n_train=16, n_test=16)
+    res = _check_data(wd, 64)
+    assert res.returncode == 2, res.stderr[-3000:]
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == [res.stderr.strip().splitlines()[-1]] and len(errors) == 1
+    assert errors[0].startswith("error: params: 'moco.K' = 64 is invalid; allowed: < 64, the "
+                                "number of pretraining images (data/shards/pretrain)")
+    assert not (wd / "runs").exists()
+    stamps = []
+    for K in (63, 8):
+        assert _check_data(wd, K).returncode == 0
+        stamps.append((wd / "runs/check_data.json").read_bytes())
+    assert stamps[0] == stamps[1] and json.loads(stamps[0])["stage"] == "check_data"
