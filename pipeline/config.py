@@ -78,6 +78,11 @@ class AugPreset(Choice):
     v2_small = "v2_small"
     v2_grey = "v2_grey"
 
+    @property
+    def needs_colour(self) -> bool:
+        """True for the presets whose colour jitter, grayscale and hue need 3 channels."""
+        return self is not AugPreset.v2_grey
+
 
 class Head(Choice):
     """``model.head``: linear (MoCo v1) or mlp (MoCo v2)."""
@@ -531,6 +536,9 @@ def check_against_data(p: Params, pretrain_set: dict[str, Any], split: object) -
     * ``moco.K`` at least the number of pretraining images (moco#146): :func:`validate` already
       refuses it when the params fix the count (:func:`pretrain_images_bound`); with an
       unlabelled tree, an imagefolder or shards read in place only the manifest knows it.
+    * A colour ``augment.preset`` (``v1``, ``v2``, ``v2_small``) on 1-channel images: the
+      pretraining set takes the evaluation data's mode (:func:`pipeline.data.index.
+      pretrain_manifest`), so grey labelled images make RGB shards read in place grey too.
     * An ``embed.pool_grid`` the images cannot fill: :func:`validate` bounds it when the params
       fix the image side; an ``imagefolder`` built at ``data.image_size`` 0 keeps its images'
       own size, which only the manifest knows. (Shards of whole images, ``data.max_side``, vary
@@ -544,7 +552,8 @@ def check_against_data(p: Params, pretrain_set: dict[str, Any], split: object) -
         split: where the manifest lives (a path or URL), for the messages.
 
     Raises:
-        ParamsError: names ``moco.K`` and both numbers, or ``embed.pool_grid`` and the manifest.
+        ParamsError: names ``moco.K`` and both numbers, ``augment.preset`` and the mode, or
+            ``embed.pool_grid`` and the manifest.
     """
     build = pretrain_set.get("build", {})
     where = " + ".join(build.get("parts") or [str(split)])
@@ -552,6 +561,11 @@ def check_against_data(p: Params, pretrain_set: dict[str, Any], split: object) -
     if tree:
         where += f"; {tree['images']} of them from data.unlabelled_root {tree['root']}"
     check_queue_size(p.moco.K, int(pretrain_set["num_samples"]), where)
+    mode = pretrain_set.get("mode", "RGB")
+    _check(mode != "L" or not AugPreset(p.augment.preset).needs_colour, "augment.preset",
+           f"v2_grey: the pretraining images are 1-channel (mode L, {where}; the evaluation "
+           "data's mode decides), and a colour preset's jitter needs 3 channels",
+           str(p.augment.preset))
     if p.embed.pool_grid <= 1 or image_side(p):
         return
     shape = pretrain_set.get("image_shape")  # (C, H, W); None = mixed sizes

@@ -7,7 +7,10 @@ Indexes ``data.pretrain_shards`` (into ``data/index/pretrain``) and, when ``data
 not read) and leaves the manifests as they are when nothing changed, so nothing downstream
 reruns. An index that changed is written and logged as one MLflow run (``runs/index_shards.json``
 names it: the lineage of the pretraining data); without shards to index it writes empty
-manifests and logs no MLflow run.
+manifests and logs no MLflow run. It also lists the local image folders that ``build_shards``
+reads (``data.unlabelled_root``; ``data.root`` of an ``imagefolder`` source) into
+``data/index/folders.json`` (:func:`pipeline.data.index.index_folders`), so an image added to a
+folder rebuilds the shards and a missing folder stops ``dvc repro`` before they are deleted.
 """
 
 from __future__ import annotations
@@ -27,10 +30,20 @@ def run(p: Params) -> None:
     from pathlib import Path
 
     from pipeline.atomic import write_json
-    from pipeline.data.index import VALIDATORS, index_location, index_shards, read_previous
+    from pipeline.data.index import (
+        FOLDERS,
+        VALIDATORS,
+        index_folders,
+        index_location,
+        index_shards,
+        read_previous,
+    )
     from pipeline.data.shards import MANIFEST_NAME
     from pipeline.tracking import stage_run
 
+    folders = index_folders({  # first: a missing folder stops before any shard is read
+        "data.unlabelled_root": p.data.unlabelled_root,
+        "data.root": p.data.root if p.data.source == "imagefolder" else ""})
     sets = {"pretrain": (p.data.pretrain_shards, "data.pretrain_shards"),
             "labelled": (p.data.root if p.data.source == "webdataset" else "", "data.root")}
     try:
@@ -63,6 +76,7 @@ def run(p: Params) -> None:
             write_json(index_location(split) / MANIFEST_NAME, m)
         write_json(runs_file, {"stage": "index_shards", "run_id": None})
     write_json(VALIDATORS, fresh)
+    write_json(FOLDERS, folders)
     print(json.dumps(summary, sort_keys=True), file=sys.stderr)
 
 

@@ -36,6 +36,8 @@ def run(p: Params) -> None:
 
     rank = int(os.environ.get("RANK", "0"))
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
+    # data.pretrain_shards is no dvc.yaml param here: only whether it is set matters, and the
+    # index manifest (a dep) changes with that, not with a respelling of the same shards
     index = index_location("pretrain") if p.data.pretrain_shards else None
     pretrain_set = pretrain_manifest(shards, index, image_size=p.data.image_size)
     check_against_data(p, pretrain_set, shards / "pretrain")  # also the check_data stage's check

@@ -301,12 +301,12 @@ def rerun_set(keys: list[str]) -> set[str]:
 
     ``check_params`` depends on the whole params.yaml, so it always reruns, but its stamp has
     the same bytes for every valid file (tests/test_config.py): nothing reruns because of it;
-    ``check_data``'s stamp is content-stable too.
+    ``check_data``'s and ``check_eval``'s stamps are content-stable too.
     An ``always_changed`` stage (``index_shards``) runs every time; its outputs change only
     with the data it indexes (tests/e2e/test_remote_shards.py), never with a params change.
     """
     stages = _dvc_stages()
-    stable = {"check_params", "check_data"} | {n for n, st in stages.items()
+    stable = {"check_params", "check_data", "check_eval"} | {n for n, st in stages.items()
                                                if st.get("always_changed")}
     hit = {name for name, st in stages.items()
            if "params.yaml" in st.get("deps", []) or st.get("always_changed")

@@ -21,6 +21,14 @@ the last index keeps its entry without being read. The detectors live in
 nothing downstream. A new, changed or added shard is read once, streamed: hashed and every
 image decoded, nothing stored.
 
+Local image folders (``data.unlabelled_root``; ``data.root`` of an ``imagefolder`` source) are
+params naming a path: a file added to, changed in or removed from the folder changes no param.
+The same stage therefore lists them (:func:`index_folders`: every image's relative path, byte
+size and mtime, by the tree walk of :mod:`pipeline.data.sources.unlabelled`) into
+``data/index/folders.json``, which ``build_shards`` depends on: a changed folder rebuilds the
+shards, an unchanged one reruns nothing, and a folder that does not exist stops ``dvc repro``
+here, before ``build_shards`` deletes the shards.
+
 Broken images (web crawls always hold a few): a sample without an image member or whose image
 does not decode is skipped and counted, up to ``data.max_broken_fraction`` of all the set's
 samples; beyond that the stage stops with one line naming the shard with the most and its
@@ -29,7 +37,9 @@ first key.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,12 +62,15 @@ from pipeline.data.shards import (
     sha256_file,
     shard_location,
 )
+from pipeline.data.sources.base import SourceError
 from pipeline.data.sources.modes import image_kind, to_mode
+from pipeline.data.sources.unlabelled import walk_images
 
 log = logging.getLogger(__name__)
 
 INDEX_DIR = Path("data/index")  # beside data/shards; the index_shards stage's outputs
 VALIDATORS = INDEX_DIR / "validators.json"
+FOLDERS = INDEX_DIR / "folders.json"  # the listings of local image folders (index_folders)
 SETS = ("pretrain", "labelled")
 _VALUES = np.arange(256, dtype=np.uint64)
 
@@ -66,12 +79,12 @@ def _round6(xs: Any) -> list[float]:
     return [round(float(x), 6) for x in xs]
 
 
-def empty_manifest(split: str, spec: str = "") -> dict[str, Any]:
-    """The manifest of a set with no shards (``spec`` empty)."""
+def empty_manifest(split: str) -> dict[str, Any]:
+    """The manifest of a set with no shards (an empty spec)."""
     return {"format": MANIFEST_FORMAT, "source": "webdataset", "split": split,
             "num_samples": 0, "num_broken": 0, "class_names": [], "mode": "L", "mean": [],
             "std": [], "pixel_mean": [], "pixel_std": [], "image_shape": None,
-            "label_counts": {}, "build": {"spec": spec}, "shards": []}
+            "label_counts": {}, "build": {}, "shards": []}
 
 
 def _read_shard(url: str) -> dict[str, Any]:
@@ -135,9 +148,13 @@ def check_broken_budget(entries: list[dict[str, Any]], max_fraction: float, key:
         f"({100 * max_fraction:g} %)")
 
 
-def _assemble(entries: list[dict[str, Any]], *, split: str, spec: str,
+def _assemble(entries: list[dict[str, Any]], *, split: str,
               max_fraction: float) -> dict[str, Any]:
-    """The set's manifest from its shard entries (statistics summed exactly)."""
+    """The set's manifest from its shard entries (statistics summed exactly).
+
+    The spec is not in it: the same shards spelled another way (a directory, a glob, braces)
+    give the same manifest, so respelling ``data.pretrain_shards`` reruns nothing downstream.
+    """
     grey = all(s["grey"] for s in entries if s["num_samples"])
     mode = "L" if grey else "RGB"
     n_pix = sum(s["pixels"] for s in entries)
@@ -158,7 +175,7 @@ def _assemble(entries: list[dict[str, Any]], *, split: str, spec: str,
             "num_broken": sum(len(s["broken"]) for s in entries), "class_names": [],
             "mode": mode, "mean": _round6(mean), "std": _round6(std),
             "pixel_mean": _round6(mean), "pixel_std": _round6(std), "image_shape": shape,
-            "label_counts": {}, "build": {"spec": spec, "max_broken_fraction": max_fraction},
+            "label_counts": {}, "build": {"max_broken_fraction": max_fraction},
             "shards": entries}
 
 
@@ -210,12 +227,51 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
             entries.append(entry)
         fresh[url] = {"bytes": nbytes, "validator": detector}
     check_broken_budget(entries, max_broken_fraction, key)
-    manifest = _assemble(entries, split=split, spec=spec, max_fraction=max_broken_fraction)
+    manifest = _assemble(entries, split=split, max_fraction=max_broken_fraction)
     reread = sum(1 for e, u in zip(entries, urls) if e is not old.get(u))
     log.info("index %s: %d shards (%d read, %d unchanged), %d images, %d broken skipped "
              "(%.1fs)", split, len(entries), reread, len(entries) - reread,
              manifest["num_samples"], manifest["num_broken"], time.monotonic() - t0)
     return manifest, fresh
+
+
+def index_folders(folders: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """The identity of local image folders: a digest of their listing, no image read.
+
+    Args:
+        folders: ``{param key: directory}``, e.g. ``{"data.unlabelled_root": "/data/photos"}``;
+            keys with an empty directory are left out.
+
+    Returns:
+        ``{key: {"root", "images", "bytes", "listing_sha256"}}``: the number and total bytes
+        of the image files (:func:`pipeline.data.sources.unlabelled.walk_images`: any nesting;
+        hidden files, ``._*`` and non-images skipped, counted in the log only, so a README
+        added beside the images reruns nothing), and the sha256 of the lines
+        ``<relative path> TAB <bytes> TAB <mtime in ns>`` in path order: an image added,
+        removed, renamed, rewritten or touched changes it.
+
+    Raises:
+        SourceError: a folder is not a directory (one line naming the key and the path).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for key, root in folders.items():
+        if not root:
+            continue
+        top = Path(root)
+        if not top.is_dir():
+            raise SourceError(f"{key} = {root!r}: not a directory")
+        paths, skipped = walk_images(top)
+        digest, total = hashlib.sha256(), 0
+        for path in paths:
+            st = os.stat(path)
+            total += st.st_size
+            digest.update(f"{os.path.relpath(path, top)}\t{st.st_size}\t{st.st_mtime_ns}\n"
+                          .encode("utf-8", "surrogateescape"))
+        out[key] = {"root": root, "images": len(paths), "bytes": total,
+                    "listing_sha256": digest.hexdigest()}
+        log.info("index %s %s: %d images (%d bytes), skipped %s", key, root, len(paths), total,
+                 dict(sorted(skipped.items())) or "nothing")
+    return out
 
 
 def pretrain_manifest(shards_dir: Path | ShardURL, index_dir: Path | None = None, *,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import pickle
 import tarfile
 
@@ -127,11 +128,12 @@ def test_index__unchanged_shards_not_read_again_changed_ones_are(tmp_path, monke
                                previous=first, validators=v1)
     assert reads == [str(paths[1])]
     assert changed["num_samples"] == 17 and changed["shards"][0] == first["shards"][0]
-    # the same shards spelled as a glob: the same URLs, unchanged, so none is read again
+    # the same shards spelled as a glob: the same URLs, unchanged, so none is read again, and
+    # the manifest (a dep of build_shards and pretrain) has the same bytes: nothing reruns
     globbed, v4 = index_shards(f"{spec}/*.tar", split="pretrain", key="k", max_broken_fraction=0,
                                previous=changed, validators=v3)
     assert len(reads) == 1 and v4 == v3
-    assert globbed["shards"] == changed["shards"] and globbed["build"]["spec"] == f"{spec}/*.tar"
+    assert json.dumps(globbed, sort_keys=True) == json.dumps(changed, sort_keys=True)
 
 
 def test_index__a_shard_added_to_the_directory_is_read_the_others_kept(tmp_path, monkeypatch):
@@ -253,3 +255,50 @@ def test_verify_shards__index_manifest_and_an_altered_shard(tmp_path):
     paths[1].write_bytes(bytes(data))
     with pytest.raises(ShardError, match="00001.tar: size or sha256 differs"):
         verify_shards(idx)
+
+
+def _listing_by_hand(root, names):
+    """sha256 of '<relative path>\\t<bytes>\\t<mtime ns>\\n' over ``names`` in the given order."""
+    h = hashlib.sha256()
+    for n in names:
+        st = (root / n).stat()
+        h.update(f"{n}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def test_index_folders__listing_digest_counts_and_skips(tmp_path):
+    from pipeline.data.index import index_folders
+
+    root = tmp_path / "photos"
+    (root / "a" / "b").mkdir(parents=True)
+    Image.new("L", (5, 7)).save(root / "a" / "b" / "x.png")
+    Image.new("RGB", (9, 4)).save(root / "y.jpg")
+    (root / "README.txt").write_text("notes\n")
+    (root / "._y.jpg").write_bytes(b"\0\5\26\7")
+    (root / ".DS_Store").write_bytes(b"\0")
+    got = index_folders({"data.unlabelled_root": str(root), "data.root": ""})
+    names = ["a/b/x.png", "y.jpg"]  # sorted relative paths; junk skipped
+    assert got == {"data.unlabelled_root": {
+        "root": str(root), "images": 2,
+        "bytes": sum((root / n).stat().st_size for n in names),
+        "listing_sha256": _listing_by_hand(root, names)}}
+    # junk (skipped: 1 hidden, 1 AppleDouble, 1 not an image) changes nothing; an added image,
+    # a rewritten one or a touched one change the digest
+    (root / "notes.json").write_text("{}")
+    assert index_folders({"k": str(root)})["k"]["listing_sha256"] == _listing_by_hand(root, names)
+    Image.new("L", (3, 3)).save(root / "a" / "z.png")
+    added = index_folders({"k": str(root)})["k"]
+    assert added["images"] == 3
+    assert added["listing_sha256"] == _listing_by_hand(root, ["a/b/x.png", "a/z.png", "y.jpg"])
+    st = (root / "y.jpg").stat()
+    os.utime(root / "y.jpg", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert index_folders({"k": str(root)})["k"]["listing_sha256"] != added["listing_sha256"]
+
+
+def test_index_folders__missing_folder_named_in_one_line(tmp_path):
+    from pipeline.data.index import index_folders
+    from pipeline.data.sources import SourceError
+
+    with pytest.raises(SourceError) as e:
+        index_folders({"data.unlabelled_root": str(tmp_path / "nope")})
+    assert str(e.value) == f"data.unlabelled_root = '{tmp_path / 'nope'}': not a directory"

@@ -34,11 +34,11 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
-STAGES = ["check_params", "index_shards", "build_shards", "check_data", "pretrain", "embed",
-          "baselines", "knn", "linear", "report"]
+STAGES = ["check_params", "index_shards", "build_shards", "check_data", "pretrain", "check_eval",
+          "embed", "baselines", "knn", "linear", "report"]
 INDEX = "index_shards"  # always_changed: runs at every `dvc repro`; nothing to index here
-# the two validations (check_params, check_data) and an empty index log no MLflow run
-TRACKED = [s for s in STAGES[2:] if s != "check_data"]
+# the validations (check_params, check_data, check_eval) and an empty index log no MLflow run
+TRACKED = [s for s in STAGES[2:] if s not in ("check_data", "check_eval")]
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not FMNIST.exists(), reason="Fashion-MNIST not installed "

@@ -22,8 +22,8 @@ from repohelpers import commit, file_digests, make_repo, out, params, ran, sh
 from pipeline.data.shards import iter_shard, read_manifest
 
 pytestmark = pytest.mark.slow
-STAGES = ["check_params", "index_shards", "build_shards", "check_data", "pretrain", "embed",
-          "baselines", "knn", "linear", "report"]
+STAGES = ["check_params", "index_shards", "build_shards", "check_data", "pretrain", "check_eval",
+          "embed", "baselines", "knn", "linear", "report"]
 
 
 def unlabelled_tree(root, n=300, seed=0):
@@ -150,6 +150,65 @@ def test_unlabelled__queue_longer_than_the_tree_is_refused_before_pretrain_loses
     assert ran(out(sh(["dvc", "repro"], dst, env))) == ["check_params", "index_shards"]
 
 
+def test_unlabelled__missing_tree_refused_before_the_shards_are_deleted(repo):
+    # index_shards lists the folder before build_shards runs: a typo in the path stops
+    # `dvc repro` with one line, and the built shards stay
+    dst, env, _ = repo
+    before = file_digests(dst / "data/shards")
+    good = (dst / "params.yaml").read_text()
+    tree = yaml.safe_load(good)
+    tree["data"]["unlabelled_root"] = str(dst.parent / "fotos")
+    (dst / "params.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
+    try:
+        res = sh(["dvc", "repro"], dst, env, ok=False)
+    finally:
+        (dst / "params.yaml").write_text(good)
+    text = out(res)
+    assert res.returncode != 0 and "Traceback" not in text
+    assert ran(text) == ["check_params", "index_shards"], text[-3000:]
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert errors == [f"error: SourceError: data.unlabelled_root = '{dst.parent / 'fotos'}': "
+                      "not a directory"], text[-3000:]
+    assert file_digests(dst / "data/shards") == before
+
+
+def test_unlabelled__an_image_added_to_the_tree_rebuilds_and_retrains(repo):
+    dst, env, _ = repo
+    Image.fromarray(np.full((20, 20), 99, np.uint8)).save(dst.parent / "photos/d1/new.png")
+    text = out(sh(["dvc", "repro"], dst, env))
+    assert {"index_shards", "build_shards", "check_data", "pretrain", "embed", "knn", "linear",
+            "report"} <= set(ran(text)), text[-3000:]
+    m = read_manifest(dst / "data/shards/pretrain")
+    assert m["num_samples"] == 341 and m["build"]["unlabelled"]["images"] == 301
+    assert json.loads((dst / "metrics/pretrain.json").read_text())["pretrain_images"] == 341
+    # a README beside the images is skipped: nothing but the index runs
+    (dst.parent / "photos/d1/notes.txt").write_text("more photos soon\n")
+    assert ran(out(sh(["dvc", "repro"], dst, env))) == ["index_shards"]
+    commit(dst, env, "one more photo")
+
+
+def test_unlabelled__switch_to_no_labels_keeps_the_features(repo):
+    # data.source none: pretraining reruns (the labelled images left it), then check_eval
+    # stops `dvc repro` before embed deletes the previous features
+    dst, env, _ = repo
+    kept = ["features", "metrics/knn.json", "metrics/linear.json", "reports"]
+    before = {d: file_digests(dst / d) if (dst / d).is_dir() else (dst / d).read_bytes()
+              for d in kept}
+    tree = yaml.safe_load((dst / "params.yaml").read_text())
+    tree["data"].update(source="none", root="")
+    (dst / "params.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
+    res = sh(["dvc", "repro"], dst, env, ok=False)
+    text = out(res)
+    assert res.returncode != 0 and "Traceback" not in text
+    assert "check_eval" in ran(text) and "embed" not in ran(text), text[-3000:]
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert errors == ["error: ShardError: data/shards/train: no images in this split (data.source "
+                      "none): the evaluation stages need a labelled source with train and test "
+                      "images (docs/data.md, no labels at all)"], text[-3000:]
+    assert before == {d: file_digests(dst / d) if (dst / d).is_dir() else (dst / d).read_bytes()
+                      for d in kept}
+
+
 # --- recipe 3: no labels at all ---------------------------------------------------------------
 
 
@@ -178,6 +237,7 @@ def test_no_labels__evaluation_stages_say_what_they_need(nolabels):
     res = sh(["dvc", "repro"], dst, env, ok=False)
     text = out(res)
     assert res.returncode != 0 and "Traceback" not in text
+    assert ran(text) == ["index_shards", "check_eval"], text[-3000:]
     errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, text[-3000:]
     assert "no images in this split (data.source none): the evaluation stages need a labelled " \

@@ -20,14 +20,15 @@ import sys
 import time
 
 import pytest
+import yaml
 from helpers import img2dataset_shards
 from repohelpers import commit, make_repo, out, params, ran, sh
 
 from pipeline.data.shards import read_manifest
 
 pytestmark = pytest.mark.slow
-STAGES = ["check_params", "index_shards", "build_shards", "check_data", "pretrain", "embed",
-          "baselines", "knn", "linear", "report"]
+STAGES = ["check_params", "index_shards", "build_shards", "check_data", "pretrain", "check_eval",
+          "embed", "baselines", "knn", "linear", "report"]
 AFTER_PRETRAIN = ["index_shards", "check_data", "pretrain", "embed", "knn", "linear", "report"]
 
 
@@ -138,6 +139,25 @@ def test_remote__second_repro_and_exp_run_rerun_nothing_downstream(repo):
     exp = out(sh(["dvc", "exp", "run", "-S", "knn.k=3"], dst, env))
     assert ran(exp) == ["check_params", "index_shards", "knn", "report"], exp[-3000:]
     commit(dst, env, "knn.k=3")
+
+
+def test_remote__respelled_url_reruns_nothing(repo, server):
+    # the same four shards named by a directory listing instead of braces: the index keeps
+    # its bytes (it holds the URLs, not the spelling), so neither build_shards, check_data nor
+    # pretrain rerun; only the report, which shows the data params as written
+    _, url = server
+    dst, env, _ = repo
+    good = (dst / "params.yaml").read_text()
+    tree = yaml.safe_load(good)
+    tree["data"]["pretrain_shards"] = f"{url}/pre/"
+    (dst / "params.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
+    try:
+        text = out(sh(["dvc", "repro"], dst, env))
+    finally:
+        (dst / "params.yaml").write_text(good)
+    assert ran(text) == ["check_params", "index_shards", "report"], text[-3000:]
+    assert "index pretrain: 4 shards (0 read, 4 unchanged)" in text
+    assert ran(out(sh(["dvc", "repro"], dst, env))) == ["check_params", "index_shards", "report"]
 
 
 def test_remote__replaced_shard_with_one_broken_reruns_pretraining_counted(repo, server):

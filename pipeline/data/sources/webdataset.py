@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.data.external import image_member, open_image, sample_label
+from pipeline.data.external import expand_shards, image_member, open_image, sample_label
+from pipeline.data.remote import RemoteError
 from pipeline.data.shards import ShardError, iter_shard, sha256_file, shard_location
 from pipeline.data.sources.base import Sample, Source, SourceError, UnreadableImage
 from pipeline.data.sources.imagefolder import sanitize_key, split_per_class
@@ -60,7 +61,7 @@ class WebDatasetSource(Source):
                  index: dict[str, Any] | None = None):
         from pipeline.data.index import index_shards  # (the index imports this package)
 
-        if index is None or index.get("build", {}).get("spec") != spec:
+        if index is None or [s.get("url") for s in index["shards"]] != _urls(spec):
             try:
                 index, _ = index_shards(spec, split="labelled", key="data.root",
                                         max_broken_fraction=max_broken_fraction)
@@ -123,6 +124,14 @@ class WebDatasetSource(Source):
             raise UnreadableImage(f"sample '{self._keys[i]}' ({type(e).__name__})") from None
         return Sample(f"{i:07d}_{sanitize_key(self._keys[i] + '.x')}", image,
                       int(self._labels[i]))
+
+
+def _urls(spec: str) -> list[str] | None:
+    """The shards ``spec`` names now, or None when it names none (index_shards says why)."""
+    try:
+        return expand_shards(spec, key="data.root")
+    except (ValueError, RemoteError):
+        return None
 
 
 def _class_names(raw: list[int | str | None], spec: str) -> tuple[tuple[str, ...], list[int]]:

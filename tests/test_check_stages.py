@@ -1,0 +1,83 @@
+"""What only the data can refute, refused before a stage deletes its outputs.
+
+``check_against_data`` (the ``check_data`` stage and ``pretrain``): a colour augmentation preset
+on 1-channel pretraining images. The ``check_eval`` stage: an evaluation without labelled train
+or test images (``data.source: none``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import TINY, build_tiny_shards
+
+from pipeline.config import ParamsError, check_against_data, from_dict
+from pipeline.data.build import empty_split
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _manifest(mode: str, n: int = 500) -> dict:
+    return {"num_samples": n, "mode": mode, "image_shape": [1 if mode == "L" else 3, 28, 28],
+            "build": {"parts": ["data/shards/pretrain", "data/index/pretrain"]}}
+
+
+@pytest.mark.parametrize("preset", ["v1", "v2", "v2_small"])
+def test_check_against_data__colour_preset_on_grey_images_refused(preset):
+    p = from_dict({**TINY, "augment": {"preset": preset}})
+    with pytest.raises(ParamsError) as e:
+        check_against_data(p, _manifest("L"), "data/shards/pretrain")
+    assert e.value.key == "augment.preset"
+    assert str(e.value) == (
+        f"params: 'augment.preset' = '{preset}' is invalid; allowed: v2_grey: the pretraining "
+        "images are 1-channel (mode L, data/shards/pretrain + data/index/pretrain; the "
+        "evaluation data's mode decides), and a colour preset's jitter needs 3 channels")
+
+
+@pytest.mark.parametrize(("preset", "mode"), [("v2", "RGB"), ("v1", "RGB"), ("v2_grey", "L"),
+                                              ("v2_grey", "RGB")])
+def test_check_against_data__preset_that_fits_the_channels_passes(preset, mode):
+    p = from_dict({**TINY, "augment": {"preset": preset}})
+    check_against_data(p, _manifest(mode), "data/shards/pretrain")  # no error
+
+
+def _check_eval(wd: Path) -> subprocess.CompletedProcess:
+    (wd / "params.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(TINY))))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "stages/check_eval.py"), "--params",
+                           "params.yaml"], cwd=wd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_check_eval_stage__labelled_splits_pass_with_a_content_stable_stamp(tmp_path):
+    build_tiny_shards(tmp_path / "data" / "shards", n_pretrain=32, n_train=8, n_test=8)
+    res = _check_eval(tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    stamp = (tmp_path / "runs/check_eval.json").read_bytes()
+    (tmp_path / "runs/check_eval.json").unlink()
+    assert _check_eval(tmp_path).returncode == 0
+    assert (tmp_path / "runs/check_eval.json").read_bytes() == stamp
+
+
+@pytest.mark.parametrize("empty", ["train", "test"])
+def test_check_eval_stage__no_labelled_images_refused_in_one_line(tmp_path, empty):
+    shards = tmp_path / "data" / "shards"
+    build_tiny_shards(shards, n_pretrain=32, n_train=8, n_test=8)
+    for f in (shards / empty).iterdir():
+        f.unlink()
+    empty_split(shards / empty, split=empty, source="none", class_names=[], mode="L", build={})
+    res = _check_eval(tmp_path)
+    assert res.returncode == 1, res.stderr[-3000:]
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    where = shards.relative_to(tmp_path) / empty
+    assert errors == [f"error: ShardError: {where}: no images in this split (data.source none): "
+                      "the evaluation stages need a labelled source with train and test images "
+                      "(docs/data.md, no labels at all)"], res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "runs").exists()
