@@ -62,7 +62,7 @@ from pipeline.data.shards import (
     sha256_file,
     shard_location,
 )
-from pipeline.data.sources.base import SourceError
+from pipeline.data.sources.base import SourceError, local_path
 from pipeline.data.sources.modes import image_kind, to_mode
 from pipeline.data.sources.unlabelled import walk_images
 
@@ -257,7 +257,7 @@ def index_folders(folders: dict[str, str]) -> dict[str, dict[str, Any]]:
     for key, root in folders.items():
         if not root:
             continue
-        top = Path(root)
+        top = local_path(root)  # the main repo's in a queued or temp experiment's copy
         if not top.is_dir():
             raise SourceError(f"{key} = {root!r}: not a directory")
         paths, skipped = walk_images(top)

@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -302,3 +303,26 @@ def test_index_folders__missing_folder_named_in_one_line(tmp_path):
     with pytest.raises(SourceError) as e:
         index_folders({"data.unlabelled_root": str(tmp_path / "nope")})
     assert str(e.value) == f"data.unlabelled_root = '{tmp_path / 'nope'}': not a directory"
+
+
+def test_index_folders__relative_folder_missing_here_is_read_from_dvc_root(tmp_path,
+                                                                          monkeypatch):
+    # a queued / temp `dvc exp run` copy lacks the untracked folder: the main repo's is listed,
+    # and the entry (the path as written, the digest of relative paths) is the same as there
+    from pipeline.data.index import index_folders
+    from pipeline.data.sources.base import local_path
+
+    main, copy = tmp_path / "main", tmp_path / "copy"
+    (main / "data/raw/photos/a").mkdir(parents=True)
+    copy.mkdir()
+    Image.new("L", (6, 6)).save(main / "data/raw/photos/a/x.png")
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    monkeypatch.chdir(main)
+    there = index_folders({"k": "data/raw/photos"})
+    monkeypatch.chdir(copy)
+    assert local_path("data/raw/photos") == Path("data/raw/photos")  # no DVC_ROOT: as written
+    monkeypatch.setenv("DVC_ROOT", str(main))
+    assert local_path("data/raw/photos") == main / "data/raw/photos"
+    assert local_path("/abs/path") == Path("/abs/path")
+    assert index_folders({"k": "data/raw/photos"}) == there
+    assert there["k"]["root"] == "data/raw/photos"

@@ -8,6 +8,7 @@ by ``pipeline.data.sources`` unless listed in its ``__all__``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,29 @@ DEFAULT_ROOTS = {
 
 class SourceError(ValueError):
     """Raw data that is missing, malformed or fails verification (message names the file)."""
+
+
+def local_path(path: str | Path) -> Path:
+    """A local data folder named in params.yaml, as this stage can read it.
+
+    A relative path is relative to the repo root. A queued or temp ``dvc exp run`` runs in a
+    copy that holds only git- and DVC-tracked files, so an untracked folder such as
+    ``data/raw/fmnist-unlabelled`` is missing there: then the main repo's (``DVC_ROOT``, which
+    DVC sets for every stage) is read. What the manifests record stays the path as written, so
+    the copy builds the same bytes.
+
+    Args:
+        path: ``data.unlabelled_root``, or ``data.root`` of an ``imagefolder`` source.
+
+    Returns:
+        ``path`` itself when it is absolute, exists, or DVC_ROOT is unset; else
+        ``$DVC_ROOT/path``.
+    """
+    p = Path(path)
+    root = os.environ.get("DVC_ROOT")
+    if p.is_absolute() or p.exists() or not root:
+        return p
+    return Path(root) / p
 
 
 class UnreadableImage(Exception):

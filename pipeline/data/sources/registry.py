@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import DataSource
-from pipeline.data.sources.base import Source
+from pipeline.data.sources.base import Source, local_path
 from pipeline.data.sources.checksum import Checksum
 from pipeline.data.sources.cifar import CifarSource
 from pipeline.data.sources.idx import FashionMnistSource
@@ -52,7 +52,8 @@ def open_source(name: str, root: str | Path = "", *, download: bool = False,
     if name == "stl10":
         return Stl10Source(root, download=download)
     if name == "imagefolder":
-        return ImageFolderSource(root, test_fraction=test_fraction, seed=seed)
+        return ImageFolderSource(local_path(root) if str(root) else root,
+                                 test_fraction=test_fraction, seed=seed)
     if name == "webdataset":
         return WebDatasetSource(str(root), label_field=label_field, test_fraction=test_fraction,
                                 seed=seed, max_broken_fraction=max_broken_fraction, index=index)

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pipeline.data.sources.base import Sample, Source, SourceError
+from pipeline.data.sources.base import Sample, Source, SourceError, local_path
 from pipeline.data.sources.imagefolder import (
     BUILD_SETTINGS,
     IMAGE_EXTENSIONS,
@@ -97,10 +97,11 @@ class UnlabelledTree:
             SourceError: ``root`` is not a directory, holds no image, or holds images whose
                 header cannot be read or whose mode is unsupported (all named, one line).
         """
-        self.root = Path(root)
-        if not self.root.is_dir():
+        self.root = Path(root)  # as written: the manifest records it
+        self.top = local_path(root)  # where it is read (the main repo's in an exp copy)
+        if not self.top.is_dir():
             raise SourceError(f"data.unlabelled_root = {str(root)!r}: not a directory")
-        self.paths, self.skipped = walk_images(self.root)
+        self.paths, self.skipped = walk_images(self.top)
         if not self.paths:
             raise SourceError(f"{self.root}: no images ({', '.join(IMAGE_EXTENSIONS)}) in the "
                               f"unlabelled tree (skipped: {self.describe_skipped()})")
@@ -145,7 +146,7 @@ class UnlabelledTree:
         """
         path = self.paths[index]
         image = open_upright(path, mode)
-        rel = os.path.relpath(path, self.root)
+        rel = os.path.relpath(path, self.top)
         return Sample(f"{KEY_PREFIX}{index:07d}_{sanitize_key(rel)}", image, -1)
 
 
