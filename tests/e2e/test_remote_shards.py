@@ -157,7 +157,8 @@ def test_remote__respelled_url_reruns_nothing(repo, server):
         (dst / "params.yaml").write_text(good)
     assert ran(text) == ["check_params", "index_shards", "report"], text[-3000:]
     assert "index pretrain: 4 shards (0 read, 4 unchanged)" in text
-    assert ran(out(sh(["dvc", "repro"], dst, env))) == ["check_params", "index_shards", "report"]
+    # the spelling back: the report as it was comes from the run cache
+    assert ran(out(sh(["dvc", "repro"], dst, env))) == ["check_params", "index_shards"]
 
 
 def test_remote__replaced_shard_with_one_broken_reruns_pretraining_counted(repo, server):
