@@ -63,7 +63,7 @@ def run(p: Params) -> None:
                    "broken_skipped": m["num_broken"]} for s, m in manifests.items()}
     runs_file = Path("runs/index_shards.json")
     if not changed and runs_file.is_file():
-        logging.getLogger("index_shards").info("index unchanged: nothing written")
+        logging.getLogger("index_shards").info("shard index unchanged: manifests not rewritten")
     elif any(m["shards"] for m in manifests.values()):  # one MLflow run per new index
         with stage_run("index_shards", p) as mlrun:
             for split, m in manifests.items():

@@ -27,6 +27,7 @@ def run(p: Params) -> None:
     from pipeline.config import check_against_data
     from pipeline.data.index import index_location, pretrain_manifest
     from pipeline.data.remote import shards_location
+    from pipeline.data.shards import read_manifest
     from pipeline.model_registry import publish_encoder
     from pipeline.signals import Terminated
     from pipeline.tracking import stage_run
@@ -67,8 +68,12 @@ def run(p: Params) -> None:
         for f in ("metrics/pretrain.json", "plots/pretrain.tsv", "plots/knn_monitor.tsv",
                   "models/encoder.json", "models/encoder.safetensors"):
             mlrun.log_artifact(f)
+        # the input example and preprocessing: the test images, or without labelled images
+        # (data.source none) the built pretraining images, normalised as in training
+        example = next((shards / s for s in ("test", "pretrain")
+                        if read_manifest(shards / s)["num_samples"]), shards / "test")
         publish_encoder(mlrun, params=p, encoder_path=Path("models/encoder.pt"),
-                        example_split=shards / "test")  # logged model + registry version
+                        example_split=example)  # logged model + registry version
 
 
 if __name__ == "__main__":

@@ -65,6 +65,10 @@ def _list_url(url: str) -> list[str]:
             found = fs.glob(path)
         else:
             found = [p for p in fs.find(path, maxdepth=1) if p.endswith(".tar")]
+        if not found:  # fsspec's http find returns [] for a server that does not answer
+            fs.info(path)
+    except FileNotFoundError as e:
+        raise _missing(url, e) from None
     except (ImportError, ValueError, OSError) as e:  # no backend, bad URL, unreachable
         raise RemoteError(f"{url}: cannot list ({type(e).__name__}: {e})") from None
     return sorted(fs.unstrip_protocol(p) if not is_url(p) else p for p in found)
@@ -102,6 +106,18 @@ def expand_shards(spec: str, *, key: str) -> list[str]:
     return unique
 
 
+def _missing(location: str, e: FileNotFoundError) -> RemoteError:
+    """"not found", or the real failure fsspec's http ``info`` turned into FileNotFoundError.
+
+    fsspec raises FileNotFoundError for any failure of its HEAD and GET (a refused connection
+    included), chaining the cause: only a missing cause or an HTTP 404 means "not found".
+    """
+    cause = e.__cause__
+    if cause is None or getattr(cause, "status", None) == 404:
+        return RemoteError(f"{location}: not found")
+    return RemoteError(f"{location}: cannot reach it ({type(cause).__name__}: {cause})")
+
+
 def _stat_one(location: str) -> tuple[int, str]:
     if not is_url(location):
         try:
@@ -114,8 +130,8 @@ def _stat_one(location: str) -> tuple[int, str]:
     try:
         fs, path = fsspec.core.url_to_fs(location)
         info = fs.info(path)
-    except FileNotFoundError:
-        raise RemoteError(f"{location}: not found") from None
+    except FileNotFoundError as e:
+        raise _missing(location, e) from None
     except Exception as e:  # noqa: BLE001 (aiohttp / botocore raise their own types)
         raise RemoteError(f"{location}: {type(e).__name__}: {e}") from None
     size = info.get("size")

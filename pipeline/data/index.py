@@ -63,6 +63,7 @@ from pipeline.data.shards import (
     shard_location,
 )
 from pipeline.data.sources.base import SourceError, local_path
+from pipeline.data.sources.imagefolder import IMAGE_EXTENSIONS
 from pipeline.data.sources.modes import image_kind, to_mode
 from pipeline.data.sources.unlabelled import walk_images
 
@@ -243,15 +244,18 @@ def index_folders(folders: dict[str, str]) -> dict[str, dict[str, Any]]:
             keys with an empty directory are left out.
 
     Returns:
-        ``{key: {"root", "images", "bytes", "listing_sha256"}}``: the number and total bytes
-        of the image files (:func:`pipeline.data.sources.unlabelled.walk_images`: any nesting;
-        hidden files, ``._*`` and non-images skipped, counted in the log only, so a README
-        added beside the images reruns nothing), and the sha256 of the lines
+        ``{key: {"root", "images", "bytes", "skipped", "listing_sha256"}}``: the number and
+        total bytes of the image files (:func:`pipeline.data.sources.unlabelled.walk_images`:
+        any nesting), the skipped files per reason (``appledouble``, ``hidden``,
+        ``not_image``; only reasons that occur), and the sha256 of the lines
         ``<relative path> TAB <bytes> TAB <mtime in ns>`` in path order: an image added,
-        removed, renamed, rewritten or touched changes it.
+        removed, renamed, rewritten or touched changes it. (A README added beside the images
+        changes ``skipped``: ``build_shards`` reruns, writes the same shards, and nothing
+        after it reruns.)
 
     Raises:
-        SourceError: a folder is not a directory (one line naming the key and the path).
+        SourceError: a folder is not a directory, holds no image, or lists a file that cannot
+            be read (a dangling link); one line naming the key and the path.
     """
     out: dict[str, dict[str, Any]] = {}
     for key, root in folders.items():
@@ -261,16 +265,24 @@ def index_folders(folders: dict[str, str]) -> dict[str, dict[str, Any]]:
         if not top.is_dir():
             raise SourceError(f"{key} = {root!r}: not a directory")
         paths, skipped = walk_images(top)
+        skipped = {r: n for r, n in sorted(skipped.items()) if n}
+        if not paths:
+            raise SourceError(f"{key} = {root!r}: no images ({', '.join(IMAGE_EXTENSIONS)}) in "
+                              f"the folder (skipped: {skipped or 'nothing'})")
         digest, total = hashlib.sha256(), 0
         for path in paths:
-            st = os.stat(path)
+            try:
+                st = os.stat(path)
+            except OSError as e:  # a dangling symlink, or removed while listed
+                raise SourceError(f"{key}: {path}: cannot be read ({e.strerror}; a broken "
+                                  "link?)") from None
             total += st.st_size
             digest.update(f"{os.path.relpath(path, top)}\t{st.st_size}\t{st.st_mtime_ns}\n"
                           .encode("utf-8", "surrogateescape"))
-        out[key] = {"root": root, "images": len(paths), "bytes": total,
+        out[key] = {"root": root, "images": len(paths), "bytes": total, "skipped": skipped,
                     "listing_sha256": digest.hexdigest()}
         log.info("index %s %s: %d images (%d bytes), skipped %s", key, root, len(paths), total,
-                 dict(sorted(skipped.items())) or "nothing")
+                 skipped or "nothing")
     return out
 
 

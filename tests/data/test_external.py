@@ -120,3 +120,20 @@ def test_expand_shards__http_directory_listing_and_glob(http_dir):
     assert n == 5 and v.startswith("Last-Modified:")  # http.server sends no ETag
     with pytest.raises(RemoteError, match="missing.tar: not found"):
         shard_stat([f"{http_dir}/missing.tar"])
+
+
+def test_shard_stat__server_down_is_not_called_not_found(tmp_path):
+    # fsspec's http info raises FileNotFoundError for a refused connection too; the message
+    # must say the server cannot be reached, for a shard and for a directory listing alike
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(RemoteError) as e:
+        shard_stat([f"{url}/pre/00000.tar"])
+    assert str(e.value).startswith(f"{url}/pre/00000.tar: cannot reach it (")
+    assert "not found" not in str(e.value)
+    with pytest.raises(RemoteError) as e:
+        expand_shards(f"{url}/pre/", key="data.pretrain_shards")
+    assert str(e.value).startswith(f"{url}/pre/: cannot reach it (")

@@ -282,11 +282,14 @@ def test_index_folders__listing_digest_counts_and_skips(tmp_path):
     assert got == {"data.unlabelled_root": {
         "root": str(root), "images": 2,
         "bytes": sum((root / n).stat().st_size for n in names),
+        "skipped": {"appledouble": 1, "hidden": 1, "not_image": 1},
         "listing_sha256": _listing_by_hand(root, names)}}
     # junk (skipped: 1 hidden, 1 AppleDouble, 1 not an image) changes nothing; an added image,
     # a rewritten one or a touched one change the digest
     (root / "notes.json").write_text("{}")
-    assert index_folders({"k": str(root)})["k"]["listing_sha256"] == _listing_by_hand(root, names)
+    junk = index_folders({"k": str(root)})["k"]
+    assert junk["listing_sha256"] == _listing_by_hand(root, names)
+    assert junk["skipped"] == {"appledouble": 1, "hidden": 1, "not_image": 2}
     Image.new("L", (3, 3)).save(root / "a" / "z.png")
     added = index_folders({"k": str(root)})["k"]
     assert added["images"] == 3
@@ -296,13 +299,27 @@ def test_index_folders__listing_digest_counts_and_skips(tmp_path):
     assert index_folders({"k": str(root)})["k"]["listing_sha256"] != added["listing_sha256"]
 
 
-def test_index_folders__missing_folder_named_in_one_line(tmp_path):
+def test_index_folders__missing_empty_or_dangling_named_in_one_line(tmp_path):
     from pipeline.data.index import index_folders
     from pipeline.data.sources import SourceError
 
     with pytest.raises(SourceError) as e:
         index_folders({"data.unlabelled_root": str(tmp_path / "nope")})
     assert str(e.value) == f"data.unlabelled_root = '{tmp_path / 'nope'}': not a directory"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "README.txt").write_text("x")
+    with pytest.raises(SourceError) as e:
+        index_folders({"data.unlabelled_root": str(empty)})
+    assert str(e.value) == (
+        f"data.unlabelled_root = '{empty}': no images (.jpg, .jpeg, .png, .webp, .bmp, .tif, "
+        ".tiff) in the folder (skipped: {'not_image': 1})")
+    Image.new("L", (4, 4)).save(empty / "ok.png")
+    (empty / "gone.png").symlink_to(tmp_path / "deleted.png")
+    with pytest.raises(SourceError) as e:
+        index_folders({"data.root": str(empty)})
+    assert str(e.value) == (f"data.root: {empty / 'gone.png'}: cannot be read (No such file or "
+                            "directory; a broken link?)")
 
 
 def test_index_folders__relative_folder_missing_here_is_read_from_dvc_root(tmp_path,

@@ -86,9 +86,14 @@ def test_unlabelled__pretrain_shards_hold_all_300_with_label_minus_one(repo):
     assert m["mode"] == "RGB" and m["image_shape"] == [3, 16, 16]
     assert read_manifest(dst / "data/shards/train")["mode"] == "RGB"
     rec = m["build"]["unlabelled"]
-    assert rec["images"] == 300
-    # .DS_Store and the .thumbnails folder (hidden), ._im000.png (AppleDouble), README.txt
-    assert rec["skipped"] == {"appledouble": 1, "hidden": 2, "not_image": 1}
+    assert rec["images"] == 300 and "skipped" not in rec  # junk must not change the manifest
+    # .DS_Store and the .thumbnails folder (hidden), ._im000.png (AppleDouble), README.txt:
+    # counted in the folder index
+    folders = json.loads((dst / "data/index/folders.json").read_text())
+    assert folders["data.unlabelled_root"]["skipped"] == {"appledouble": 1, "hidden": 2,
+                                                          "not_image": 1}
+    assert folders["data.unlabelled_root"]["images"] == 300
+    assert folders["data.root"]["images"] == 60 and folders["data.root"]["skipped"] == {}
     keys, labels = [], []
     for s in m["shards"]:
         for r in iter_shard(dst / "data/shards/pretrain" / s["name"]):
@@ -181,9 +186,10 @@ def test_unlabelled__an_image_added_to_the_tree_rebuilds_and_retrains(repo):
     m = read_manifest(dst / "data/shards/pretrain")
     assert m["num_samples"] == 341 and m["build"]["unlabelled"]["images"] == 301
     assert json.loads((dst / "metrics/pretrain.json").read_text())["pretrain_images"] == 341
-    # a README beside the images is skipped: nothing but the index runs
+    # a README beside the images is skipped and counted: the shards are rebuilt with the same
+    # bytes, so nothing after build_shards reruns
     (dst.parent / "photos/d1/notes.txt").write_text("more photos soon\n")
-    assert ran(out(sh(["dvc", "repro"], dst, env))) == ["index_shards"]
+    assert ran(out(sh(["dvc", "repro"], dst, env))) == ["index_shards", "build_shards"]
     commit(dst, env, "one more photo")
 
 
@@ -227,6 +233,9 @@ def test_no_labels__repro_pretrain_gives_the_encoder(nolabels):
     assert ran(text) == ["check_params", "index_shards", "build_shards", "check_data", "pretrain"]
     assert (dst / "models/encoder.pt").is_file() and (dst / "models/encoder.json").is_file()
     assert "kNN monitor off: no labelled train or test images" in text
+    # logged and registered in MLflow, the pretraining images as its input example
+    assert "could not log" not in text and "could not register" not in text, text[-3000:]
+    assert json.loads((dst / "runs/pretrain.json").read_text())["model_version"] == "1"
     assert read_manifest(dst / "data/shards/pretrain")["num_samples"] == 120
     assert read_manifest(dst / "data/shards/train")["num_samples"] == 0
     assert json.loads((dst / "metrics/pretrain.json").read_text())["pretrain_images"] == 120

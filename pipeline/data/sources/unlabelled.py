@@ -9,7 +9,7 @@ no images at all: pretraining only.
 
 Files (:func:`walk_images`): extensions and keys as :mod:`pipeline.data.sources.imagefolder`
 (``.jpg .jpeg .png .webp .bmp .tif .tiff``, any case); skipped and counted by reason, in the
-log and in the pretrain manifest's ``build.unlabelled``: AppleDouble files (``._*``, macOS
+log and in the folder index ``data/index/folders.json``: AppleDouble files (``._*``, macOS
 resource forks), other hidden files and folders (``.*``; a hidden folder counts once, its
 content is not read), and files without an image extension (``README.txt``, ``*.json``, ...).
 Every image header is read when the tree is opened; a file with an image extension whose header
@@ -133,10 +133,13 @@ class UnlabelledTree:
         return ", ".join(parts) or "none"
 
     def build_record(self) -> dict[str, object]:
-        """What the pretrain manifest records under ``build.unlabelled``."""
-        return {"root": str(self.root), "images": len(self.paths),
-                "skipped": {r: self.skipped[r] for r in SKIP_REASONS},
-                **BUILD_SETTINGS}
+        """What the pretrain manifest records under ``build.unlabelled``.
+
+        Not the skipped files: a README added beside the images would then change the
+        manifest, a dep of ``pretrain``, and retrain at the next rebuild. They are counted in
+        the log and in ``data/index/folders.json`` (:func:`pipeline.data.index.index_folders`).
+        """
+        return {"root": str(self.root), "images": len(self.paths), **BUILD_SETTINGS}
 
     def load(self, index: int, mode: str) -> Sample:
         """Image ``index`` in ``mode``, label -1.

@@ -49,7 +49,6 @@ def test_unlabelled_tree__keys_labels_and_record(tmp_path):
     assert set(s1.key) <= KEY_CHARS
     assert tree.build_record() == {
         "root": str(tmp_path), "images": 2,
-        "skipped": {"appledouble": 0, "hidden": 0, "not_image": 1},
         "exif_orientation": "applied (PIL ImageOps.exif_transpose, before resize/crop)"}
     assert tree.describe_skipped() == "1 not_image"
 
