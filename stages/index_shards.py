@@ -30,35 +30,17 @@ def run(p: Params) -> None:
     from pathlib import Path
 
     from pipeline.atomic import write_json
-    from pipeline.data.index import (
-        FOLDERS,
-        VALIDATORS,
-        index_folders,
-        index_location,
-        index_shards,
-        read_previous,
-    )
+    from pipeline.data.index import FOLDERS, VALIDATORS, index_folders, index_location, index_sets
     from pipeline.data.shards import MANIFEST_NAME
     from pipeline.tracking import stage_run
 
     folders = index_folders({  # first: a missing folder stops before any shard is read
         "data.unlabelled_root": p.data.unlabelled_root,
         "data.root": p.data.root if p.data.source == "imagefolder" else ""})
-    sets = {"pretrain": (p.data.pretrain_shards, "data.pretrain_shards"),
-            "labelled": (p.data.root if p.data.source == "webdataset" else "", "data.root")}
-    try:
-        validators = json.loads(VALIDATORS.read_text())
-    except (OSError, ValueError):
-        validators = {}
-    manifests, fresh, changed = {}, {}, False
-    for split, (spec, key) in sets.items():
-        previous = read_previous(split)
-        manifests[split], found = index_shards(
-            spec, split=split, key=key, max_broken_fraction=p.data.max_broken_fraction,
-            previous=previous, validators=validators)
-        fresh.update(found)
-        changed |= json.dumps(previous, sort_keys=True) != json.dumps(manifests[split],
-                                                                      sort_keys=True)
+    manifests, fresh, changed = index_sets(
+        {"pretrain": (p.data.pretrain_shards, "data.pretrain_shards"),
+         "labelled": (p.data.root if p.data.source == "webdataset" else "", "data.root")},
+        max_broken_fraction=p.data.max_broken_fraction)
     summary = {s: {"shards": len(m["shards"]), "images": m["num_samples"],
                    "broken_skipped": m["num_broken"]} for s, m in manifests.items()}
     runs_file = Path("runs/index_shards.json")

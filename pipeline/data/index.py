@@ -38,6 +38,7 @@ first key.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import time
@@ -234,6 +235,39 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
              "(%.1fs)", split, len(entries), reread, len(entries) - reread,
              manifest["num_samples"], manifest["num_broken"], time.monotonic() - t0)
     return manifest, fresh
+
+
+def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float
+               ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], bool]:
+    """Index every shard set against its last manifest (:func:`index_shards` on each).
+
+    Args:
+        sets: ``{split: (spec, key)}``: each set's shard spec ("" = none) and the param it
+            comes from, e.g. ``{"pretrain": (p.data.pretrain_shards, "data.pretrain_shards")}``.
+        max_broken_fraction: ``data.max_broken_fraction``.
+
+    Returns:
+        ``(manifests, validators, changed)``: ``{split: manifest}``, the change detectors of
+        every shard now (for :data:`VALIDATORS`), and whether any manifest differs from the one
+        on disk (:func:`read_previous`; the detectors alone never count as a change).
+
+    Raises:
+        ShardError: as :func:`index_shards`, for the first set that fails.
+    """
+    try:
+        validators = json.loads(VALIDATORS.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: every shard is read
+        validators = {}
+    manifests, fresh, changed = {}, {}, False
+    for split, (spec, key) in sets.items():
+        previous = read_previous(split)
+        manifests[split], found = index_shards(
+            spec, split=split, key=key, max_broken_fraction=max_broken_fraction,
+            previous=previous, validators=validators)
+        fresh.update(found)
+        changed |= (json.dumps(previous, sort_keys=True)
+                    != json.dumps(manifests[split], sort_keys=True))
+    return manifests, fresh, changed
 
 
 def index_folders(folders: dict[str, str]) -> dict[str, dict[str, Any]]:

@@ -151,6 +151,31 @@ def test_index__a_shard_added_to_the_directory_is_read_the_others_kept(tmp_path,
     assert now["shards"][:2] == first["shards"]
 
 
+def test_index_sets__changed_only_when_a_manifest_on_disk_differs(tmp_path, monkeypatch):
+    from pipeline.atomic import write_json
+    from pipeline.data.index import VALIDATORS, index_location, index_sets
+    from pipeline.data.shards import MANIFEST_NAME
+
+    monkeypatch.chdir(tmp_path)
+    img2dataset_shards(tmp_path / "ext", shards=2, per_shard=5)
+    sets = {"pretrain": ("ext", "data.pretrain_shards"), "labelled": ("", "data.root")}
+    manifests, fresh, changed = index_sets(sets, max_broken_fraction=0)
+    assert changed  # nothing on disk yet
+    assert manifests["pretrain"]["num_samples"] == 10 and manifests["labelled"]["shards"] == []
+    assert len(fresh) == 2  # one change detector per shard
+    for split, m in manifests.items():  # what the stage writes
+        write_json(index_location(split) / MANIFEST_NAME, m)
+    write_json(VALIDATORS, fresh)
+    reads = []
+    real = index_mod._read_shard
+    monkeypatch.setattr(index_mod, "_read_shard", lambda url: reads.append(url) or real(url))
+    again, fresh2, changed2 = index_sets(sets, max_broken_fraction=0)
+    assert not changed2 and reads == [] and again == manifests and fresh2 == fresh
+    img2dataset_shards(tmp_path / "ext", shards=1, per_shard=7, start=1, seed=5)  # rewrite one
+    now, _, changed3 = index_sets(sets, max_broken_fraction=0)
+    assert changed3 and len(reads) == 1 and now["pretrain"]["num_samples"] == 12
+
+
 def test_pretrain_manifest__no_index_is_the_built_split(tmp_path):
     shards = build_tiny_shards(tmp_path / "sh", n_pretrain=32, n_train=16, n_test=16)
     assert pretrain_manifest(shards, None) == read_manifest(shards / "pretrain")
