@@ -123,3 +123,31 @@ def _from_exit_codes(pids: list[int], workers: Iterable[Any] | None) -> LoaderWo
         if isinstance(code, int) and code > 0:
             return LoaderWorkerError(pid, None, code)
     return LoaderWorkerError(pids[0] if pids else None, None)
+
+
+def shut_down(batches: Iterable[Any]) -> None:
+    """Stop a DataLoader iterator's worker processes now, whatever state they are in.
+
+    An iterator left to the garbage collector is shut down in its ``__del__``, possibly at
+    interpreter exit, long after the failure it took part in. When its workers were killed
+    (a signal to the whole process group), PyTorch's SIGCHLD handler raises inside that
+    ``__del__`` and Python prints an "Exception ignored" traceback after the stage's one
+    ``error:`` line. Shutting down here, once, marks the iterator shut down, so ``__del__``
+    does nothing. A worker death seen while shutting down is dropped: the batches it owed are
+    no longer wanted. This relies on ``_shutdown_workers``, the method PyTorch's own
+    ``__del__`` calls; an iterator without it (no worker processes) is left alone.
+
+    Args:
+        batches: the iterator returned by ``iter(DataLoader)``.
+
+    Raises:
+        RuntimeError: any error of the shutdown other than a worker death.
+    """
+    stop = getattr(batches, "_shutdown_workers", None)
+    if stop is None:
+        return
+    try:
+        stop()
+    except RuntimeError as e:
+        if worker_death(e) is None:
+            raise

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +35,7 @@ from pipeline.data.views import (
     build_batch_view,
     build_eval_transform,
 )
-from pipeline.data.workers import LoaderWorkerError, worker_death
+from pipeline.data.workers import LoaderWorkerError, shut_down, worker_death
 from pipeline.moco.model import MoCo, MocoOutput
 from pipeline.seeds import batch_seed
 from pipeline.signals import StopFlag, Terminated, signal_name, stop_on_signals
@@ -198,8 +198,17 @@ def train_one_epoch(r: Run, epoch: int, stop_at: int) -> None:
                           pin_memory=r.rt.device.type == "cuda", crop=r.crop,
                           manifest=r.pretrain_set)
     r.net.train()
-    window = LogWindow(r.opt.batch_size)
     batches = iter(loader)
+    try:
+        _train_steps(r, batches, epoch, stop_at)
+    finally:  # the workers stop here, not later in the iterator's __del__
+        shut_down(batches)
+
+
+def _train_steps(r: Run, batches: Iterator[Any], epoch: int, stop_at: int) -> None:
+    """The steps of :func:`train_one_epoch`, from ``batches`` (``iter`` of its loader)."""
+    spe, state, plan = r.plan.steps_per_epoch, r.state, r.plan
+    window = LogWindow(r.opt.batch_size)
     while state.step < min((epoch + 1) * spe, stop_at):
         s = state.step
         t_wait = time.time()

@@ -49,3 +49,53 @@ def test_worker_death__chained_and_unrelated():
     assert worker_death(ValueError("x")) is None
     e = LoaderWorkerError(1, signal.SIGKILL)
     assert worker_death(e) is e
+
+
+_KILLED_WORKER = """
+import os, signal, time
+import torch
+from torch.utils.data import DataLoader
+from pipeline.data.workers import shut_down
+
+class Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return i
+
+batches = iter(DataLoader(Slow(), batch_size=2, num_workers=2))
+next(batches)
+os.kill(batches._workers[0].pid, signal.SIGTERM)  # one worker dies of a signal, one lives
+try:
+    time.sleep(1.0)
+except RuntimeError:  # PyTorch's SIGCHLD handler may raise here: the stage reports it
+    pass
+shut_down(batches)
+# both workers stopped now, and the iterator marked shut down: its __del__ does nothing
+print("alive", sum(w.is_alive() for w in batches._workers), batches._shutdown, flush=True)
+"""
+
+
+def test_shut_down__one_worker_killed__both_stopped_no_traceback(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED_WORKER)
+    root = str(Path(__file__).resolve().parents[2])
+    r = subprocess.run([sys.executable, str(script)], capture_output=True,
+                       text=True, timeout=120, cwd=root, env={"PYTHONPATH": root,
+                                                              "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "alive 0 True"
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-2000:]
+
+
+def test_shut_down__an_iterator_without_workers_is_left_alone():
+    from pipeline.data.workers import shut_down
+
+    batches = iter([1, 2, 3])
+    shut_down(batches)
+    assert next(batches) == 1
