@@ -415,6 +415,11 @@ def test_readme__results_table_matches_the_metrics():
     knn, lin = (_json(f"results/fashion-mnist-w48-4ep/metrics/{m}.json") for m in ("knn", "linear"))
     assert (pct(w48[0]), pct(w48[1])) == (knn["top1"], lin["top1"])
     assert w48[2] == f"{knn['protocol_top1']} / {lin['protocol_top1']} %"
+    epyc = row("MoCo, the default on an fp32 EPYC")
+    knn, lin = (_json(f"results/fashion-mnist-default-2026-12-03-epyc/metrics/{m}.json")
+                for m in ("knn", "linear"))
+    assert (pct(epyc[0]), pct(epyc[1])) == (knn["top1"], lin["top1"])
+    assert epyc[2] == f"{knn['protocol_top1']} / {lin['protocol_top1']} %"
     tuned = row("raw pixels, kNN, k and T chosen")
     assert pct(tuned[0]) == base["raw_pixels_knn_tuned_top1"]
     assert (base["raw_pixels_knn_tuned_k"], base["raw_pixels_knn_tuned_T"]) == (10, 0.02)
