@@ -128,8 +128,9 @@ def _from_exit_codes(pids: list[int], workers: Iterable[Any] | None) -> LoaderWo
 def shut_down(batches: Iterable[Any]) -> None:
     """Stop a DataLoader iterator's worker processes now, whatever state they are in.
 
-    An iterator left to the garbage collector is shut down in its ``__del__``, possibly at
-    interpreter exit, long after the failure it took part in. When its workers were killed
+    An iterator left to the garbage collector is shut down in its ``__del__``, when the last
+    reference goes (e.g. when the stage drops the exception that holds the training frame),
+    after the stage's error line is printed. When one of its workers was killed
     (a signal to the whole process group), PyTorch's SIGCHLD handler raises inside that
     ``__del__`` and Python prints an "Exception ignored" traceback after the stage's one
     ``error:`` line. Shutting down here, once, marks the iterator shut down, so ``__del__``
