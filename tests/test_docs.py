@@ -84,6 +84,7 @@ COMMANDS = {
         EXP, '["dvc", "exp", "run", "--queue", "-S", f"knn.k={k}"]', "knn.k only"),
     "dvc queue start": Ran(EXP, '["dvc", "queue", "start", "-j", "3"]', "with -j 3"),
     "dvc exp show --only-changed": Parsed(),
+    "dvc exp show -n 3": Parsed(),
     "dvc metrics diff": Parsed(),
     "dvc plots show": Ran("tests/test_dvc_plots.py", '[dvc, "plots", "show", "--json"]',
                           "with --json"),
