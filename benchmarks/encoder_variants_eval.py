@@ -40,8 +40,7 @@ from pipeline.data.views import build_eval_transform
 from pipeline.evaluate.features import FeatureSet, extract_features, load_features
 from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, knn_classify, select_on_heldout
 from pipeline.evaluate.linear import train_linear_on_features
-from pipeline.evaluate.pooling import set_pool_grid
-from pipeline.moco.backbones import build_backbone
+from pipeline.evaluate.run.embed import build_encoder
 
 GRID = 2
 
@@ -58,17 +57,11 @@ class FlipAverage(nn.Module):
         return 0.5 * (self.backbone(x) + self.backbone(torch.flip(x, dims=[-1])))
 
 
-def load_backbone(state: dict[str, Tensor], which: str, meta: dict) -> nn.Module:
+def load_backbone(state: dict[str, Tensor], which: str, meta: dict, where: str) -> nn.Module:
     """The ``encoder_{which}.backbone`` weights of a MoCo ``state_dict`` in a fresh backbone."""
-    b = build_backbone(meta["backbone"], width=meta["width"], in_channels=meta["in_channels"],
-                       small_stem=meta["small_stem"], stem_stride=meta.get("stem_stride", 1))
     pre = f"encoder_{which}.backbone."
-    missing, unexpected = b.load_state_dict(
-        {k[len(pre):]: v for k, v in state.items() if k.startswith(pre)}, strict=False)
-    if unexpected or any(not k.startswith("fc.") for k in missing):
-        raise RuntimeError(f"encoder_{which}: missing {missing}, unexpected {unexpected}")
-    set_pool_grid(b, GRID)
-    return b
+    weights = {k[len(pre):]: v for k, v in state.items() if k.startswith(pre)}
+    return build_encoder(weights, meta, pool_grid=GRID, where=f"{where} encoder_{which}")[0]
 
 
 def embed_both(model: nn.Module, shards: Path) -> dict[str, FeatureSet]:
@@ -114,7 +107,7 @@ def main() -> None:
     exported = torch.load(args.encoder, map_location="cpu", weights_only=True)
     num_classes = len(read_manifest(shards / "test")["class_names"])
     for which in ("q", "k"):
-        backbone = load_backbone(state, which, meta)
+        backbone = load_backbone(state, which, meta, str(args.checkpoint))
         if which == "q":
             q = backbone.state_dict()
             if not all(torch.equal(q[k], v) for k, v in exported.items()):

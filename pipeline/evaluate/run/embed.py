@@ -27,27 +27,48 @@ def load_encoder(encoder_path: Path, *, pool_grid: int = 1) -> tuple[nn.Module, 
 
     Args:
         encoder_path: ``models/encoder.pt`` (its ``.json`` sidecar next to it).
+        pool_grid: ``embed.pool_grid`` (see :func:`build_encoder`).
+
+    Returns:
+        See :func:`build_encoder`.
+
+    Raises:
+        FileNotFoundError: a file is missing.
+        RuntimeError: the weights do not fit the recorded architecture.
+        ValueError: ``pool_grid < 1``.
+    """
+    meta = json.loads(Path(encoder_path).with_suffix(".json").read_text())
+    sd = torch.load(encoder_path, map_location="cpu", weights_only=True)
+    return build_encoder(sd, meta, pool_grid=pool_grid, where=str(encoder_path))
+
+
+def build_encoder(state_dict: dict[str, Tensor], meta: dict[str, Any], *, pool_grid: int = 1,
+                  where: str = "state_dict") -> tuple[nn.Module, dict[str, Any]]:
+    """A backbone of ``encoder.json``'s architecture holding ``state_dict``'s weights.
+
+    Args:
+        state_dict: torchvision-style backbone weights (``fc.*`` may be absent).
+        meta: ``encoder.json``'s fields (``backbone``, ``width``, ``in_channels``,
+            ``small_stem``, ``stem_stride``).
         pool_grid: ``embed.pool_grid``: the last stage average-pooled to ``g x g`` cells and
             flattened (see :class:`~pipeline.evaluate.pooling.GridPool`); 1 = global pooling.
+        where: names the weights in the error message.
 
     Returns:
         (backbone with ``fc = Identity`` giving ``(N, num_features)`` features, metadata whose
         ``num_features`` is that width: ``C * pool_grid**2``).
 
     Raises:
-        FileNotFoundError: a file is missing.
-        RuntimeError: the weights do not fit the recorded architecture (anything but ``fc.*``
-            missing, or unexpected keys).
+        RuntimeError: the weights do not fit the architecture (anything but ``fc.*`` missing,
+            or unexpected keys).
         ValueError: ``pool_grid < 1``.
     """
-    meta = json.loads(Path(encoder_path).with_suffix(".json").read_text())
     backbone = build_backbone(meta["backbone"], width=meta["width"],
                               in_channels=meta["in_channels"], small_stem=meta["small_stem"],
                               stem_stride=meta.get("stem_stride", 1))
-    sd = torch.load(encoder_path, map_location="cpu", weights_only=True)
-    missing, unexpected = backbone.load_state_dict(sd, strict=False)
+    missing, unexpected = backbone.load_state_dict(state_dict, strict=False)
     if unexpected or any(not k.startswith("fc.") for k in missing):
-        raise RuntimeError(f"{encoder_path} does not fit {meta['backbone']} width "
+        raise RuntimeError(f"{where} does not fit {meta['backbone']} width "
                            f"{meta['width']}: missing {missing}, unexpected {unexpected}")
     meta = {**meta, "num_features": set_pool_grid(backbone, pool_grid), "pool_grid": pool_grid}
     return backbone, meta
