@@ -26,8 +26,9 @@ params naming a path: a file added to, changed in or removed from the folder cha
 The same stage therefore lists them (:func:`index_folders`: every image's relative path, byte
 size and mtime, by the tree walk of :mod:`pipeline.data.sources.unlabelled`) into
 ``data/index/folders.json``, which ``build_shards`` depends on: a changed folder rebuilds the
-shards, an unchanged one reruns nothing, and a folder that does not exist stops ``dvc repro``
-here, before ``build_shards`` deletes the shards.
+shards, an unchanged one reruns nothing, and a folder that does not exist, or an image file
+whose header does not decode, stops ``dvc repro`` here, before ``build_shards`` deletes the
+shards.
 
 Broken images (web crawls always hold a few): a sample without an image member or whose image
 does not decode is skipped and counted, up to ``data.max_broken_fraction`` of all the set's
@@ -64,7 +65,7 @@ from pipeline.data.shards import (
     shard_location,
 )
 from pipeline.data.sources.base import SourceError, local_path
-from pipeline.data.sources.imagefolder import IMAGE_EXTENSIONS
+from pipeline.data.sources.imagefolder import IMAGE_EXTENSIONS, scan_headers
 from pipeline.data.sources.modes import image_kind, to_mode
 from pipeline.data.sources.unlabelled import walk_images
 
@@ -271,7 +272,7 @@ def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float
 
 
 def index_folders(folders: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """The identity of local image folders: a digest of their listing, no image read.
+    """The identity of local image folders: a digest of their listing; every header is checked.
 
     Args:
         folders: ``{param key: directory}``, e.g. ``{"data.unlabelled_root": "/data/photos"}``;
@@ -287,9 +288,15 @@ def index_folders(folders: dict[str, str]) -> dict[str, dict[str, Any]]:
         changes ``skipped``: ``build_shards`` reruns, writes the same shards, and nothing
         after it reruns.)
 
+    Every image header is read (:func:`pipeline.data.sources.imagefolder.scan_headers`; with
+    the listing ~7 s per 60,000 small PNGs in the page cache, the walk alone 0.6 s), so that a
+    file with an image extension that is no image, or one in an unsupported mode, stops
+    ``dvc repro`` in ``index_shards``, before ``build_shards`` deletes the shards.
+
     Raises:
-        SourceError: a folder is not a directory, holds no image, or lists a file that cannot
-            be read (a dangling link); one line naming the key and the path.
+        SourceError: a folder is not a directory, holds no image, lists a file that cannot
+            be read (a dangling link), or holds image files whose header does not decode or
+            whose mode is unsupported; one line naming the key and the path(s).
     """
     out: dict[str, dict[str, Any]] = {}
     for key, root in folders.items():
@@ -313,6 +320,10 @@ def index_folders(folders: dict[str, str]) -> dict[str, dict[str, Any]]:
             total += st.st_size
             digest.update(f"{os.path.relpath(path, top)}\t{st.st_size}\t{st.st_mtime_ns}\n"
                           .encode("utf-8", "surrogateescape"))
+        try:  # here, before build_shards deletes the shards, not in the build
+            scan_headers(paths)
+        except SourceError as e:
+            raise SourceError(f"{key} = {root!r}: {e}") from None
         out[key] = {"root": root, "images": len(paths), "bytes": total, "skipped": skipped,
                     "listing_sha256": digest.hexdigest()}
         log.info("index %s %s: %d images (%d bytes), skipped %s", key, root, len(paths), total,

@@ -347,6 +347,34 @@ def test_index_folders__missing_empty_or_dangling_named_in_one_line(tmp_path):
                             "directory; a broken link?)")
 
 
+def test_index_folders__unreadable_or_unsupported_image_named_in_one_line(tmp_path):
+    # the headers are read here, in index_shards, before build_shards deletes the shards
+    from pipeline.data.index import index_folders
+    from pipeline.data.sources import SourceError
+
+    root = tmp_path / "photos"
+    (root / "a").mkdir(parents=True)
+    Image.new("L", (4, 4)).save(root / "a" / "ok.png")
+    (root / "a" / "page.jpg").write_bytes(b"<html>404 not found</html>")
+    (root / "empty.png").write_bytes(b"")
+    with pytest.raises(SourceError) as e:
+        index_folders({"data.unlabelled_root": str(root)})
+    assert str(e.value) == (
+        f"data.unlabelled_root = '{root}': 2 unreadable image(s): "
+        f"{root / 'a' / 'page.jpg'} (UnidentifiedImageError); "
+        f"{root / 'empty.png'} (UnidentifiedImageError)")
+    (root / "a" / "page.jpg").unlink()
+    (root / "empty.png").unlink()
+    Image.new("LAB", (4, 4)).save(root / "a" / "print.tif")
+    with pytest.raises(SourceError) as e:
+        index_folders({"data.root": str(root)})
+    msg = str(e.value)
+    assert msg.startswith(f"data.root = '{root}': 1 image(s) in an unsupported mode: "
+                          f"{root / 'a' / 'print.tif'} (") and "\n" not in msg, msg
+    (root / "a" / "print.tif").unlink()
+    assert index_folders({"data.root": str(root)})["data.root"]["images"] == 1
+
+
 def test_index_folders__relative_folder_missing_here_is_read_from_dvc_root(tmp_path,
                                                                           monkeypatch):
     # a queued / temp `dvc exp run` copy lacks the untracked folder: the main repo's is listed,

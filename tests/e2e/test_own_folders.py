@@ -177,6 +177,30 @@ def test_unlabelled__missing_tree_refused_before_the_shards_are_deleted(repo):
     assert file_digests(dst / "data/shards") == before
 
 
+def test_unlabelled__unreadable_image_refused_before_the_shards_are_deleted(repo):
+    # a web page saved as .jpg: index_shards reads every header and stops `dvc repro` with one
+    # line naming the file, before build_shards deletes the built shards
+    dst, env, _ = repo
+    before = file_digests(dst / "data/shards")
+    bad = dst.parent / "photos" / "d2" / "page.jpg"
+    bad.write_bytes(b"<html><body>403 Forbidden</body></html>")
+    try:
+        res = sh(["dvc", "repro"], dst, env, ok=False)
+    finally:
+        bad.unlink()
+    text = out(res)
+    assert res.returncode != 0 and "Traceback" not in text
+    assert ran(text)[-1] == "index_shards", text[-3000:]  # the index stopped the run
+    assert set(ran(text)) <= {"check_params", "index_shards"}, text[-3000:]
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert errors == [f"error: SourceError: data.unlabelled_root = '{dst.parent / 'photos'}': "
+                      f"1 unreadable image(s): {bad} (UnidentifiedImageError)"], text[-3000:]
+    assert file_digests(dst / "data/shards") == before
+    # without the file the listing is the one before: nothing after the index reruns
+    again = ran(out(sh(["dvc", "repro"], dst, env)))
+    assert "index_shards" in again and set(again) <= {"check_params", "index_shards"}, again
+
+
 def test_unlabelled__an_image_added_to_the_tree_rebuilds_and_retrains(repo):
     dst, env, _ = repo
     Image.fromarray(np.full((20, 20), 99, np.uint8)).save(dst.parent / "photos/d1/new.png")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -117,29 +118,11 @@ class ImageFolderSource(Source):
     def _scan_headers(self) -> None:
         """Decide :attr:`mode` and :attr:`native_shape` from every image header.
 
-        Palette images are decoded here (their used colours decide grey or colour).
-
         Raises:
-            SourceError: unreadable headers or unsupported modes, every bad file listed.
+            SourceError: unreadable headers or unsupported modes (:func:`scan_headers`).
         """
-        kinds: set[str] = set()
-        sizes: set[tuple[int, int]] = set()
-        bad, unsupported = [], []
-        for path, _ in sorted(set(self._files["train"]) | set(self._files["test"])):
-            try:
-                with Image.open(path) as im:
-                    kinds.add(image_kind(im))
-                    sizes.add(upright_size(im))
-            except ModeError as e:
-                unsupported.append(f"{path} ({e})")
-            except Exception as e:  # PIL raises several types for unreadable files
-                bad.append(f"{path} ({type(e).__name__})")
-        if bad:
-            raise SourceError(f"{len(bad)} unreadable image(s): " + "; ".join(bad))
-        if unsupported:
-            raise SourceError(f"{len(unsupported)} image(s) in an unsupported mode: "
-                              + "; ".join(unsupported)
-                              + f" (supported PIL modes: {', '.join(SUPPORTED_MODES)})")
+        kinds, sizes = scan_headers(sorted({path for path, _ in self._files["train"]}
+                                           | {path for path, _ in self._files["test"]}))
         self.mode = folder_mode(kinds)
         channels = 1 if self.mode == "L" else 3
         if len(sizes) == 1:
@@ -172,6 +155,45 @@ def open_upright(path: str, mode: str) -> Image.Image:
         raise UnreadableImage(f"{path} ({e})") from None
     except Exception as e:  # truncated / corrupt data past the header
         raise UnreadableImage(f"{path} ({type(e).__name__}: {e})") from None
+
+
+def scan_headers(paths: Iterable[str]) -> tuple[set[str], set[tuple[int, int]]]:
+    """Read the header of every image file: its kind (grey or colour) and upright size.
+
+    Palette images are decoded (their used colours decide grey or colour); other pixels are not,
+    so a file cut short after its header passes here and fails when it is decoded.
+
+    Args:
+        paths: image files.
+
+    Returns:
+        ``(kinds, sizes)``: the set of :func:`pipeline.data.sources.modes.image_kind` values
+        (``"L"``, ``"RGB"``) and the set of distinct ``(W, H)`` (:func:`upright_size`).
+
+    Raises:
+        SourceError: one line naming every file whose header does not decode
+            (``"2 unreadable image(s): <path> (<error type>); ..."``), else every file in a mode
+            outside :data:`pipeline.data.sources.modes.SUPPORTED_MODES`.
+    """
+    kinds: set[str] = set()
+    sizes: set[tuple[int, int]] = set()
+    bad, unsupported = [], []
+    for path in paths:
+        try:
+            with Image.open(path) as im:
+                kinds.add(image_kind(im))
+                sizes.add(upright_size(im))
+        except ModeError as e:
+            unsupported.append(f"{path} ({e})")
+        except Exception as e:  # PIL raises several types for unreadable files
+            bad.append(f"{path} ({type(e).__name__})")
+    if bad:
+        raise SourceError(f"{len(bad)} unreadable image(s): " + "; ".join(bad))
+    if unsupported:
+        raise SourceError(f"{len(unsupported)} image(s) in an unsupported mode: "
+                          + "; ".join(unsupported)
+                          + f" (supported PIL modes: {', '.join(SUPPORTED_MODES)})")
+    return kinds, sizes
 
 
 def upright_size(image: Image.Image) -> tuple[int, int]:

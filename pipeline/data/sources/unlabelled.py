@@ -12,8 +12,10 @@ Files (:func:`walk_images`): extensions and keys as :mod:`pipeline.data.sources.
 log and in the folder index ``data/index/folders.json``: AppleDouble files (``._*``, macOS
 resource forks), other hidden files and folders (``.*``; a hidden folder counts once, its
 content is not read), and files without an image extension (``README.txt``, ``*.json``, ...).
-Every image header is read when the tree is opened; a file with an image extension whose header
-does not decode stops the build with one line naming every such file, and so does one whose
+Every image header is read when the tree is opened
+(:func:`pipeline.data.sources.imagefolder.scan_headers`, as the ``index_shards`` stage already
+did before the build: :func:`pipeline.data.index.index_folders`); a file with an image extension
+whose header does not decode stops with one line naming every such file, and so does one whose
 pixels fail later (:meth:`pipeline.data.sources.base.Source.iter`).
 
 Modes (:mod:`pipeline.data.sources.modes`): the tree and the labelled source end up in ONE mode,
@@ -32,7 +34,6 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from pipeline.data.sources.base import Sample, Source, SourceError, local_path
 from pipeline.data.sources.imagefolder import (
@@ -42,13 +43,10 @@ from pipeline.data.sources.imagefolder import (
     ImageWalk,
     open_upright,
     sanitize_key,
-    upright_size,
+    scan_headers,
 )
 from pipeline.data.sources.modes import (
-    SUPPORTED_MODES,
-    ModeError,
     folder_mode,
-    image_kind,
     to_mode,
 )
 
@@ -105,24 +103,7 @@ class UnlabelledTree:
         if not self.paths:
             raise SourceError(f"{self.root}: no images ({', '.join(IMAGE_EXTENSIONS)}) in the "
                               f"unlabelled tree (skipped: {self.describe_skipped()})")
-        self.kinds: set[str] = set()
-        self.sizes: set[tuple[int, int]] = set()
-        bad, unsupported = [], []
-        for path in self.paths:
-            try:
-                with Image.open(path) as im:
-                    self.kinds.add(image_kind(im))
-                    self.sizes.add(upright_size(im))
-            except ModeError as e:
-                unsupported.append(f"{path} ({e})")
-            except Exception as e:  # PIL raises several types for unreadable files
-                bad.append(f"{path} ({type(e).__name__})")
-        if bad:
-            raise SourceError(f"{len(bad)} unreadable image(s): " + "; ".join(bad))
-        if unsupported:
-            raise SourceError(f"{len(unsupported)} image(s) in an unsupported mode: "
-                              + "; ".join(unsupported)
-                              + f" (supported PIL modes: {', '.join(SUPPORTED_MODES)})")
+        self.kinds, self.sizes = scan_headers(self.paths)
 
     def __len__(self) -> int:
         return len(self.paths)
