@@ -364,13 +364,14 @@ def test_index_folders__unreadable_or_unsupported_image_named_in_one_line(tmp_pa
         f"{root / 'a' / 'page.jpg'} (UnidentifiedImageError); "
         f"{root / 'empty.png'} (UnidentifiedImageError)")
     (root / "a" / "page.jpg").unlink()
-    (root / "empty.png").unlink()
     Image.new("LAB", (4, 4)).save(root / "a" / "print.tif")
-    with pytest.raises(SourceError) as e:
+    with pytest.raises(SourceError) as e:  # both kinds in the same line
         index_folders({"data.root": str(root)})
     msg = str(e.value)
-    assert msg.startswith(f"data.root = '{root}': 1 image(s) in an unsupported mode: "
-                          f"{root / 'a' / 'print.tif'} (") and "\n" not in msg, msg
+    assert msg.startswith(f"data.root = '{root}': 1 unreadable image(s): "
+                          f"{root / 'empty.png'} (UnidentifiedImageError); 1 image(s) in an "
+                          f"unsupported mode: {root / 'a' / 'print.tif'} (") and "\n" not in msg
+    (root / "empty.png").unlink()
     (root / "a" / "print.tif").unlink()
     assert index_folders({"data.root": str(root)})["data.root"]["images"] == 1
 

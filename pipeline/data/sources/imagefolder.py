@@ -172,7 +172,7 @@ def scan_headers(paths: Iterable[str]) -> tuple[set[str], set[tuple[int, int]]]:
 
     Raises:
         SourceError: one line naming every file whose header does not decode
-            (``"2 unreadable image(s): <path> (<error type>); ..."``), else every file in a mode
+            (``"2 unreadable image(s): <path> (<error type>); ..."``) and every file in a mode
             outside :data:`pipeline.data.sources.modes.SUPPORTED_MODES`.
     """
     kinds: set[str] = set()
@@ -187,12 +187,15 @@ def scan_headers(paths: Iterable[str]) -> tuple[set[str], set[tuple[int, int]]]:
             unsupported.append(f"{path} ({e})")
         except Exception as e:  # PIL raises several types for unreadable files
             bad.append(f"{path} ({type(e).__name__})")
+    parts = []
     if bad:
-        raise SourceError(f"{len(bad)} unreadable image(s): " + "; ".join(bad))
+        parts.append(f"{len(bad)} unreadable image(s): " + "; ".join(bad))
     if unsupported:
-        raise SourceError(f"{len(unsupported)} image(s) in an unsupported mode: "
-                          + "; ".join(unsupported)
-                          + f" (supported PIL modes: {', '.join(SUPPORTED_MODES)})")
+        parts.append(f"{len(unsupported)} image(s) in an unsupported mode: "
+                     + "; ".join(unsupported)
+                     + f" (supported PIL modes: {', '.join(SUPPORTED_MODES)})")
+    if parts:  # both kinds in one line: one run names every file to fix
+        raise SourceError("; ".join(parts))
     return kinds, sizes
 
 
