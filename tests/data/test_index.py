@@ -397,3 +397,28 @@ def test_index_folders__relative_folder_missing_here_is_read_from_dvc_root(tmp_p
     assert local_path("/abs/path") == Path("/abs/path")
     assert index_folders({"k": "data/raw/photos"}) == there
     assert there["k"]["root"] == "data/raw/photos"
+
+
+def test_index_folders__many_broken_files_give_a_short_line_and_a_full_log(tmp_path, caplog):
+    # 300 broken downloads made one 15,573-character line; now 10 are named, all are logged
+    from pipeline.data.index import index_folders
+    from pipeline.data.sources import SourceError
+
+    root = tmp_path / "photos"
+    root.mkdir()
+    Image.new("L", (4, 4)).save(root / "ok.png")
+    for i in range(12):
+        (root / f"p{i:02d}.jpg").write_bytes(b"<html>404</html>")
+    with open(os.fsencode(root) + b"/zz-caf\xe9.png", "wb"):  # a Latin-1 name, empty file
+        pass
+    with pytest.raises(SourceError) as e:
+        index_folders({"data.unlabelled_root": str(root)})
+    named = "; ".join(f"{root}/p{i:02d}.jpg (UnidentifiedImageError)" for i in range(10))
+    assert str(e.value) == (f"data.unlabelled_root = '{root}': 13 unreadable image(s): "
+                            f"{named}; ... and 3 more (all 13 logged above)")
+    logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert logged[-3:] == [f"unreadable image(s): {root}/p{i:02d}.jpg (UnidentifiedImageError)"
+                           for i in (10, 11)] + [
+        "unreadable image(s): " + repr(os.fsencode(root) + b"/zz-caf\xe9.png")
+        + " (UnidentifiedImageError)"]
+    assert len(logged) == 13

@@ -8,6 +8,7 @@ by ``pipeline.data.sources`` unless listed in its ``__all__``.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,8 +27,45 @@ DEFAULT_ROOTS = {
 }
 
 
+MAX_NAMED = 10  # files named in one error line; the rest are counted there and logged
+log = logging.getLogger(__name__)
+
+
 class SourceError(ValueError):
     """Raw data that is missing, malformed or fails verification (message names the file)."""
+
+
+def shown_path(path: str) -> str:
+    r"""A file name as it can be printed on one line and typed back.
+
+    Names that hold a control character (a newline) or bytes that are not UTF-8 (decoded by
+    Python with ``surrogateescape``) are shown as the Python bytes literal of their
+    file-system encoding, e.g. ``b'photos/caf\xe9.jpg'``; other names as they are.
+    """
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return repr(os.fsencode(path))
+    return path if path.isprintable() else repr(os.fsencode(path))
+
+
+def name_bad_files(what: str, items: Sequence[str]) -> str:
+    """``"<N> <what>: <item>; <item>; ..."`` for one error line, at most :data:`MAX_NAMED` named.
+
+    With more items the line names the first :data:`MAX_NAMED`, then ``"... and <M> more
+    (all <N> logged above)"``, and every item is logged at ERROR, one per line, so a folder of
+    thousands of broken files gives a readable error line and still the full list.
+
+    Args:
+        what: the plural noun phrase, e.g. ``"unreadable image(s)"``.
+        items: one ``"<path> (<reason>)"`` per file, in the order found.
+    """
+    if len(items) > MAX_NAMED:
+        for item in items:
+            log.error("%s: %s", what, item)
+        rest = f"; ... and {len(items) - MAX_NAMED} more (all {len(items)} logged above)"
+        return f"{len(items)} {what}: " + "; ".join(items[:MAX_NAMED]) + rest
+    return f"{len(items)} {what}: " + "; ".join(items)
 
 
 def local_path(path: str | Path) -> Path:
@@ -183,7 +221,7 @@ class Source:
             except UnreadableImage as e:
                 bad.append(str(e))
         if bad:
-            raise SourceError(f"{len(bad)} unreadable image(s): " + "; ".join(bad))
+            raise SourceError(name_bad_files("unreadable image(s)", bad))
 
 
 # --- array-backed sources --------------------------------------------------------------------

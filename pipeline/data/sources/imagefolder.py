@@ -11,7 +11,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from pipeline.data.sources.base import Sample, Source, SourceError, UnreadableImage
+from pipeline.data.sources.base import (
+    Sample,
+    Source,
+    SourceError,
+    UnreadableImage,
+    name_bad_files,
+    shown_path,
+)
 from pipeline.data.sources.modes import SUPPORTED_MODES, ModeError, folder_mode, image_kind, to_mode
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
@@ -152,9 +159,9 @@ def open_upright(path: str, mode: str) -> Image.Image:
             im.load()
             return to_mode(ImageOps.exif_transpose(im), mode)
     except ModeError as e:  # e.g. float values outside 0..1
-        raise UnreadableImage(f"{path} ({e})") from None
+        raise UnreadableImage(f"{shown_path(path)} ({e})") from None
     except Exception as e:  # truncated / corrupt data past the header
-        raise UnreadableImage(f"{path} ({type(e).__name__}: {e})") from None
+        raise UnreadableImage(f"{shown_path(path)} ({type(e).__name__}: {e})") from None
 
 
 def scan_headers(paths: Iterable[str]) -> tuple[set[str], set[tuple[int, int]]]:
@@ -173,7 +180,9 @@ def scan_headers(paths: Iterable[str]) -> tuple[set[str], set[tuple[int, int]]]:
     Raises:
         SourceError: one line naming every file whose header does not decode
             (``"2 unreadable image(s): <path> (<error type>); ..."``) and every file in a mode
-            outside :data:`pipeline.data.sources.modes.SUPPORTED_MODES`.
+            outside :data:`pipeline.data.sources.modes.SUPPORTED_MODES`; past
+            :data:`pipeline.data.sources.base.MAX_NAMED` of a kind, the rest are counted there
+            and every one is logged (:func:`pipeline.data.sources.base.name_bad_files`).
     """
     kinds: set[str] = set()
     sizes: set[tuple[int, int]] = set()
@@ -184,15 +193,14 @@ def scan_headers(paths: Iterable[str]) -> tuple[set[str], set[tuple[int, int]]]:
                 kinds.add(image_kind(im))
                 sizes.add(upright_size(im))
         except ModeError as e:
-            unsupported.append(f"{path} ({e})")
+            unsupported.append(f"{shown_path(path)} ({e})")
         except Exception as e:  # PIL raises several types for unreadable files
-            bad.append(f"{path} ({type(e).__name__})")
+            bad.append(f"{shown_path(path)} ({type(e).__name__})")
     parts = []
     if bad:
-        parts.append(f"{len(bad)} unreadable image(s): " + "; ".join(bad))
+        parts.append(name_bad_files("unreadable image(s)", bad))
     if unsupported:
-        parts.append(f"{len(unsupported)} image(s) in an unsupported mode: "
-                     + "; ".join(unsupported)
+        parts.append(name_bad_files("image(s) in an unsupported mode", unsupported)
                      + f" (supported PIL modes: {', '.join(SUPPORTED_MODES)})")
     if parts:  # both kinds in one line: one run names every file to fix
         raise SourceError("; ".join(parts))

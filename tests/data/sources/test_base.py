@@ -28,3 +28,32 @@ def test_source__max_images_and_shuffle(tiny_fashion):
     assert len(keys) == 4 and keys == sorted(keys)
     shuffled = [s.key for s in src.iter("train", max_images=4, seed=5, shuffle=True)]
     assert sorted(shuffled) == keys
+
+
+def test_name_bad_files__names_ten_counts_the_rest_and_logs_all(caplog):
+    from pipeline.data.sources.base import MAX_NAMED, name_bad_files
+
+    assert MAX_NAMED == 10
+    few = [f"/d/{i}.jpg (OSError)" for i in range(10)]
+    assert name_bad_files("unreadable image(s)", few) == (
+        "10 unreadable image(s): /d/0.jpg (OSError); /d/1.jpg (OSError); /d/2.jpg (OSError); "
+        "/d/3.jpg (OSError); /d/4.jpg (OSError); /d/5.jpg (OSError); /d/6.jpg (OSError); "
+        "/d/7.jpg (OSError); /d/8.jpg (OSError); /d/9.jpg (OSError)")
+    assert not caplog.records  # all named in the line: nothing logged
+    many = [f"/d/{i}.jpg (OSError)" for i in range(13)]
+    assert name_bad_files("unreadable image(s)", many) == (
+        "13 unreadable image(s): /d/0.jpg (OSError); /d/1.jpg (OSError); /d/2.jpg (OSError); "
+        "/d/3.jpg (OSError); /d/4.jpg (OSError); /d/5.jpg (OSError); /d/6.jpg (OSError); "
+        "/d/7.jpg (OSError); /d/8.jpg (OSError); /d/9.jpg (OSError); ... and 3 more "
+        "(all 13 logged above)")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"unreadable image(s): /d/{i}.jpg (OSError)" for i in range(13)]
+
+
+def test_shown_path__odd_names_as_bytes_literals():
+    from pipeline.data.sources.base import shown_path
+
+    assert shown_path("/d/two words/café.jpg") == "/d/two words/café.jpg"
+    assert shown_path("/d/a\nb.jpg") == "b'/d/a\\nb.jpg'"
+    latin1 = b"/d/caf\xe9.jpg".decode("utf-8", "surrogateescape")  # as os.listdir gives it
+    assert shown_path(latin1) == "b'/d/caf\\xe9.jpg'"
