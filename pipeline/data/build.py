@@ -47,6 +47,7 @@ from pipeline.data.sources import (
     PretrainMix,
     Sample,
     Source,
+    SourceError,
     UnlabelledTree,
     open_source,
 )
@@ -409,7 +410,8 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
         ``{split: manifest}``.
 
     Raises:
-        SourceError: raw data missing or invalid.
+        SourceError: raw data missing or invalid; an image that does not decode names its
+            split and file, and how to get the last shards back (``dvc repro`` deleted them).
         ShardError: a URL ``shards_dir``; unreadable webdataset shards.
     """
     if isinstance(shards_location(params.shards_dir), ShardURL):
@@ -445,11 +447,16 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
                 samples = limit_short_side(samples, max_side)
             elif params.image_size:
                 samples = resize_samples(samples, params.image_size)
-            m = write_shards(samples, tmp / split, split=split, source=src.name,
-                             class_names=src.class_names, mode=src.mode,
-                             samples_per_shard=params.samples_per_shard, mean=mean, std=std,
-                             expected_count=min(caps[split], n) if caps[split] else n,
-                             build=build, progress=progress)
+            try:
+                m = write_shards(samples, tmp / split, split=split, source=src.name,
+                                 class_names=src.class_names, mode=src.mode,
+                                 samples_per_shard=params.samples_per_shard, mean=mean, std=std,
+                                 expected_count=min(caps[split], n) if caps[split] else n,
+                                 build=build, progress=progress)
+            except SourceError as e:  # pixels past a good header (index_shards read headers)
+                raise SourceError(f"split {split}: {e}; fix or remove them and rerun (`dvc "
+                                  f"checkout {params.shards_dir}` restores the last shards "
+                                  "built)") from None
             if mean is None:  # no published stats: the first split built gives them
                 mean, std = m["pixel_mean"], m["pixel_std"]
             manifests[split] = m

@@ -275,3 +275,28 @@ def test_build_all__fashion_mnist_small(tmp_path: Path):
     assert ms["test"]["label_counts"] == {str(c): 5 for c in range(10)}
     assert (ms["train"]["mean"], ms["train"]["std"], ms["train"]["image_shape"]) == (
         [0.286], [0.353], [1, 28, 28])
+
+
+def test_build_all__image_cut_short_names_split_file_and_restore(tmp_path: Path):
+    # the header is whole, so index_shards let it through; the build decodes the pixels
+    raw = tmp_path / "raw"
+    for split in ("train", "test"):
+        for c in ("a", "b"):
+            (raw / split / c).mkdir(parents=True)
+            Image.effect_noise((16, 16), 60).convert("L").save(raw / split / c / "0.png")
+    params = DataParams(source="imagefolder", root=str(raw), shards_dir=str(tmp_path / "sh"))
+    build_all(params, seed=0, progress=False)
+    before = {p: p.read_bytes() for p in (tmp_path / "sh").rglob("*") if p.is_file()}
+    cut = raw / "test" / "b" / "0.png"
+    cut.write_bytes(cut.read_bytes()[:80])  # IHDR intact, IDAT cut
+    from pipeline.data.sources import SourceError
+
+    with pytest.raises(SourceError) as e:
+        build_all(params, seed=0, progress=False)
+    msg = str(e.value)
+    assert msg.startswith(f"split test: 1 unreadable image(s): {cut} (") and "\n" not in msg
+    assert msg.endswith(f"; fix or remove them and rerun (`dvc checkout {tmp_path / 'sh'}` "
+                        "restores the last shards built)")
+    # build_all itself keeps the old shards (DVC is what deletes them before the stage)
+    assert {p: p.read_bytes() for p in (tmp_path / "sh").rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw", "sh"]
