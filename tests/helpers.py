@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import http.server
 import json
+import re
+import socket
+import struct
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +137,86 @@ def img2dataset_shards(root: Path, *, shards: int = 2, per_shard: int = 20, size
                     tar.addfile(info, io.BytesIO(data))
         paths.append(path)
     return paths
+
+
+class FaultServer:
+    """``http.server`` on 127.0.0.1 (ephemeral port) over a directory, in a thread, with faults.
+
+    Each fault maps a URL path to what is left of it, consumed one per request: ``fail``,
+    status codes answered to any request (HEAD or GET) before the file is served; ``fail_get``,
+    the same for GET only; ``drop``, ``reset`` and ``stall``, numbers of GETs that announce the
+    whole body (``Content-Length``) and send half of it, then close the connection, reset it
+    (TCP RST), or wait ``stall_s`` seconds and close. ``ranges=True`` answers
+    ``Range: bytes=N-`` with 206 and the rest of the file; ``http.server`` itself ignores
+    ``Range``. ``requests`` logs ``(method, path, Range header)``.
+    """
+
+    def __init__(self, directory: Path, *, ranges: bool = False, stall_s: float = 2.0):
+        self.fail: dict[str, list[int]] = {}
+        self.fail_get: dict[str, list[int]] = {}
+        self.drop: dict[str, int] = {}
+        self.reset: dict[str, int] = {}
+        self.stall: dict[str, int] = {}
+        self.requests: list[tuple[str, str, str | None]] = []
+        server = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, directory=str(directory), **kw)
+
+            def _failed(self, *faults: dict[str, list[int]]) -> bool:
+                server.requests.append((self.command, self.path, self.headers.get("Range")))
+                for codes in faults:
+                    if codes.get(self.path):
+                        self.send_error(codes[self.path].pop(0))
+                        return True
+                return False
+
+            def do_HEAD(self):  # noqa: N802 (http.server API)
+                if not self._failed(server.fail):
+                    super().do_HEAD()
+
+            def do_GET(self):  # noqa: N802 (http.server API)
+                if self._failed(server.fail, server.fail_get):
+                    return
+                cut = next((k for k in ("drop", "reset", "stall")
+                            if getattr(server, k).get(self.path)), None)
+                start = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
+                if cut is None and not (ranges and start):
+                    super().do_GET()
+                    return
+                data = whole = (directory / self.path.lstrip("/")).read_bytes()
+                if ranges and start:
+                    data = whole[int(start[1]):]
+                    self.send_response(206)
+                    self.send_header("Content-Range",
+                                     f"bytes {start[1]}-{len(whole) - 1}/{len(whole)}")
+                else:
+                    self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.close_connection = True
+                if cut is None:
+                    self.wfile.write(data)
+                    return
+                getattr(server, cut)[self.path] -= 1
+                self.wfile.write(data[:len(data) // 2])
+                self.wfile.flush()
+                if cut == "stall":
+                    time.sleep(stall_s)
+                elif cut == "reset":
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                               struct.pack("ii", 1, 0))
+                    self.connection.close()
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -21,7 +21,8 @@ the image, the ``.cls`` text and the ``.json`` text is ever decoded, and nothing
 :func:`shard_stat` gives a shard's byte size and a change detector: the ETag (or Content-MD5,
 Digest, Last-Modified, for http what DVC's own URL dependencies use) of a remote object, the
 mtime of a local file. The index (:mod:`pipeline.data.index`) re-reads a shard only when they
-change.
+change. Its HEADs, like listings and reads, are retried after a transient failure (a 503, a
+refused connection, a timeout; :func:`pipeline.data.remote.retry_transient`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-from pipeline.data.remote import RemoteError, is_url
+from pipeline.data import remote
+from pipeline.data.remote import RemoteError, is_transient, is_url, retry_transient
 
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 LABEL_MEMBER = "cls"
@@ -59,14 +61,18 @@ def _brace_expand(spec: str) -> list[str]:
 def _list_url(url: str) -> list[str]:
     import fsspec
 
-    try:
-        fs, path = fsspec.core.url_to_fs(url)
+    def listing() -> list[str]:
         if any(c in path for c in _GLOB_CHARS):
             found = fs.glob(path)
         else:
             found = [p for p in fs.find(path, maxdepth=1) if p.endswith(".tar")]
         if not found:  # fsspec's http find returns [] for a server that does not answer
             fs.info(path)
+        return found
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        found = retry_transient(listing)
     except FileNotFoundError as e:
         raise _missing(url, e) from None
     except (ImportError, ValueError, OSError) as e:  # no backend, bad URL, unreachable
@@ -115,7 +121,8 @@ def _missing(location: str, e: FileNotFoundError) -> RemoteError:
     cause = e.__cause__
     if cause is None or getattr(cause, "status", None) == 404:
         return RemoteError(f"{location}: not found")
-    return RemoteError(f"{location}: cannot reach it ({type(cause).__name__}: {cause})")
+    tail = f"; gave up after {remote.RETRIES + 1} attempts" if is_transient(e) else ""
+    return RemoteError(f"{location}: cannot reach it ({type(cause).__name__}: {cause}{tail})")
 
 
 def _stat_one(location: str) -> tuple[int, str]:
@@ -129,11 +136,12 @@ def _stat_one(location: str) -> tuple[int, str]:
 
     try:
         fs, path = fsspec.core.url_to_fs(location)
-        info = fs.info(path)
+        info = retry_transient(lambda: fs.info(path))
     except FileNotFoundError as e:
         raise _missing(location, e) from None
     except Exception as e:  # noqa: BLE001 (aiohttp / botocore raise their own types)
-        raise RemoteError(f"{location}: {type(e).__name__}: {e}") from None
+        tail = f" (gave up after {remote.RETRIES + 1} attempts)" if is_transient(e) else ""
+        raise RemoteError(f"{location}: {type(e).__name__}: {e}{tail}") from None
     size = info.get("size")
     if not isinstance(size, int):
         raise RemoteError(f"{location}: the server reports no size")

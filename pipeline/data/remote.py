@@ -40,10 +40,12 @@ import io
 import re
 import ssl
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["RemoteError", "ShardURL", "is_url", "open_stream", "read_url", "shards_location"]
+__all__ = ["RemoteError", "ShardURL", "is_transient", "is_url", "open_stream", "read_url",
+           "retry_transient", "shards_location"]
 
 RETRIES = 5  # attempts after the first failure of one read (per failure episode)
 BACKOFF_S = 0.5  # first wait; doubled after each failed attempt, capped at BACKOFF_MAX_S
@@ -52,6 +54,7 @@ TIMEOUT_S = 60.0  # HTTP: connecting, and each read of the body, seconds
 TRANSIENT_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _CHUNK = 1 << 20
+T = TypeVar("T")
 
 
 class RemoteError(Exception):
@@ -157,6 +160,44 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def is_transient(e: BaseException) -> bool:
+    """Whether an I/O failure is worth another attempt.
+
+    Transient: connection refused or reset, a timeout, HTTP 408/425/429/5xx, a cut body; also
+    when fsspec's HTTP ``info()`` wrapped it in ``FileNotFoundError``.
+    """
+    failure = _failure(e)
+    return failure is not None and failure[0]
+
+
+def retry_transient(fn: Callable[[], T], *, retries: int | None = None,
+                    cleanup: Callable[[], None] | None = None) -> T:
+    """``fn()``, called again after each transient failure (:func:`is_transient`), with backoff.
+
+    The waits are :data:`BACKOFF_S`, doubled per attempt up to :data:`BACKOFF_MAX_S`.
+
+    Args:
+        fn: one attempt (a read, a HEAD, a listing).
+        retries: attempts after the first failure (default :data:`RETRIES`, read when called).
+        cleanup: called after every failed attempt (e.g. closing a broken connection).
+
+    Raises:
+        Exception: a permanent failure at once, or the last transient one after ``retries``
+            more attempts; unchanged, so the caller words the message.
+    """
+    retries = RETRIES if retries is None else retries
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except Exception as e:
+            if cleanup is not None:
+                cleanup()
+            if attempt == retries or not is_transient(e):
+                raise
+            time.sleep(_backoff(attempt))
+    raise AssertionError("unreachable")
+
+
 class _Stream(io.RawIOBase):
     """Read-only raw stream over a URL with resume-on-failure, byte count and sha256."""
 
@@ -202,24 +243,20 @@ class _Stream(io.RawIOBase):
         return n
 
     def _retrying(self, fn: Any) -> Any:
-        for attempt in range(self.retries + 1):
-            try:
-                if self._f is None:
-                    self._open()
-                return fn()
-            except Exception as e:  # noqa: BLE001 (classified by _failure; others re-raised)
-                self._close_f()
-                failure = _failure(e)
-                if failure is None:
-                    raise
-                transient, why = failure
-                if not transient:
-                    raise RemoteError(f"{self.url}: {why}") from None
-                if attempt == self.retries:
-                    raise RemoteError(f"{self.url}: {why} (gave up after {self.retries + 1} "
-                                      "attempts)") from None
-                time.sleep(_backoff(attempt))
-        raise AssertionError("unreachable")
+        def attempt() -> Any:
+            if self._f is None:
+                self._open()
+            return fn()
+
+        try:
+            return retry_transient(attempt, retries=self.retries, cleanup=self._close_f)
+        except Exception as e:  # noqa: BLE001 (classified by _failure; others re-raised)
+            failure = _failure(e)
+            if failure is None:
+                raise
+            transient, why = failure
+            tail = f" (gave up after {self.retries + 1} attempts)" if transient else ""
+            raise RemoteError(f"{self.url}: {why}{tail}") from None
 
     def _close_f(self) -> None:
         if self._f is not None:

@@ -122,7 +122,15 @@ def test_expand_shards__http_directory_listing_and_glob(http_dir):
         shard_stat([f"{http_dir}/missing.tar"])
 
 
-def test_shard_stat__server_down_is_not_called_not_found(tmp_path):
+@pytest.fixture
+def fast_retries(monkeypatch):
+    from pipeline.data import remote
+
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(remote, "RETRIES", 2)
+
+
+def test_shard_stat__server_down_is_not_called_not_found(tmp_path, fast_retries):
     # fsspec's http info raises FileNotFoundError for a refused connection too; the message
     # must say the server cannot be reached, for a shard and for a directory listing alike
     import socket
@@ -133,7 +141,38 @@ def test_shard_stat__server_down_is_not_called_not_found(tmp_path):
     with pytest.raises(RemoteError) as e:
         shard_stat([f"{url}/pre/00000.tar"])
     assert str(e.value).startswith(f"{url}/pre/00000.tar: cannot reach it (")
+    assert str(e.value).endswith("; gave up after 3 attempts)")  # refused: retried as reads are
     assert "not found" not in str(e.value)
     with pytest.raises(RemoteError) as e:
         expand_shards(f"{url}/pre/", key="data.pretrain_shards")
     assert str(e.value).startswith(f"{url}/pre/: cannot reach it (")
+
+
+def test_shard_stat_and_listing__transient_503_retried_404_not(tmp_path, fast_retries):
+    # a HEAD or a listing that meets a busy server is retried as reads are (index_shards
+    # stopped at the first 503 before); a 404 is answered at once
+    from helpers import FaultServer
+
+    _touch(tmp_path / "a.tar", b"12345")
+    server = FaultServer(tmp_path)
+    try:
+        server.fail["/a.tar"] = [503, 502]
+        assert shard_stat([f"{server.url}/a.tar"])[0][0] == 5
+        assert server.fail["/a.tar"] == []  # both faults were met, then it was served
+        server.fail["/"] = [503]
+        assert expand_shards(f"{server.url}/", key="k") == [f"{server.url}/a.tar"]
+        server.fail["/a.tar"] = [503] * 10
+        server.requests.clear()
+        with pytest.raises(RemoteError) as e:
+            shard_stat([f"{server.url}/a.tar"])
+        assert str(e.value).startswith(f"{server.url}/a.tar: cannot reach it (ClientResponseError")
+        assert str(e.value).endswith("; gave up after 3 attempts)")
+        heads = [r for r in server.requests if r[1] == "/a.tar"]
+        server.requests.clear()
+        with pytest.raises(RemoteError, match="missing.tar: not found"):
+            shard_stat([f"{server.url}/missing.tar"])
+        missing = [r for r in server.requests if r[1] == "/missing.tar"]
+    finally:
+        server.close()
+    # fsspec's info() is a HEAD then a GET per attempt: 3 attempts, and 1 for the 404
+    assert len(heads) == 3 * len(missing)
