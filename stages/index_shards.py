@@ -10,7 +10,8 @@ names it: the lineage of the pretraining data); without shards to index it write
 manifests and logs no MLflow run. It also lists the local image folders that ``build_shards``
 reads (``data.unlabelled_root``; ``data.root`` of an ``imagefolder`` source) into
 ``data/index/folders.json`` (:func:`pipeline.data.index.index_folders`), so an image added to a
-folder rebuilds the shards and a missing folder stops ``dvc repro`` before they are deleted.
+folder rebuilds the shards and a missing folder, or a new image whose header does not decode,
+stops ``dvc repro`` before they are deleted (headers are read again only when a listing changed).
 """
 
 from __future__ import annotations
@@ -30,13 +31,21 @@ def run(p: Params) -> None:
     from pathlib import Path
 
     from pipeline.atomic import write_json
-    from pipeline.data.index import FOLDERS, VALIDATORS, index_folders, index_location, index_sets
+    from pipeline.data.index import (
+        FOLDERS,
+        VALIDATORS,
+        index_folders,
+        index_location,
+        index_sets,
+        read_previous_folders,
+    )
     from pipeline.data.shards import MANIFEST_NAME
     from pipeline.tracking import stage_run
 
     folders = index_folders({  # first: a missing folder stops before any shard is read
         "data.unlabelled_root": p.data.unlabelled_root,
-        "data.root": p.data.root if p.data.source == "imagefolder" else ""})
+        "data.root": p.data.root if p.data.source == "imagefolder" else ""},
+        previous=read_previous_folders())
     manifests, fresh, changed = index_sets(
         {"pretrain": (p.data.pretrain_shards, "data.pretrain_shards"),
          "labelled": (p.data.root if p.data.source == "webdataset" else "", "data.root")},

@@ -271,12 +271,17 @@ def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float
     return manifests, fresh, changed
 
 
-def index_folders(folders: dict[str, str]) -> dict[str, dict[str, Any]]:
+def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = None
+                  ) -> dict[str, dict[str, Any]]:
     """The identity of local image folders: a digest of their listing; every header is checked.
 
     Args:
         folders: ``{param key: directory}``, e.g. ``{"data.unlabelled_root": "/data/photos"}``;
             keys with an empty directory are left out.
+        previous: the last index written (:func:`read_previous_folders`), or None. A folder
+            whose root and listing digest equal its entry there passed the header check then
+            (an index is written only when every folder passed), so its headers are not read
+            again.
 
     Returns:
         ``{key: {"root", "images", "bytes", "skipped", "listing_sha256"}}``: the number and
@@ -288,10 +293,12 @@ def index_folders(folders: dict[str, str]) -> dict[str, dict[str, Any]]:
         changes ``skipped``: ``build_shards`` reruns, writes the same shards, and nothing
         after it reruns.)
 
-    Every image header is read (:func:`pipeline.data.sources.imagefolder.scan_headers`; with
-    the listing ~7 s per 60,000 small PNGs in the page cache, the walk alone 0.6 s), so that a
-    file with an image extension that is no image, or one in an unsupported mode, stops
-    ``dvc repro`` in ``index_shards``, before ``build_shards`` deletes the shards.
+    Every image header of a new or changed folder is read
+    (:func:`pipeline.data.sources.imagefolder.scan_headers`; with the listing ~7 s per 60,000
+    small PNGs in the page cache, the walk and the listing alone 0.6 s), so that a file with an
+    image extension that is no image, or one in an unsupported mode, stops ``dvc repro`` in
+    ``index_shards``, before ``build_shards`` deletes the shards. An unchanged folder costs the
+    walk and the listing only.
 
     Raises:
         SourceError: a folder is not a directory, holds no image, lists a file that cannot
@@ -320,10 +327,17 @@ def index_folders(folders: dict[str, str]) -> dict[str, dict[str, Any]]:
             total += st.st_size
             digest.update(f"{os.path.relpath(path, top)}\t{st.st_size}\t{st.st_mtime_ns}\n"
                           .encode("utf-8", "surrogateescape"))
-        try:  # here, before build_shards deletes the shards, not in the build
-            scan_headers(paths)
-        except SourceError as e:
-            raise SourceError(f"{key} = {root!r}: {e}") from None
+        last = (previous or {}).get(key)
+        unchanged = isinstance(last, dict) and (
+            (last.get("root"), last.get("listing_sha256")) == (root, digest.hexdigest()))
+        if unchanged:
+            log.info("index %s %s: listing unchanged since the last index, headers not read "
+                     "again", key, root)
+        else:
+            try:  # here, before build_shards deletes the shards, not in the build
+                scan_headers(paths)
+            except SourceError as e:
+                raise SourceError(f"{key} = {root!r}: {e}") from None
         out[key] = {"root": root, "images": len(paths), "bytes": total, "skipped": skipped,
                     "listing_sha256": digest.hexdigest()}
         log.info("index %s %s: %d images (%d bytes), skipped %s", key, root, len(paths), total,
@@ -393,6 +407,18 @@ def pretrain_manifest(shards_dir: Path | ShardURL, index_dir: Path | None = None
 def index_location(split: str) -> Path:
     """``data/index/<split>`` (holds ``manifest.json``)."""
     return INDEX_DIR / split
+
+
+def read_previous_folders(path: Path = FOLDERS) -> dict[str, Any] | None:
+    """The last folder index (``data/index/folders.json``), or None (missing or unreadable)."""
+    try:
+        found = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("ignoring the last folder index %s (%s): checking every header", path, e)
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def read_previous(split: str) -> dict[str, Any] | None:

@@ -422,3 +422,38 @@ def test_index_folders__many_broken_files_give_a_short_line_and_a_full_log(tmp_p
         "unreadable image(s): " + repr(os.fsencode(root) + b"/zz-caf\xe9.png")
         + " (UnidentifiedImageError)"]
     assert len(logged) == 13
+
+
+def test_index_folders__unchanged_listing_skips_the_header_check(tmp_path, caplog):
+    # the last index passed the check for exactly this listing (path, bytes, mtime of each
+    # image), so the headers are not read again; any change to the listing reads them all
+    from pipeline.data.index import index_folders, read_previous_folders
+    from pipeline.data.sources import SourceError
+
+    root = tmp_path / "photos"
+    root.mkdir()
+    for i in range(3):
+        Image.new("L", (4, 4), i).save(root / f"{i}.png")
+    first = index_folders({"data.unlabelled_root": str(root)})
+    (tmp_path / "folders.json").write_text(json.dumps(first))
+    previous = read_previous_folders(tmp_path / "folders.json")
+    assert previous == first
+    # a broken file with the old bytes count and mtime: the listing cannot tell, so it passes
+    st = os.stat(root / "1.png")
+    (root / "1.png").write_bytes(b"x" * st.st_size)
+    os.utime(root / "1.png", ns=(st.st_atime_ns, st.st_mtime_ns))
+    caplog.set_level("INFO")
+    assert index_folders({"data.unlabelled_root": str(root)}, previous) == first
+    assert "listing unchanged since the last index, headers not read again" in caplog.text
+    # the same folder under another key, or another root, or no previous index: read
+    for folders, prev in (({"data.root": str(root)}, previous),
+                          ({"data.unlabelled_root": str(root)}, None),
+                          ({"data.unlabelled_root": str(root)}, {"data.unlabelled_root": "x"})):
+        with pytest.raises(SourceError, match=r"1 unreadable image\(s\): .*1\.png"):
+            index_folders(folders, prev)
+    os.utime(root / "1.png")  # touched: a new listing, so every header is read
+    with pytest.raises(SourceError, match=r"1 unreadable image\(s\): .*1\.png"):
+        index_folders({"data.unlabelled_root": str(root)}, previous)
+    (tmp_path / "folders.json").write_text("{not json")
+    assert read_previous_folders(tmp_path / "folders.json") is None
+    assert read_previous_folders(tmp_path / "missing.json") is None
