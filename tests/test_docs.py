@@ -416,11 +416,14 @@ def test_readme__results_table_matches_the_metrics():
     knn, lin = (_json(f"results/fashion-mnist-w48-4ep/metrics/{m}.json") for m in ("knn", "linear"))
     assert (pct(w48[0]), pct(w48[1])) == (knn["top1"], lin["top1"])
     assert w48[2] == f"{knn['protocol_top1']} / {lin['protocol_top1']} %"
-    epyc = row("MoCo, the default on an fp32 EPYC")
-    knn, lin = (_json(f"results/fashion-mnist-default-2026-12-03-epyc/metrics/{m}.json")
-                for m in ("knn", "linear"))
-    assert (pct(epyc[0]), pct(epyc[1])) == (knn["top1"], lin["top1"])
-    assert epyc[2] == f"{knn['protocol_top1']} / {lin['protocol_top1']} %"
+    for prefix, run in (("MoCo, the default on an fp32 EPYC", "default-2026-12-03-epyc"),
+                        ("MoCo, the long preset, fp32 EPYC", "long-2026-12-03-epyc")):
+        cells = row(prefix)
+        knn, lin = (_json(f"results/fashion-mnist-{run}/metrics/{m}.json")
+                    for m in ("knn", "linear"))
+        assert (pct(cells[0]), pct(cells[1])) == (knn["top1"], lin["top1"]), prefix
+        assert f"k={knn['k']}, T={knn['T']}" in cells[0], prefix
+        assert cells[2] == f"{knn['protocol_top1']} / {lin['protocol_top1']} %", prefix
     tuned = row("raw pixels, kNN, k and T chosen")
     assert pct(tuned[0]) == base["raw_pixels_knn_tuned_top1"]
     assert (base["raw_pixels_knn_tuned_k"], base["raw_pixels_knn_tuned_T"]) == (10, 0.02)
