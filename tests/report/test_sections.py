@@ -124,3 +124,23 @@ def test_results_section__moco_protocol_rows_beside_ours():
                          "MoCo encoder + linear probe",
                          "MoCo encoder + linear probe, MoCo protocol"]
     assert rows[1][2:] == ["82.50", "98.50"] and rows[3][2:] == ["86.25", "99.25"]
+
+
+def test_headline__gap_under_seed_noise_is_level_not_a_win():
+    from pipeline.report.sections import SEED_NOISE_POINTS, headline
+
+    assert SEED_NOISE_POINTS == 0.3
+    m = _metrics(knn={"top1": 87.30}, linear={"top1": 88.68},
+                 baselines={"raw_pixels_top1": 81.78, "raw_pixels_knn_tuned_top1": 87.16,
+                            "raw_pixels_linear_top1": 83.84})
+    # the long preset on the EPYC: kNN 87.30 - 87.16 = +0.14 < 0.3; linear +4.84
+    assert headline(m) == (
+        "Headline — kNN: MoCo 87.30 % is level with the best raw-pixel kNN 87.16 % (+0.14 "
+        "points, within seed noise of 0.3); linear: MoCo 88.68 % beats the best raw-pixel "
+        "linear 83.84 % (+4.84 points).")
+    m = _metrics(knn={"top1": 86.90}, baselines={"raw_pixels_knn_tuned_top1": 87.16})
+    assert headline(m) == ("Headline — kNN: MoCo 86.90 % is level with the best raw-pixel kNN "
+                           "87.16 % (-0.26 points, within seed noise of 0.3).")
+    m = _metrics(knn={"top1": 86.80}, baselines={"raw_pixels_knn_tuned_top1": 87.16})
+    assert headline(m) == ("Headline — kNN: MoCo 86.80 % does not beat the best raw-pixel kNN "
+                           "87.16 % (-0.36 points).")
