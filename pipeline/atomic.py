@@ -1,13 +1,14 @@
 """Atomic file writes: a temp file in the target's folder, fsync, then ``os.replace``.
 
 A crash, a kill or a full disk in the middle of a write leaves the previous file untouched and
-no half-written file behind.
+no half-written file behind. :func:`read_json` is the matching lenient read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import re
@@ -20,6 +21,7 @@ from typing import IO, Any
 _PERCENT = re.compile(r"(^|_)(top\d+|acc|accuracy)($|_)")
 PERCENT_DECIMALS = 2  # 0.01 pt: the resolution of an accuracy over 10,000 test images
 SIGNIFICANT_DIGITS = 6  # other floats (loss, lr, seconds, images/s): like write_tsv's %.6g
+log = logging.getLogger(__name__)
 
 
 def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -70,6 +72,25 @@ def write_json(path: str | Path, obj: Any) -> None:
     """Pretty, key-sorted JSON written atomically (see :func:`write_atomic`)."""
     text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
     write_atomic(path, lambda f: f.write(text.encode()))
+
+
+def read_json(path: str | Path, *, unreadable: str = "treated as not available"
+              ) -> dict[str, Any] | None:
+    """A JSON object from ``path``, or None when the file is missing or not a JSON object.
+
+    Args:
+        path: the file.
+        unreadable: what happens instead, logged with the path and the error when the file
+            exists but cannot be read or parsed.
+    """
+    try:
+        obj = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("cannot read %s (%s); %s", path, e, unreadable)
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 def round_metric(name: str, value: Any) -> Any:

@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.atomic import read_json
 from pipeline.data.external import expand_shards, image_member, open_image, shard_stat
 from pipeline.data.remote import RemoteError, ShardURL, is_url
 from pipeline.data.shards import (
@@ -411,14 +412,7 @@ def index_location(split: str) -> Path:
 
 def read_previous_folders(path: Path = FOLDERS) -> dict[str, Any] | None:
     """The last folder index (``data/index/folders.json``), or None (missing or unreadable)."""
-    try:
-        found = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        log.warning("ignoring the last folder index %s (%s): checking every header", path, e)
-        return None
-    return found if isinstance(found, dict) else None
+    return read_json(path, unreadable="checking every folder's headers")
 
 
 def read_previous(split: str) -> dict[str, Any] | None:

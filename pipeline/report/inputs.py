@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
 import math
 import tarfile
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
+from pipeline.atomic import read_json
 from pipeline.data.remote import is_url, shards_location
 from pipeline.data.shards import ShardError, read_manifest
 
@@ -186,18 +186,6 @@ def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
         shards_dir=root / shards_dir,
         shards_are_url=is_url(shards_dir),
     )
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object from ``path``, or None when the file is missing or not a JSON object."""
-    try:
-        obj = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        log.warning("report: cannot read %s (%s); treated as not available", path, e)
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 def _finite(v: Any) -> bool:
