@@ -68,7 +68,7 @@ from pipeline.data.shards import (
 from pipeline.data.sources.base import SourceError, local_path
 from pipeline.data.sources.imagefolder import IMAGE_EXTENSIONS, scan_headers
 from pipeline.data.sources.modes import image_kind, to_mode
-from pipeline.data.sources.unlabelled import walk_images
+from pipeline.data.sources.unlabelled import describe_skipped, walk_images
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +342,7 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
         out[key] = {"root": root, "images": len(paths), "bytes": total, "skipped": skipped,
                     "listing_sha256": digest.hexdigest()}
         log.info("index %s %s: %d images (%d bytes), skipped %s", key, root, len(paths), total,
-                 skipped or "nothing")
+                 describe_skipped(skipped))
     return out
 
 

@@ -144,3 +144,8 @@ def test_headline__gap_under_seed_noise_is_level_not_a_win():
     m = _metrics(knn={"top1": 86.80}, baselines={"raw_pixels_knn_tuned_top1": 87.16})
     assert headline(m) == ("Headline — kNN: MoCo 86.80 % does not beat the best raw-pixel kNN "
                            "87.16 % (-0.36 points).")
+    # a printed gap of exactly 0.30 is not under 0.3, whatever the float subtraction gives
+    for ours, px, verdict in ((78.8, 78.5, "beats"), (78.5, 78.8, "does not beat"),
+                              (88.33, 88.03, "beats")):
+        m = _metrics(knn={"top1": ours}, baselines={"raw_pixels_knn_tuned_top1": px})
+        assert f" {verdict} the best raw-pixel kNN" in headline(m), (ours, px)

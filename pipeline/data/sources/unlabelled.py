@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +78,15 @@ def walk_images(root: Path) -> tuple[list[str], Counter[str]]:
     return found, walk.skipped
 
 
+def describe_skipped(skipped: Mapping[str, int]) -> str:
+    """Counts per reason of :func:`walk_images` as ``"2 appledouble, 1 hidden, 3 not_image"``.
+
+    ``"none"`` when nothing was skipped.
+    """
+    parts = [f"{skipped[r]} {r}" for r in SKIP_REASONS if skipped.get(r)]
+    return ", ".join(parts) or "none"
+
+
 class UnlabelledTree:
     """The images of ``data.unlabelled_root``, headers read once.
 
@@ -110,8 +120,7 @@ class UnlabelledTree:
 
     def describe_skipped(self) -> str:
         """``"2 appledouble, 1 hidden, 3 not_image"`` (``"none"`` when nothing was skipped)."""
-        parts = [f"{self.skipped[r]} {r}" for r in SKIP_REASONS if self.skipped[r]]
-        return ", ".join(parts) or "none"
+        return describe_skipped(self.skipped)
 
     def build_record(self) -> dict[str, object]:
         """What the pretrain manifest records under ``build.unlabelled``.

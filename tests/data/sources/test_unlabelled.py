@@ -144,3 +144,11 @@ def test_unlabelled_tree__exif_orientation_6_loaded_upright(tmp_path):
     assert tree.sizes == {(2, 3)}
     img = tree.load(0, "L").image
     assert img.size == (2, 3) and abs(img.getpixel((1, 0)) - 10) <= 3
+
+
+def test_describe_skipped__one_wording_for_index_and_build():
+    from pipeline.data.sources.unlabelled import describe_skipped
+
+    assert describe_skipped({"not_image": 3, "appledouble": 2, "hidden": 0}) == (
+        "2 appledouble, 3 not_image")  # SKIP_REASONS order, zero counts left out
+    assert describe_skipped({}) == "none"
