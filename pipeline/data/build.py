@@ -384,6 +384,23 @@ def open_data(params: DataParams, seed: int) -> tuple[Source, dict[str, Any]]:
     return mix, record
 
 
+def _log_tree_share(manifest: dict[str, Any], tree_images: int, cap: int) -> None:
+    """Say how many ``data.unlabelled_root`` images the built pretrain split holds.
+
+    ``data.max_pretrain_images`` keeps each label's share, the tree's label -1 included, so a
+    small folder beside a large labelled set can lose most or all of its images to the cap: a
+    warning says so and how to keep them.
+    """
+    used = int(manifest["label_counts"].get("-1", 0))
+    if used == tree_images:
+        log.info("pretrain: all %d images of data.unlabelled_root are in the split", used)
+        return
+    log.warning("pretrain: %d of the %d images of data.unlabelled_root are in the split: "
+                "data.max_pretrain_images = %d keeps each label's share, the folder's included "
+                "(0 keeps every image; data.pretrain_labelled: false leaves the cap to the "
+                "folder)", used, tree_images, cap)
+
+
 def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[str, dict[str, Any]]:
     """Build the ``pretrain``, ``train`` and ``test`` shards under ``params.shards_dir``.
 
@@ -460,6 +477,8 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
             if mean is None:  # no published stats: the first split built gives them
                 mean, std = m["pixel_mean"], m["pixel_std"]
             manifests[split] = m
+            if split == "pretrain" and "unlabelled" in record:
+                _log_tree_share(m, int(record["unlabelled"]["images"]), caps[split])
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -300,3 +300,30 @@ def test_build_all__image_cut_short_names_split_file_and_restore(tmp_path: Path)
     # build_all itself keeps the old shards (DVC is what deletes them before the stage)
     assert {p: p.read_bytes() for p in (tmp_path / "sh").rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["raw", "sh"]
+
+
+def test_build_all__cap_that_drops_the_folder_says_so(tmp_path: Path, caplog):
+    # 20 labelled pretrain images (2 classes) + 1 unlabelled, cap 4: shares 4*10/21 = 1.90 per
+    # class and 4*1/21 = 0.19 for label -1; floors 1, 1, 0 and the two largest remainders
+    # (0.90, 0.90 > 0.19) go to the classes: the folder's image is left out
+    raw = tmp_path / "raw"
+    for split, n in (("train", 10), ("test", 1)):
+        for c in ("a", "b"):
+            (raw / split / c).mkdir(parents=True)
+            for i in range(n):
+                Image.new("L", (8, 8), i).save(raw / split / c / f"{i}.png")
+    (tmp_path / "photos").mkdir()
+    Image.new("L", (8, 8), 9).save(tmp_path / "photos" / "p.png")
+    params = DataParams(source="imagefolder", root=str(raw),
+                        unlabelled_root=str(tmp_path / "photos"), max_pretrain_images=4,
+                        shards_dir=str(tmp_path / "sh"))
+    caplog.set_level("INFO")
+    ms = build_all(params, seed=0, progress=False)
+    assert ms["pretrain"]["label_counts"] == {"0": 2, "1": 2}
+    assert ("pretrain: 0 of the 1 images of data.unlabelled_root are in the split: "
+            "data.max_pretrain_images = 4 keeps each label's share, the folder's included (0 "
+            "keeps every image; data.pretrain_labelled: false leaves the cap to the folder)"
+            ) in [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    caplog.clear()
+    build_all(DataParams(**{**vars(params), "max_pretrain_images": 0}), seed=0, progress=False)
+    assert "pretrain: all 1 images of data.unlabelled_root are in the split" in caplog.text
