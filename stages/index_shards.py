@@ -34,18 +34,14 @@ def run(p: Params) -> None:
     from pipeline.data.index import (
         FOLDERS,
         VALIDATORS,
-        index_folders,
         index_location,
+        index_params_folders,
         index_sets,
-        read_previous_folders,
     )
     from pipeline.data.shards import MANIFEST_NAME
     from pipeline.tracking import stage_run
 
-    folders = index_folders({  # first: a missing folder stops before any shard is read
-        "data.unlabelled_root": p.data.unlabelled_root,
-        "data.root": p.data.root if p.data.source == "imagefolder" else ""},
-        previous=read_previous_folders())
+    folders = index_params_folders(p.data)  # first: a missing folder stops before any shard
     manifests, fresh, changed = index_sets(
         {"pretrain": (p.data.pretrain_shards, "data.pretrain_shards"),
          "labelled": (p.data.root if p.data.source == "webdataset" else "", "data.root")},

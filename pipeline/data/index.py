@@ -45,7 +45,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -69,6 +69,9 @@ from pipeline.data.sources.base import SourceError, local_path
 from pipeline.data.sources.imagefolder import IMAGE_EXTENSIONS, scan_headers
 from pipeline.data.sources.modes import image_kind, to_mode
 from pipeline.data.sources.unlabelled import describe_skipped, walk_images
+
+if TYPE_CHECKING:
+    from pipeline.config import DataParams
 
 log = logging.getLogger(__name__)
 
@@ -344,6 +347,20 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
         log.info("index %s %s: %d images (%d bytes), skipped %s", key, root, len(paths), total,
                  describe_skipped(skipped))
     return out
+
+
+def index_params_folders(data: DataParams) -> dict[str, dict[str, Any]]:
+    """:func:`index_folders` of the local folders ``build_shards`` reads, against the last index.
+
+    The folders: ``data.unlabelled_root``, and ``data.root`` of an ``imagefolder`` source; the
+    last index: :data:`FOLDERS` (:func:`read_previous_folders`).
+
+    Raises:
+        SourceError: as :func:`index_folders`.
+    """
+    return index_folders({"data.unlabelled_root": data.unlabelled_root,
+                          "data.root": data.root if data.source == "imagefolder" else ""},
+                         previous=read_previous_folders())
 
 
 def pretrain_manifest(shards_dir: Path | ShardURL, index_dir: Path | None = None, *,
