@@ -210,7 +210,9 @@ class DataParams:
     pretrain_shards: str = ""
     label_field: str = "cls"  # data.source webdataset: the .cls member, else this .json field
     # WebDataset shards (pretrain_shards, the webdataset source): undecodable samples are
-    # skipped and counted up to this share of the samples; more stops the stage.
+    # skipped and counted up to this share of the samples; more stops the stage. Local image
+    # folders (unlabelled_root, an imagefolder root): files that do not decode are listed in
+    # data/index/folders.json and left out up to this share of each folder's images.
     max_broken_fraction: float = 0.001
 
 

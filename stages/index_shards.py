@@ -10,8 +10,9 @@ names it: the lineage of the pretraining data); without shards to index it write
 manifests and logs no MLflow run. It also lists the local image folders that ``build_shards``
 reads (``data.unlabelled_root``; ``data.root`` of an ``imagefolder`` source) into
 ``data/index/folders.json`` (:func:`pipeline.data.index.index_folders`), so an image added to a
-folder rebuilds the shards and a missing folder, or a new image whose header does not decode,
-stops ``dvc repro`` before they are deleted (headers are read again only when a listing changed).
+folder rebuilds the shards and a missing folder, or a new image that does not decode (a bad
+header, or a file cut short past a good one), stops ``dvc repro`` before they are deleted (the
+images are decoded again only when a listing changed).
 """
 
 from __future__ import annotations

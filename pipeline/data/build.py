@@ -362,25 +362,28 @@ def open_data(params: DataParams, seed: int) -> tuple[Source, dict[str, Any]]:
         SourceError: raw data missing or invalid.
         ShardError: webdataset shards unreadable or too many broken.
     """
-    index = None
-    if params.source == "webdataset":
-        from pipeline.data.index import read_previous
+    from pipeline.data.index import broken_in_folder, read_previous, read_previous_folders
 
-        index = read_previous("labelled")
+    index = read_previous("labelled") if params.source == "webdataset" else None
+    folders = read_previous_folders()  # the broken files index_shards found and let through
     src = open_source(params.source, params.root, download=params.download,
                       test_fraction=params.test_fraction, seed=seed,
                       label_field=params.label_field,
-                      max_broken_fraction=params.max_broken_fraction, index=index)
+                      max_broken_fraction=params.max_broken_fraction, index=index,
+                      exclude=broken_in_folder("data.root", params.root, folders))
     if not params.unlabelled_root and params.pretrain_labelled:
         return src, {}
-    tree = UnlabelledTree(params.unlabelled_root) if params.unlabelled_root else None
+    tree = (UnlabelledTree(params.unlabelled_root, exclude=broken_in_folder(
+        "data.unlabelled_root", params.unlabelled_root, folders))
+        if params.unlabelled_root else None)
     mix = PretrainMix(src, tree, include_labelled=params.pretrain_labelled,
                       resized=bool(params.image_size or params.max_side))
     record = {"pretrain_labelled": params.pretrain_labelled}
     if tree is not None:
         record["unlabelled"] = tree.build_record()
-        log.info("unlabelled tree %s: %d images, skipped %s", tree.root, len(tree),
-                 tree.describe_skipped())
+        log.info("unlabelled tree %s: %d images, skipped %s; %d broken left out "
+                 "(data/index/folders.json)", tree.root, len(tree), tree.describe_skipped(),
+                 tree.broken)
     return mix, record
 
 

@@ -66,7 +66,7 @@ from pipeline.data.shards import (
     shard_location,
 )
 from pipeline.data.sources.base import SourceError, local_path
-from pipeline.data.sources.imagefolder import IMAGE_EXTENSIONS, scan_headers
+from pipeline.data.sources.imagefolder import IMAGE_EXTENSIONS, read_images
 from pipeline.data.sources.modes import image_kind, to_mode
 from pipeline.data.sources.unlabelled import describe_skipped, walk_images
 
@@ -259,10 +259,8 @@ def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float
     Raises:
         ShardError: as :func:`index_shards`, for the first set that fails.
     """
-    try:
-        validators = json.loads(VALIDATORS.read_text())
-    except (OSError, ValueError):  # none yet, or unreadable: every shard is read
-        validators = {}
+    # none yet, or unreadable: every shard is read
+    validators = read_json(VALIDATORS, unreadable="every shard is read again") or {}
     manifests, fresh, changed = {}, {}, False
     for split, (spec, key) in sets.items():
         previous = read_previous(split)
@@ -275,39 +273,47 @@ def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float
     return manifests, fresh, changed
 
 
-def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = None
-                  ) -> dict[str, dict[str, Any]]:
-    """The identity of local image folders: a digest of their listing; every header is checked.
+def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = None, *,
+                  max_broken_fraction: float = 0.0) -> dict[str, dict[str, Any]]:
+    """The identity of local image folders: a digest of their listing; every image is decoded.
 
     Args:
         folders: ``{param key: directory}``, e.g. ``{"data.unlabelled_root": "/data/photos"}``;
             keys with an empty directory are left out.
         previous: the last index written (:func:`read_previous_folders`), or None. A folder
-            whose root and listing digest equal its entry there passed the header check then
-            (an index is written only when every folder passed), so its headers are not read
-            again.
+            whose root and listing digest equal its entry there passed the decode check then
+            (an index is written only when every folder passed), so its images are not read
+            again (unless its broken files are now over ``max_broken_fraction``).
+        max_broken_fraction: ``data.max_broken_fraction``: files that do not decode are
+            skipped, logged and listed while they are at most this share of a folder's
+            image files; 0 = none (the default here; the stage passes the param).
 
     Returns:
-        ``{key: {"root", "images", "bytes", "skipped", "listing_sha256"}}``: the number and
-        total bytes of the image files (:func:`pipeline.data.sources.unlabelled.walk_images`:
-        any nesting), the skipped files per reason (``appledouble``, ``hidden``,
-        ``not_image``; only reasons that occur), and the sha256 of the lines
+        ``{key: {"root", "images", "bytes", "skipped", "listing_sha256"}}`` and, when some
+        files do not decode within the budget, ``"broken"``: their paths relative to the
+        folder, which ``build_shards`` leaves out (:func:`broken_in_folder`). ``images`` and
+        ``bytes`` count the image files (:func:`pipeline.data.sources.unlabelled.walk_images`:
+        any nesting), broken ones included; ``skipped``: the files skipped per reason
+        (``appledouble``, ``hidden``, ``not_image``; only reasons that occur); and the sha256
+        of the lines
         ``<relative path> TAB <bytes> TAB <mtime in ns>`` in path order: an image added,
         removed, renamed, rewritten or touched changes it. (A README added beside the images
         changes ``skipped``: ``build_shards`` reruns, writes the same shards, and nothing
         after it reruns.)
 
-    Every image header of a new or changed folder is read
-    (:func:`pipeline.data.sources.imagefolder.scan_headers`; with the listing ~7 s per 60,000
-    small PNGs in the page cache, the walk and the listing alone 0.6 s), so that a file with an
-    image extension that is no image, or one in an unsupported mode, stops ``dvc repro`` in
-    ``index_shards``, before ``build_shards`` deletes the shards. An unchanged folder costs the
-    walk and the listing only.
+    Every image of a new or changed folder is decoded
+    (:func:`pipeline.data.sources.imagefolder.read_images` with ``decode``: a JPEG at 1/8
+    scale; timings in docs/data.md), so that a file with an image extension that is no image,
+    or one cut short or corrupt past a good header, is found in ``index_shards``, before
+    ``build_shards`` deletes the shards: listed and left out within ``max_broken_fraction``,
+    else it stops ``dvc repro``, as a file in an unsupported mode always does. An unchanged
+    folder costs the walk and the listing only.
 
     Raises:
         SourceError: a folder is not a directory, holds no image, lists a file that cannot
-            be read (a dangling link), or holds image files whose header does not decode or
-            whose mode is unsupported; one line naming the key and the path(s).
+            be read (a dangling link), holds image files in an unsupported mode, or more than
+            ``max_broken_fraction`` of its image files do not decode (header or pixels); one
+            line naming the key and the path(s).
     """
     out: dict[str, dict[str, Any]] = {}
     for key, root in folders.items():
@@ -334,19 +340,58 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
         last = (previous or {}).get(key)
         unchanged = isinstance(last, dict) and (
             (last.get("root"), last.get("listing_sha256")) == (root, digest.hexdigest()))
-        if unchanged:
-            log.info("index %s %s: listing unchanged since the last index, headers not read "
+        broken = list(last.get("broken", [])) if unchanged else []
+        if unchanged and len(broken) <= max_broken_fraction * len(paths):
+            log.info("index %s %s: listing unchanged since the last index, images not read "
                      "again", key, root)
-        else:
-            try:  # here, before build_shards deletes the shards, not in the build
-                scan_headers(paths)
-            except SourceError as e:
-                raise SourceError(f"{key} = {root!r}: {e}") from None
+        else:  # here, before build_shards deletes the shards, not in the build
+            broken = _decode_check(key, root, top, paths, max_broken_fraction)
         out[key] = {"root": root, "images": len(paths), "bytes": total, "skipped": skipped,
-                    "listing_sha256": digest.hexdigest()}
+                    "listing_sha256": digest.hexdigest(), **({"broken": broken} if broken else {})}
         log.info("index %s %s: %d images (%d bytes), skipped %s", key, root, len(paths), total,
                  describe_skipped(skipped))
     return out
+
+
+def _decode_check(key: str, root: str, top: Path, paths: list[str],
+                  max_fraction: float) -> list[str]:
+    """Decode every image of a folder; the broken files' paths relative to ``top``.
+
+    Raises:
+        SourceError: a file in an unsupported mode, or more than ``max_fraction`` of
+            ``paths`` broken; one line naming the key, the folder and the files.
+    """
+    scan = read_images(paths, decode=True)
+    over = len(scan.bad) > max_fraction * len(paths)
+    if scan.unsupported or over:
+        budget = (f"; {len(scan.bad)} of {len(paths)} images broken = "
+                  f"{100 * len(scan.bad) / len(paths):.2f} % > data.max_broken_fraction "
+                  f"{max_fraction:g} (fix or remove them, or raise it)" if over else "")
+        raise SourceError(f"{key} = {root!r}: {scan.problems(with_bad=over)}{budget}")
+    for item in scan.bad.values():
+        log.warning("%s: skipping a broken image: %s", key, item)
+    if scan.bad:
+        log.warning("%s: %d of %d images skipped as broken (data.max_broken_fraction %g)",
+                    key, len(scan.bad), len(paths), max_fraction)
+    return sorted(os.path.relpath(p, top) for p in scan.bad)
+
+
+def broken_in_folder(key: str, root: str, index: dict[str, Any] | None) -> frozenset[str]:
+    """The files of a folder that ``index_shards`` found broken and the build leaves out.
+
+    Args:
+        key: ``data.unlabelled_root`` or ``data.root``.
+        root: the folder as written in params.yaml.
+        index: the folder index (:func:`read_previous_folders`), or None.
+
+    Returns:
+        Paths relative to the folder; empty without an index, or when its entry for ``key``
+        is of another folder.
+    """
+    entry = (index or {}).get(key)
+    if not isinstance(entry, dict) or entry.get("root") != root:
+        return frozenset()
+    return frozenset(str(p) for p in entry.get("broken", []))
 
 
 def index_params_folders(data: DataParams) -> dict[str, dict[str, Any]]:
@@ -360,7 +405,8 @@ def index_params_folders(data: DataParams) -> dict[str, dict[str, Any]]:
     """
     return index_folders({"data.unlabelled_root": data.unlabelled_root,
                           "data.root": data.root if data.source == "imagefolder" else ""},
-                         previous=read_previous_folders())
+                         previous=read_previous_folders(),
+                         max_broken_fraction=data.max_broken_fraction)
 
 
 def pretrain_manifest(shards_dir: Path | ShardURL, index_dir: Path | None = None, *,

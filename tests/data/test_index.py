@@ -348,7 +348,7 @@ def test_index_folders__missing_empty_or_dangling_named_in_one_line(tmp_path):
 
 
 def test_index_folders__unreadable_or_unsupported_image_named_in_one_line(tmp_path):
-    # the headers are read here, in index_shards, before build_shards deletes the shards
+    # the images are read here, in index_shards, before build_shards deletes the shards
     from pipeline.data.index import index_folders
     from pipeline.data.sources import SourceError
 
@@ -362,7 +362,8 @@ def test_index_folders__unreadable_or_unsupported_image_named_in_one_line(tmp_pa
     assert str(e.value) == (
         f"data.unlabelled_root = '{root}': 2 unreadable image(s): "
         f"{root / 'a' / 'page.jpg'} (UnidentifiedImageError); "
-        f"{root / 'empty.png'} (UnidentifiedImageError)")
+        f"{root / 'empty.png'} (UnidentifiedImageError); 2 of 3 images broken = 66.67 % > "
+        "data.max_broken_fraction 0 (fix or remove them, or raise it)")
     (root / "a" / "page.jpg").unlink()
     Image.new("LAB", (4, 4)).save(root / "a" / "print.tif")
     with pytest.raises(SourceError) as e:  # both kinds in the same line
@@ -374,6 +375,87 @@ def test_index_folders__unreadable_or_unsupported_image_named_in_one_line(tmp_pa
     (root / "empty.png").unlink()
     (root / "a" / "print.tif").unlink()
     assert index_folders({"data.root": str(root)})["data.root"]["images"] == 1
+
+
+def test_index_folders__file_cut_short_past_its_header_named_before_the_build(tmp_path):
+    # an interrupted download keeps a good header: the header scan alone passes it, and the
+    # build found it only after DVC had deleted the shards. index_folders decodes the pixels
+    # (a JPEG at 1/8 scale) and names it with PIL's message.
+    from pipeline.data.index import index_folders
+    from pipeline.data.sources import SourceError
+    from pipeline.data.sources.imagefolder import scan_headers
+
+    root = tmp_path / "photos"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    photo = Image.fromarray(rng.integers(0, 256, (96, 128, 3), dtype=np.uint8))
+    photo.save(root / "a_ok.jpg", quality=90)
+    photo.save(root / "b_ok.png")
+    for name in ("a_ok.jpg", "b_ok.png"):
+        data = (root / name).read_bytes()
+        (root / name.replace("ok", "cut")).write_bytes(data[: len(data) // 2])
+    paths = sorted(str(q) for q in root.iterdir())
+    assert scan_headers(paths) == ({"RGB"}, {(128, 96)})  # headers alone: all four pass
+    with pytest.raises(SourceError) as e:
+        index_folders({"data.unlabelled_root": str(root)})
+    msg = str(e.value)  # libjpeg's count of bytes left depends on its buffer: not pinned
+    assert msg.startswith(f"data.unlabelled_root = '{root}': 2 unreadable image(s): "
+                          f"{root / 'a_cut.jpg'} (OSError: image file is truncated (")
+    assert msg.endswith(f" bytes not processed)); {root / 'b_cut.png'} (OSError: image file is "
+                        "truncated); 2 of 4 images broken = 50.00 % > data.max_broken_fraction "
+                        "0 (fix or remove them, or raise it)")
+    for name in ("a_cut.jpg", "b_cut.png"):
+        (root / name).unlink()
+    assert index_folders({"k": str(root)})["k"]["images"] == 2
+
+
+def test_index_folders__broken_within_the_budget_are_listed_and_left_out(tmp_path, caplog,
+                                                                       monkeypatch):
+    # data.max_broken_fraction: 1 broken of 5 images is 0.20 <= 0.25, listed (relative to the
+    # folder) and logged; at 0.1 the same folder stops, naming the file and the budget
+    import pipeline.data.index as index_mod
+    from pipeline.data.index import broken_in_folder, index_folders
+    from pipeline.data.sources import SourceError
+
+    root = tmp_path / "photos"
+    (root / "d").mkdir(parents=True)
+    for i in range(4):
+        Image.new("L", (6, 6), i).save(root / f"{i}.png")
+    Image.effect_noise((16, 16), 60).convert("L").save(root / "d" / "cut.png")
+    cut = root / "d" / "cut.png"
+    cut.write_bytes(cut.read_bytes()[:80])  # IHDR intact, IDAT cut
+    caplog.set_level("INFO")
+    got = index_folders({"data.unlabelled_root": str(root)}, max_broken_fraction=0.25)
+    entry = got["data.unlabelled_root"]
+    assert entry["images"] == 5 and entry["broken"] == ["d/cut.png"]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned[0].startswith(f"data.unlabelled_root: skipping a broken image: "
+                                f"{root / 'd' / 'cut.png'} (")
+    assert warned[1] == ("data.unlabelled_root: 1 of 5 images skipped as broken "
+                         "(data.max_broken_fraction 0.25)")
+    assert broken_in_folder("data.unlabelled_root", str(root), got) == {"d/cut.png"}
+    assert broken_in_folder("data.unlabelled_root", str(tmp_path), got) == frozenset()
+    assert broken_in_folder("data.root", str(root), got) == frozenset()
+    assert broken_in_folder("data.root", str(root), None) == frozenset()
+    # the listing unchanged: the list is carried over without decoding anything again
+    monkeypatch.setattr(index_mod, "read_images", None)
+    assert index_folders({"data.unlabelled_root": str(root)}, got,
+                         max_broken_fraction=0.25) == got
+    monkeypatch.undo()
+    # a lower budget reads the folder again, and stops
+    with pytest.raises(SourceError) as e:
+        index_folders({"data.unlabelled_root": str(root)}, got, max_broken_fraction=0.1)
+    msg = str(e.value)
+    assert msg.startswith(f"data.unlabelled_root = '{root}': 1 unreadable image(s): "
+                          f"{root / 'd' / 'cut.png'} (")
+    assert msg.endswith("; 1 of 5 images broken = 20.00 % > data.max_broken_fraction 0.1 (fix "
+                        "or remove them, or raise it)")
+    # an unsupported mode stops within the budget too, naming only that file
+    Image.new("LAB", (4, 4)).save(root / "print.tif")
+    with pytest.raises(SourceError) as e:
+        index_folders({"data.unlabelled_root": str(root)}, max_broken_fraction=0.25)
+    assert str(e.value).startswith(f"data.unlabelled_root = '{root}': 1 image(s) in an "
+                                   f"unsupported mode: {root / 'print.tif'} (")
 
 
 def test_index_folders__relative_folder_missing_here_is_read_from_dvc_root(tmp_path,
@@ -415,7 +497,9 @@ def test_index_folders__many_broken_files_give_a_short_line_and_a_full_log(tmp_p
         index_folders({"data.unlabelled_root": str(root)})
     named = "; ".join(f"{root}/p{i:02d}.jpg (UnidentifiedImageError)" for i in range(10))
     assert str(e.value) == (f"data.unlabelled_root = '{root}': 13 unreadable image(s): "
-                            f"{named}; ... and 3 more (all 13 logged above)")
+                            f"{named}; ... and 3 more (all 13 logged above); 13 of 14 "
+                            "images broken = 92.86 % > data.max_broken_fraction 0 (fix or "
+                            "remove them, or raise it)")
     logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert logged[-3:] == [f"unreadable image(s): {root}/p{i:02d}.jpg (UnidentifiedImageError)"
                            for i in (10, 11)] + [
@@ -444,7 +528,7 @@ def test_index_folders__unchanged_listing_skips_the_header_check(tmp_path, caplo
     os.utime(root / "1.png", ns=(st.st_atime_ns, st.st_mtime_ns))
     caplog.set_level("INFO")
     assert index_folders({"data.unlabelled_root": str(root)}, previous) == first
-    assert "listing unchanged since the last index, headers not read again" in caplog.text
+    assert "listing unchanged since the last index, images not read again" in caplog.text
     # the same folder under another key, or another root, or no previous index: read
     for folders, prev in (({"data.root": str(root)}, previous),
                           ({"data.unlabelled_root": str(root)}, None),

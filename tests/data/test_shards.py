@@ -302,6 +302,45 @@ def test_build_all__image_cut_short_names_split_file_and_restore(tmp_path: Path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["raw", "sh"]
 
 
+def test_build_all__leaves_out_the_broken_files_index_shards_listed(tmp_path: Path,
+                                                                    monkeypatch):
+    # index_shards let 1 broken file of each folder through (data.max_broken_fraction 0.25):
+    # the build reads data/index/folders.json and leaves exactly those out, and every
+    # manifest says how many
+    from pipeline.atomic import write_json
+    from pipeline.data.index import FOLDERS, index_params_folders
+
+    monkeypatch.chdir(tmp_path)
+    raw, photos = tmp_path / "raw", tmp_path / "photos"
+    for split in ("train", "test"):
+        for c in ("a", "b"):
+            (raw / split / c).mkdir(parents=True)
+            for i in range(2):
+                Image.new("L", (8, 8), i).save(raw / split / c / f"{i}.png")
+    photos.mkdir()
+    for i in range(4):
+        Image.new("L", (8, 8), 50 + i).save(photos / f"p{i}.png")
+    for cut in (raw / "train" / "b" / "9.png", photos / "zz.png"):
+        Image.effect_noise((8, 8), 60).convert("L").save(cut)
+        cut.write_bytes(cut.read_bytes()[:60])  # IHDR intact, IDAT cut
+    params = DataParams(source="imagefolder", root=str(raw), unlabelled_root=str(photos),
+                        max_broken_fraction=0.25, shards_dir=str(tmp_path / "sh"))
+    write_json(FOLDERS, index_params_folders(params))
+    ms = build_all(params, seed=0, progress=False)
+    assert ms["train"]["label_counts"] == {"0": 2, "1": 2}  # train/b/9.png left out
+    assert ms["test"]["label_counts"] == {"0": 2, "1": 2}
+    assert ms["pretrain"]["label_counts"] == {"-1": 4, "0": 2, "1": 2}  # zz.png left out
+    assert all(m["build"]["broken_left_out"] == 1 for m in ms.values())  # data.root's
+    assert ms["pretrain"]["build"]["unlabelled"]["broken_left_out"] == 1
+    assert ms["pretrain"]["build"]["unlabelled"]["images"] == 4
+    # without the index (a build run by hand) nothing is left out: the file stops the build
+    FOLDERS.unlink()
+    from pipeline.data.sources import SourceError
+
+    with pytest.raises(SourceError, match=r"unreadable image\(s\)"):
+        build_all(params, seed=0, progress=False)
+
+
 def test_build_all__cap_that_drops_the_folder_says_so(tmp_path: Path, caplog):
     # 20 labelled pretrain images (2 classes) + 1 unlabelled, cap 4: shares 4*10/21 = 1.90 per
     # class and 4*1/21 = 0.19 for label -1; floors 1, 1, 0 and the two largest remainders

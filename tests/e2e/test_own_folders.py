@@ -178,8 +178,9 @@ def test_unlabelled__missing_tree_refused_before_the_shards_are_deleted(repo):
 
 
 def test_unlabelled__unreadable_image_refused_before_the_shards_are_deleted(repo):
-    # a web page saved as .jpg: index_shards reads every header and stops `dvc repro` with one
-    # line naming the file, before build_shards deletes the built shards
+    # a web page saved as .jpg: index_shards decodes every image and stops `dvc repro` with one
+    # line naming the file (1 of 301 is over data.max_broken_fraction 0.001), before
+    # build_shards deletes the built shards
     dst, env, _ = repo
     before = file_digests(dst / "data/shards")
     bad = dst.parent / "photos" / "d2" / "page.jpg"
@@ -194,7 +195,9 @@ def test_unlabelled__unreadable_image_refused_before_the_shards_are_deleted(repo
     assert set(ran(text)) <= {"check_params", "index_shards"}, text[-3000:]
     errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
     assert errors == [f"error: SourceError: data.unlabelled_root = '{dst.parent / 'photos'}': "
-                      f"1 unreadable image(s): {bad} (UnidentifiedImageError)"], text[-3000:]
+                      f"1 unreadable image(s): {bad} (UnidentifiedImageError); 1 of 301 images "
+                      "broken = 0.33 % > data.max_broken_fraction 0.001 (fix or remove them, or "
+                      "raise it)"], text[-3000:]
     assert file_digests(dst / "data/shards") == before
     # without the file the listing is the one before: nothing after the index reruns
     again = ran(out(sh(["dvc", "repro"], dst, env)))

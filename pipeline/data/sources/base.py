@@ -157,7 +157,8 @@ class Source:
         std: per-channel normalisation std, or ``None`` (see ``mean``).
         native_shape: ``(C, H, W)`` when all images share one size, else ``None``.
         build_settings: how the source turns files into images, recorded verbatim in each
-            manifest's ``build`` settings (ImageFolder: the EXIF orientation rule); empty here.
+            manifest's ``build`` settings (ImageFolder: the EXIF orientation rule, and the
+            count of broken files left out when there are some); empty here.
     """
 
     name: str = ""
@@ -166,7 +167,7 @@ class Source:
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
     native_shape: tuple[int, int, int] | None = None
-    build_settings: Mapping[str, str] = MappingProxyType({})
+    build_settings: Mapping[str, object] = MappingProxyType({})
 
     def labels(self, split: str) -> np.ndarray:
         """Labels of a split, ``(N,)`` int64 (``-1`` = unlabelled), in source order."""

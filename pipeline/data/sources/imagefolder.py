@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -74,11 +75,15 @@ class ImageFolderSource(Source):
     name = "imagefolder"
     build_settings = BUILD_SETTINGS
 
-    def __init__(self, root: str | Path, *, test_fraction: float = 0.2, seed: int = 0):
+    def __init__(self, root: str | Path, *, test_fraction: float = 0.2, seed: int = 0,
+                 exclude: Collection[str] = ()):
         """Scan the folders and every image header.
 
         Args:
             root: the dataset directory (required).
+            exclude: image paths relative to ``root`` left out before the split: the broken
+                files that ``index_shards`` listed within ``data.max_broken_fraction``
+                (:func:`pipeline.data.index.broken_in_folder`).
             test_fraction: share of each class held out as test when there is no train/test
                 split on disk; ``0 < x < 1``.
             seed: seeds that held-out split.
@@ -95,19 +100,28 @@ class ImageFolderSource(Source):
             raise SourceError(f"{self.root}: not a directory")
         if not 0 < test_fraction < 1:
             raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-        classes, files = self._discover(test_fraction, seed)
+        self.broken = 0
+        classes, files = self._discover(test_fraction, seed, exclude)
         files["pretrain"] = files["train"]
         self.class_names = tuple(classes)
         self._files = {s: sorted(f) for s, f in files.items()}
+        if self.broken:  # recorded in every split's manifest
+            self.build_settings = {**BUILD_SETTINGS, "broken_left_out": self.broken}
         self._scan_headers()
 
-    def _discover(self, test_fraction: float, seed: int) -> tuple[list[str], dict[str, Files]]:
-        """Class names and the ``train``/``test`` files: as on disk, or a seeded per-class split."""
+    def _discover(self, test_fraction: float, seed: int, exclude: Collection[str]
+                  ) -> tuple[list[str], dict[str, Files]]:
+        """Class names and the ``train``/``test`` files: as on disk, or a seeded per-class split.
+
+        Files in ``exclude`` (relative to the root) are left out first; :attr:`broken` counts
+        them.
+        """
         subdirs = {d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith(".")}
         held_out = "test" if "test" in subdirs else "val" if "val" in subdirs else None
         if "train" in subdirs and held_out:
             (classes, train), (test_classes, test) = _scan_trees(
                 [self.root / "train", self.root / held_out])
+            train, test = self._leave_out(train, exclude), self._leave_out(test, exclude)
             unknown = sorted(set(test_classes) - set(classes))
             if unknown:
                 raise SourceError(f"{self.root / held_out}: classes {unknown} are not in "
@@ -115,12 +129,18 @@ class ImageFolderSource(Source):
             remap = [classes.index(c) for c in test_classes]
             return classes, {"train": train, "test": [(p, remap[y]) for p, y in test]}
         ((classes, items),) = _scan_trees([self.root])
+        items = self._leave_out(items, exclude)
         files = split_per_class(items, len(classes), test_fraction, seed)
         for split, f in files.items():
             if not f:
                 raise SourceError(f"{self.root}: test_fraction={test_fraction} leaves the "
                                   f"{split} split empty")
         return classes, files
+
+    def _leave_out(self, files: Files, exclude: Collection[str]) -> Files:
+        kept = [(p, y) for p, y in files if os.path.relpath(p, self.root) not in exclude]
+        self.broken += len(files) - len(kept)
+        return kept
 
     def _scan_headers(self) -> None:
         """Decide :attr:`mode` and :attr:`native_shape` from every image header.
@@ -164,47 +184,112 @@ def open_upright(path: str, mode: str) -> Image.Image:
         raise UnreadableImage(f"{shown_path(path)} ({type(e).__name__}: {e})") from None
 
 
-def scan_headers(paths: Iterable[str]) -> tuple[set[str], set[tuple[int, int]]]:
+@dataclass
+class ImageScan:
+    """What :func:`read_images` found in a list of image files.
+
+    Attributes:
+        kinds: the :func:`pipeline.data.sources.modes.image_kind` values of the good files.
+        sizes: their distinct upright ``(W, H)`` (:func:`upright_size`).
+        bad: ``{path: "<shown path> (<reason>)"}`` of the files that do not decode, in the order
+            read; the reason is the error type for a header, ``"<type>: <message>"`` for pixel
+            data (``OSError: image file is truncated``).
+        unsupported: ``"<shown path> (<why>)"`` of the files in a mode outside
+            :data:`pipeline.data.sources.modes.SUPPORTED_MODES`.
+    """
+
+    kinds: set[str] = field(default_factory=set)
+    sizes: set[tuple[int, int]] = field(default_factory=set)
+    bad: dict[str, str] = field(default_factory=dict)
+    unsupported: list[str] = field(default_factory=list)
+
+    def problems(self, *, with_bad: bool = True) -> str:
+        """One line naming the bad files (unless not ``with_bad``) and the unsupported ones.
+
+        ``""`` when there are none. Past :data:`pipeline.data.sources.base.MAX_NAMED` of a
+        kind, the rest are counted and every one is logged
+        (:func:`pipeline.data.sources.base.name_bad_files`).
+        """
+        parts = []
+        if self.bad and with_bad:
+            parts.append(name_bad_files("unreadable image(s)", list(self.bad.values())))
+        if self.unsupported:
+            parts.append(name_bad_files("image(s) in an unsupported mode", self.unsupported)
+                         + f" (supported PIL modes: {', '.join(SUPPORTED_MODES)})")
+        return "; ".join(parts)  # both kinds in one line: one run names every file to fix
+
+
+def read_images(paths: Iterable[str], *, decode: bool = False) -> ImageScan:
     """Read the header of every image file: its kind (grey or colour) and upright size.
 
-    Palette images are decoded (their used colours decide grey or colour); other pixels are not,
-    so a file cut short after its header passes here and fails when it is decoded.
+    Palette images are decoded (their used colours decide grey or colour). Without ``decode``
+    other pixels are not, so a file cut short after its header passes and fails when it is
+    decoded; with it every file's pixel data is decoded too (a JPEG at 1/8 scale by libjpeg's
+    DCT scaling, which still reads every byte; ``benchmarks/folder_check.py`` times it).
 
     Args:
         paths: image files.
+        decode: also decode the pixel data, to find files cut short or corrupt past a good
+            header (``index_shards`` does, before ``build_shards`` deletes the shards).
 
     Returns:
-        ``(kinds, sizes)``: the set of :func:`pipeline.data.sources.modes.image_kind` values
-        (``"L"``, ``"RGB"``) and the set of distinct ``(W, H)`` (:func:`upright_size`).
-
-    Raises:
-        SourceError: one line naming every file whose header does not decode
-            (``"2 unreadable image(s): <path> (<error type>); ..."``) and every file in a mode
-            outside :data:`pipeline.data.sources.modes.SUPPORTED_MODES`; past
-            :data:`pipeline.data.sources.base.MAX_NAMED` of a kind, the rest are counted there
-            and every one is logged (:func:`pipeline.data.sources.base.name_bad_files`).
+        The :class:`ImageScan`; nothing is raised for a bad file.
     """
-    kinds: set[str] = set()
-    sizes: set[tuple[int, int]] = set()
-    bad, unsupported = [], []
+    scan = ImageScan()
     for path in paths:
         try:
             with Image.open(path) as im:
-                kinds.add(image_kind(im))
-                sizes.add(upright_size(im))
+                kind, size = image_kind(im), upright_size(im)
+                if decode:
+                    _decode(im)
         except ModeError as e:
-            unsupported.append(f"{shown_path(path)} ({e})")
+            scan.unsupported.append(f"{shown_path(path)} ({e})")
+            continue
+        except PixelError as e:
+            scan.bad[path] = f"{shown_path(path)} ({e})"
+            continue
         except Exception as e:  # PIL raises several types for unreadable files
-            bad.append(f"{shown_path(path)} ({type(e).__name__})")
-    parts = []
-    if bad:
-        parts.append(name_bad_files("unreadable image(s)", bad))
-    if unsupported:
-        parts.append(name_bad_files("image(s) in an unsupported mode", unsupported)
-                     + f" (supported PIL modes: {', '.join(SUPPORTED_MODES)})")
-    if parts:  # both kinds in one line: one run names every file to fix
-        raise SourceError("; ".join(parts))
-    return kinds, sizes
+            scan.bad[path] = f"{shown_path(path)} ({type(e).__name__})"
+            continue
+        scan.kinds.add(kind)
+        scan.sizes.add(size)
+    return scan
+
+
+def scan_headers(paths: Iterable[str], *, decode: bool = False
+                 ) -> tuple[set[str], set[tuple[int, int]]]:
+    """:func:`read_images`, stopping at any bad or unsupported file.
+
+    Returns:
+        ``(kinds, sizes)`` (:class:`ImageScan`).
+
+    Raises:
+        SourceError: one line naming every file whose header (or, with ``decode``, pixel data)
+            does not decode (``"2 unreadable image(s): <path> (<error type>); ..."``) and every
+            file in an unsupported mode (:meth:`ImageScan.problems`).
+    """
+    scan = read_images(paths, decode=decode)
+    if scan.bad or scan.unsupported:
+        raise SourceError(scan.problems())
+    return scan.kinds, scan.sizes
+
+
+class PixelError(Exception):
+    """Pixel data past a good header that does not decode; the message is the reason."""
+
+
+def _decode(im: Image.Image) -> None:
+    """Decode an opened image's pixel data (a JPEG at its smallest DCT scale, 1/8).
+
+    Raises:
+        PixelError: ``"<error type>: <message>"``, e.g. ``OSError: image file is truncated``.
+    """
+    try:
+        if im.format == "JPEG":
+            im.draft(im.mode, (1, 1))
+        im.load()
+    except Exception as e:  # truncated / corrupt data past the header
+        raise PixelError(f"{type(e).__name__}: {e}") from None
 
 
 def upright_size(image: Image.Image) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,8 @@ def open_source(name: str, root: str | Path = "", *, download: bool = False,
                 test_fraction: float = 0.2, seed: int = 0,
                 checksums: Mapping[str, Checksum] | None = None, label_field: str = "cls",
                 max_broken_fraction: float = 0.001,
-                index: dict[str, Any] | None = None) -> Source:
+                index: dict[str, Any] | None = None,
+                exclude: Collection[str] = ()) -> Source:
     """Open a dataset by name (``data.source``).
 
     Args:
@@ -35,6 +36,8 @@ def open_source(name: str, root: str | Path = "", *, download: bool = False,
         label_field: webdataset: ``cls`` or a ``.json`` field (``data.label_field``).
         max_broken_fraction: webdataset: undecodable samples skipped (``data.max_broken_fraction``).
         index: webdataset: the set's index manifest, when the ``index_shards`` stage wrote one.
+        exclude: imagefolder: files left out, relative to ``root`` (the broken files of the
+            folder index, :func:`pipeline.data.index.broken_in_folder`).
 
     Returns:
         The opened :class:`Source`.
@@ -53,7 +56,7 @@ def open_source(name: str, root: str | Path = "", *, download: bool = False,
         return Stl10Source(root, download=download)
     if name == "imagefolder":
         return ImageFolderSource(local_path(root) if str(root) else root,
-                                 test_fraction=test_fraction, seed=seed)
+                                 test_fraction=test_fraction, seed=seed, exclude=exclude)
     if name == "webdataset":
         return WebDatasetSource(str(root), label_field=label_field, test_fraction=test_fraction,
                                 seed=seed, max_broken_fraction=max_broken_fraction, index=index)

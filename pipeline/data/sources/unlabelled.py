@@ -12,11 +12,13 @@ Files (:func:`walk_images`): extensions and keys as :mod:`pipeline.data.sources.
 log and in the folder index ``data/index/folders.json``: AppleDouble files (``._*``, macOS
 resource forks), other hidden files and folders (``.*``; a hidden folder counts once, its
 content is not read), and files without an image extension (``README.txt``, ``*.json``, ...).
-Every image header is read when the tree is opened
-(:func:`pipeline.data.sources.imagefolder.scan_headers`, as the ``index_shards`` stage already
-did before the build: :func:`pipeline.data.index.index_folders`); a file with an image extension
-whose header does not decode stops with one line naming every such file, and so does one whose
-pixels fail later (:meth:`pipeline.data.sources.base.Source.iter`).
+The ``index_shards`` stage has decoded every image before the build
+(:func:`pipeline.data.index.index_folders`) and listed the broken ones it let through
+(``data.max_broken_fraction``); the build leaves those out (``exclude``). Every other image
+header is read when the tree is opened (:func:`pipeline.data.sources.imagefolder.scan_headers`);
+a file with an image extension whose header does not decode stops with one line naming every
+such file, and so does one whose pixels fail later (:meth:`pipeline.data.sources.base.Source.iter`:
+a file changed between the two stages).
 
 Modes (:mod:`pipeline.data.sources.modes`): the tree and the labelled source end up in ONE mode,
 by the folder rule: ``L`` when every image of both is grey, else ``RGB`` (grey images then get
@@ -31,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -92,14 +94,21 @@ class UnlabelledTree:
 
     Attributes:
         root: the directory.
-        paths: image files in sorted relative-path order.
+        paths: image files in sorted relative-path order, the excluded ones left out.
+        broken: how many were excluded.
         skipped: skipped entries per reason (:func:`walk_images`).
         kinds: ``{"L"}``, ``{"RGB"}`` or both (:func:`pipeline.data.sources.modes.image_kind`).
         sizes: the distinct ``(W, H)`` of the images.
     """
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, *, exclude: Collection[str] = ()):
         """Walk the tree and read every image header.
+
+        Args:
+            root: the directory (``data.unlabelled_root`` as written).
+            exclude: paths relative to ``root`` left out: the broken files that
+                ``index_shards`` listed within ``data.max_broken_fraction``
+                (:func:`pipeline.data.index.broken_in_folder`).
 
         Raises:
             SourceError: ``root`` is not a directory, holds no image, or holds images whose
@@ -110,6 +119,9 @@ class UnlabelledTree:
         if not self.top.is_dir():
             raise SourceError(f"data.unlabelled_root = {str(root)!r}: not a directory")
         self.paths, self.skipped = walk_images(self.top)
+        self.broken = len(self.paths)
+        self.paths = [p for p in self.paths if os.path.relpath(p, self.top) not in exclude]
+        self.broken -= len(self.paths)
         if not self.paths:
             raise SourceError(f"{self.root}: no images ({', '.join(IMAGE_EXTENSIONS)}) in the "
                               f"unlabelled tree (skipped: {self.describe_skipped()})")
@@ -128,8 +140,10 @@ class UnlabelledTree:
         Not the skipped files: a README added beside the images would then change the
         manifest, a dep of ``pretrain``, and retrain at the next rebuild. They are counted in
         the log and in ``data/index/folders.json`` (:func:`pipeline.data.index.index_folders`).
+        Files left out as broken are counted (``broken_left_out``, only when there are some).
         """
-        return {"root": str(self.root), "images": len(self.paths), **BUILD_SETTINGS}
+        broken = {"broken_left_out": self.broken} if self.broken else {}
+        return {"root": str(self.root), "images": len(self.paths), **broken, **BUILD_SETTINGS}
 
     def load(self, index: int, mode: str) -> Sample:
         """Image ``index`` in ``mode``, label -1.
@@ -181,6 +195,7 @@ class PretrainMix(Source):
         self.labelled, self.tree, self.include = labelled, tree, include_labelled
         self.name = labelled.name
         self.class_names = labelled.class_names
+        self.build_settings = labelled.build_settings
         kinds = set(tree.kinds) if tree else set()
         if include_labelled or labelled.count("train") or labelled.count("test"):
             kinds.add(labelled.mode)
