@@ -404,6 +404,60 @@ def _log_tree_share(manifest: dict[str, Any], tree_images: int, cap: int) -> Non
                 "folder)", used, tree_images, cap)
 
 
+def _build_split(src: Source, split: str, out_dir: Path, *, params: DataParams, seed: int,
+                 record: dict[str, Any], mean: Sequence[float] | None,
+                 std: Sequence[float] | None, progress: bool) -> dict[str, Any]:
+    """Write one split of ``src`` into ``out_dir`` (:func:`build_all` does each in turn).
+
+    Args:
+        src: the source (:func:`open_data`).
+        split: ``pretrain``, ``train`` or ``test``.
+        out_dir: the split's directory (in :func:`build_all`'s temporary tree).
+        params: as :func:`build_all`'s.
+        seed: the global ``seed``: the cap's subset and the write order.
+        record: what the manifest's ``build`` records besides the settings (the pretrain
+            split's unlabelled tree, :func:`open_data`); ``{}`` for the other splits.
+        mean: the per-channel normalisation mean recorded, or None (the split's own pixel
+            statistics).
+        std: the per-channel std, or None (as ``mean``).
+        progress: progress bar / log lines.
+
+    Returns:
+        The split's manifest.
+
+    Raises:
+        SourceError: an image does not decode: names the split and the file, and how to get
+            the last shards back.
+    """
+    cap = {"pretrain": params.max_pretrain_images, "train": params.max_train_images,
+           "test": params.max_test_images}[split]
+    max_side = getattr(params, "max_side", 0)
+    n = src.count(split)
+    build = {"seed": seed, "max_images": cap, "image_size": params.image_size,
+             **({"max_side": max_side} if max_side else {}),
+             "test_fraction": params.test_fraction, **src.build_settings, **record}
+    if n == 0:
+        return empty_split(out_dir, split=split, source=src.name, class_names=src.class_names,
+                           mode=src.mode, build=build)
+    samples: Iterable[Sample] = src.iter(split, max_images=cap, seed=seed, shuffle=True)
+    if max_side:
+        samples = limit_short_side(samples, max_side)
+    elif params.image_size:
+        samples = resize_samples(samples, params.image_size)
+    try:
+        m = write_shards(samples, out_dir, split=split, source=src.name,
+                         class_names=src.class_names, mode=src.mode,
+                         samples_per_shard=params.samples_per_shard, mean=mean, std=std,
+                         expected_count=min(cap, n) if cap else n, build=build,
+                         progress=progress)
+    except SourceError as e:  # pixels that broke after index_shards decoded them
+        raise SourceError(f"split {split}: {e}; fix or remove them and rerun (`dvc checkout "
+                          f"{params.shards_dir}` restores the last shards built)") from None
+    if "unlabelled" in record:
+        _log_tree_share(m, int(record["unlabelled"]["images"]), cap)
+    return m
+
+
 def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[str, dict[str, Any]]:
     """Build the ``pretrain``, ``train`` and ``test`` shards under ``params.shards_dir``.
 
@@ -439,10 +493,7 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
                          "directory; images on a URL come in through data.pretrain_shards "
                          "(pretraining, read in place) and data.source webdataset (the labelled "
                          "data), indexed by the index_shards stage (docs/data.md)")
-    max_side = getattr(params, "max_side", 0)
     src, record = open_data(params, seed)
-    caps = {"pretrain": params.max_pretrain_images, "train": params.max_train_images,
-            "test": params.max_test_images}
     out = Path(params.shards_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
@@ -451,37 +502,12 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
     manifests = {}
     try:
         for split in SPLITS:
-            n = src.count(split)
-            build = {"seed": seed, "max_images": caps[split], "image_size": params.image_size,
-                     **({"max_side": max_side} if max_side else {}),
-                     "test_fraction": params.test_fraction, **src.build_settings,
-                     **(record if split == "pretrain" else {})}
-            if n == 0:
-                manifests[split] = empty_split(tmp / split, split=split, source=src.name,
-                                               class_names=src.class_names, mode=src.mode,
-                                               build=build)
-                continue
-            samples: Iterable[Sample] = src.iter(split, max_images=caps[split], seed=seed,
-                                                 shuffle=True)
-            if max_side:
-                samples = limit_short_side(samples, max_side)
-            elif params.image_size:
-                samples = resize_samples(samples, params.image_size)
-            try:
-                m = write_shards(samples, tmp / split, split=split, source=src.name,
-                                 class_names=src.class_names, mode=src.mode,
-                                 samples_per_shard=params.samples_per_shard, mean=mean, std=std,
-                                 expected_count=min(caps[split], n) if caps[split] else n,
-                                 build=build, progress=progress)
-            except SourceError as e:  # pixels past a good header (index_shards read headers)
-                raise SourceError(f"split {split}: {e}; fix or remove them and rerun (`dvc "
-                                  f"checkout {params.shards_dir}` restores the last shards "
-                                  "built)") from None
-            if mean is None:  # no published stats: the first split built gives them
+            m = _build_split(src, split, tmp / split, params=params, seed=seed,
+                             record=record if split == "pretrain" else {}, mean=mean, std=std,
+                             progress=progress)
+            if mean is None and m["num_samples"]:  # no published stats: the first split built
                 mean, std = m["pixel_mean"], m["pixel_std"]
             manifests[split] = m
-            if split == "pretrain" and "unlabelled" in record:
-                _log_tree_share(m, int(record["unlabelled"]["images"]), caps[split])
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
