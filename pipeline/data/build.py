@@ -381,9 +381,10 @@ def open_data(params: DataParams, seed: int) -> tuple[Source, dict[str, Any]]:
     record = {"pretrain_labelled": params.pretrain_labelled}
     if tree is not None:
         record["unlabelled"] = tree.build_record()
-        log.info("unlabelled tree %s: %d images, skipped %s; %d broken left out "
-                 "(data/index/folders.json)", tree.root, len(tree), tree.describe_skipped(),
-                 tree.broken)
+        broken = (f"; {tree.broken} broken left out (data/index/folders.json)"
+                  if tree.broken else "")
+        log.info("unlabelled tree %s: %d images, skipped %s%s", tree.root, len(tree),
+                 tree.describe_skipped(), broken)
     return mix, record
 
 
