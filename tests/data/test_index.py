@@ -501,9 +501,9 @@ def test_index_folders__many_broken_files_give_a_short_line_and_a_full_log(tmp_p
                             "images broken = 92.86 % > data.max_broken_fraction 0 (fix or "
                             "remove them, or raise it)")
     logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert logged[-3:] == [f"unreadable image(s): {root}/p{i:02d}.jpg (UnidentifiedImageError)"
+    assert logged[-3:] == [f"unreadable image: {root}/p{i:02d}.jpg (UnidentifiedImageError)"
                            for i in (10, 11)] + [
-        "unreadable image(s): " + repr(os.fsencode(root) + b"/zz-caf\xe9.png")
+        "unreadable image: " + repr(os.fsencode(root) + b"/zz-caf\xe9.png")
         + " (UnidentifiedImageError)"]
     assert len(logged) == 13
 

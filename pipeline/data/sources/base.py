@@ -53,16 +53,18 @@ def name_bad_files(what: str, items: Sequence[str]) -> str:
     """``"<N> <what>: <item>; <item>; ..."`` for one error line, at most :data:`MAX_NAMED` named.
 
     With more items the line names the first :data:`MAX_NAMED`, then ``"... and <M> more
-    (all <N> logged above)"``, and every item is logged at ERROR, one per line, so a folder of
-    thousands of broken files gives a readable error line and still the full list.
+    (all <N> logged above)"``, and every item is logged at ERROR, one per line and in the
+    singular (``"unreadable image: <item>"``), so a folder of thousands of broken files gives a
+    readable error line and still the full list.
 
     Args:
         what: the plural noun phrase, e.g. ``"unreadable image(s)"``.
         items: one ``"<path> (<reason>)"`` per file, in the order found.
     """
     if len(items) > MAX_NAMED:
+        one = what.replace("(s)", "")  # a log line names one file
         for item in items:
-            log.error("%s: %s", what, item)
+            log.error("%s: %s", one, item)
         rest = f"; ... and {len(items) - MAX_NAMED} more (all {len(items)} logged above)"
         return f"{len(items)} {what}: " + "; ".join(items[:MAX_NAMED]) + rest
     return f"{len(items)} {what}: " + "; ".join(items)
