@@ -204,6 +204,42 @@ def test_unlabelled__unreadable_image_refused_before_the_shards_are_deleted(repo
     assert "index_shards" in again and set(again) <= {"check_params", "index_shards"}, again
 
 
+def test_unlabelled__broken_files_within_the_budget_are_left_out(repo):
+    # data.max_broken_fraction 0.01: a download cut short past its header and a web page saved
+    # as .jpg (2 of 302) are logged, listed in data/index/folders.json and left out; the shards
+    # then hold the same bytes as without them, and only the manifests count them
+    dst, env, _ = repo
+    before = file_digests(dst / "data/shards")
+    photos = dst.parent / "photos"
+    jpeg = (photos / "d0" / "im000.jpg").read_bytes()
+    cut, page = photos / "d0" / "zz_cut.jpg", photos / "d0" / "zz_page.jpg"
+    cut.write_bytes(jpeg[: len(jpeg) // 2])
+    page.write_bytes(b"<html>403 Forbidden</html>")
+    tree = yaml.safe_load((dst / "params.yaml").read_text())
+    tree["data"]["max_broken_fraction"] = 0.01
+    (dst / "params.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
+    try:
+        text = out(sh(["dvc", "repro", "build_shards"], dst, env))
+        assert ran(text) == ["check_params", "index_shards", "build_shards"], text[-3000:]
+        assert ("data.unlabelled_root: 2 of 302 images skipped as broken "
+                "(data.max_broken_fraction 0.01)") in text, text[-3000:]
+        folders = json.loads((dst / "data/index/folders.json").read_text())
+        assert folders["data.unlabelled_root"]["broken"] == ["d0/zz_cut.jpg", "d0/zz_page.jpg"]
+        assert folders["data.unlabelled_root"]["images"] == 302
+        m = read_manifest(dst / "data/shards/pretrain")
+        assert m["build"]["unlabelled"]["images"] == 300
+        assert m["build"]["unlabelled"]["broken_left_out"] == 2
+        after = file_digests(dst / "data/shards")
+        changed = sorted(k for k in before if before[k] != after[k])
+        assert changed == ["pretrain/manifest.json"], changed  # every tar the same bytes
+    finally:
+        cut.unlink()
+        page.unlink()
+        sh(["git", "checkout", "params.yaml"], dst, env)
+    sh(["dvc", "repro", "build_shards"], dst, env)
+    assert file_digests(dst / "data/shards") == before
+
+
 def test_unlabelled__an_image_added_to_the_tree_rebuilds_and_retrains(repo):
     dst, env, _ = repo
     Image.fromarray(np.full((20, 20), 99, np.uint8)).save(dst.parent / "photos/d1/new.png")
