@@ -94,6 +94,30 @@ def test_readme__timm_snippet_loads_a_standard_stem_encoder_strictly(tmp_path):
         assert torch.equal(model.eval()(x), ours(x))
 
 
+def test_export__safetensors_bytes_depend_only_on_the_inputs(tmp_path):
+    # safetensors itself writes the metadata map in a random order per call: 8 saves of the
+    # same weights and metadata gave up to 8 different md5s, and dvc.lock changed with them
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    sd = {"a.w": torch.arange(6.0).reshape(2, 3), "b.b": torch.ones(3, dtype=torch.float64)}
+    meta = {k: {"v": i, "nested": {"z": 1, "a": 2}} for i, k in enumerate("qwertyuiop")}
+    blobs = set()
+    for i in range(8):
+        save_safetensors(sd, tmp_path / f"{i}.safetensors", meta)
+        blobs.add((tmp_path / f"{i}.safetensors").read_bytes())
+    assert len(blobs) == 1
+    (data,) = blobs
+    n = int.from_bytes(data[:8], "little")
+    assert n % 8 == 0
+    header = json.loads(data[8:8 + n])
+    assert list(header["__metadata__"]) == sorted(meta)
+    loaded = load_file(tmp_path / "0.safetensors")
+    assert loaded.keys() == sd.keys() and all(torch.equal(loaded[k], sd[k]) for k in sd)
+    with safe_open(tmp_path / "0.safetensors", "pt") as f:
+        assert {k: json.loads(v) for k, v in f.metadata().items()} == meta
+
+
 def test_export__safetensors_written_atomically_no_temp_left(tmp_path):
     sd = {"w": torch.arange(6.0).reshape(2, 3).t()}  # not contiguous: made so on save
     save_safetensors(sd, tmp_path / "e.safetensors", {"width": 4})

@@ -37,6 +37,11 @@ def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path,
                      meta: dict[str, Any]) -> None:
     """Write a backbone ``state_dict`` as safetensors, atomically, ``meta`` as its metadata.
 
+    The bytes depend only on the inputs: safetensors writes its ``__metadata__`` map in a
+    random order per call (a Rust ``HashMap``), which would change the file's md5, and so
+    ``dvc.lock`` and every stage after ``pretrain``, at each rerun; the header is rewritten
+    here with the metadata keys sorted (:func:`_sorted_metadata`).
+
     Args:
         state_dict: CPU tensors (made contiguous here; safetensors stores no strides).
         path: the ``.safetensors`` file.
@@ -47,8 +52,27 @@ def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path,
     from safetensors.torch import save
 
     data = save({k: v.contiguous() for k, v in state_dict.items()},
-                metadata={k: json.dumps(v) for k, v in meta.items()})
+                metadata={k: json.dumps(v, sort_keys=True) for k, v in meta.items()})
+    data = _sorted_metadata(data)
     write_atomic(path, lambda f: f.write(data))
+
+
+def _sorted_metadata(data: bytes) -> bytes:
+    """safetensors bytes with the header's ``__metadata__`` keys in sorted order.
+
+    The format: an 8-byte little-endian header length N, N bytes of JSON (the tensors'
+    entries and ``__metadata__``; padded with spaces to a multiple of 8), then the tensor data,
+    whose offsets are relative to its start and so do not move.
+    """
+    import json
+
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + n:]
 
 
 def peak_memory_bytes(device: torch.device) -> int:
