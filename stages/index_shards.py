@@ -65,6 +65,8 @@ def run(p: Params) -> None:
         write_json(runs_file, {"stage": "index_shards", "run_id": None})
     write_json(VALIDATORS, fresh)
     write_json(FOLDERS, folders)
+    summary.update({key: {"images": f["images"], "broken_skipped": len(f.get("broken", []))}
+                    for key, f in folders.items()})  # the folders beside the shard sets
     print(json.dumps(summary, sort_keys=True), file=sys.stderr)
 
 

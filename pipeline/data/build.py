@@ -370,11 +370,15 @@ def open_data(params: DataParams, seed: int) -> tuple[Source, dict[str, Any]]:
                       test_fraction=params.test_fraction, seed=seed,
                       label_field=params.label_field,
                       max_broken_fraction=params.max_broken_fraction, index=index,
-                      exclude=broken_in_folder("data.root", params.root, folders))
+                      exclude=broken_in_folder("data.root", params.root, folders,
+                                               params.max_broken_fraction))
+    if getattr(src, "broken", 0):
+        log.info("data.root %s: %d broken images left out (data/index/folders.json)",
+                 params.root, src.broken)
     if not params.unlabelled_root and params.pretrain_labelled:
         return src, {}
     tree = (UnlabelledTree(params.unlabelled_root, exclude=broken_in_folder(
-        "data.unlabelled_root", params.unlabelled_root, folders))
+        "data.unlabelled_root", params.unlabelled_root, folders, params.max_broken_fraction))
         if params.unlabelled_root else None)
     mix = PretrainMix(src, tree, include_labelled=params.pretrain_labelled,
                       resized=bool(params.image_size or params.max_side))

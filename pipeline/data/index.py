@@ -42,6 +42,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -143,7 +144,7 @@ def check_broken_budget(entries: list[dict[str, Any]], max_fraction: float, key:
     """
     n_broken = sum(len(s["broken"]) for s in entries)
     total = n_broken + sum(s["num_samples"] for s in entries)
-    if n_broken <= max_fraction * total:
+    if not over_budget(n_broken, total, max_fraction):
         return
     worst = max(entries, key=lambda s: len(s["broken"]))
     first = worst["broken"][0]
@@ -334,6 +335,9 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
             except OSError as e:  # a dangling symlink, or removed while listed
                 raise SourceError(f"{key}: {path}: cannot be read ({e.strerror}; a broken "
                                   "link?)") from None
+            if not stat.S_ISREG(st.st_mode):  # opening a FIFO would wait for a writer
+                raise SourceError(f"{key}: {path}: not a regular file (a FIFO, socket or "
+                                  "device)")
             total += st.st_size
             digest.update(f"{os.path.relpath(path, top)}\t{st.st_size}\t{st.st_mtime_ns}\n"
                           .encode("utf-8", "surrogateescape"))
@@ -341,15 +345,16 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
         unchanged = isinstance(last, dict) and (
             (last.get("root"), last.get("listing_sha256")) == (root, digest.hexdigest()))
         broken = list(last.get("broken", [])) if unchanged else []
-        if unchanged and len(broken) <= max_broken_fraction * len(paths):
+        if unchanged and not over_budget(len(broken), len(paths), max_broken_fraction):
             log.info("index %s %s: listing unchanged since the last index, images not read "
                      "again", key, root)
         else:  # here, before build_shards deletes the shards, not in the build
             broken = _decode_check(key, root, top, paths, max_broken_fraction)
         out[key] = {"root": root, "images": len(paths), "bytes": total, "skipped": skipped,
                     "listing_sha256": digest.hexdigest(), **({"broken": broken} if broken else {})}
-        log.info("index %s %s: %d images (%d bytes), skipped %s", key, root, len(paths), total,
-                 describe_skipped(skipped))
+        left_out = f"; {len(broken)} broken, left out by the build" if broken else ""
+        log.info("index %s %s: %d images (%d bytes), skipped %s%s", key, root, len(paths),
+                 total, describe_skipped(skipped), left_out)
     return out
 
 
@@ -362,7 +367,7 @@ def _decode_check(key: str, root: str, top: Path, paths: list[str],
             ``paths`` broken; one line naming the key, the folder and the files.
     """
     scan = read_images(paths, decode=True)
-    over = len(scan.bad) > max_fraction * len(paths)
+    over = over_budget(len(scan.bad), len(paths), max_fraction)
     if scan.unsupported or over:
         budget = (f"; {len(scan.bad)} of {len(paths)} images broken = "
                   f"{100 * len(scan.bad) / len(paths):.2f} % > data.max_broken_fraction "
@@ -376,22 +381,42 @@ def _decode_check(key: str, root: str, top: Path, paths: list[str],
     return sorted(os.path.relpath(p, top) for p in scan.bad)
 
 
-def broken_in_folder(key: str, root: str, index: dict[str, Any] | None) -> frozenset[str]:
+def over_budget(n_broken: int, total: int, max_fraction: float) -> bool:
+    """Whether ``n_broken`` of ``total`` is more than ``max_fraction`` of it.
+
+    Compared to 9 decimals, so that a share written in params.yaml is met exactly: 29 of 100
+    at 0.29 is within (``0.29 * 100`` is ``28.999999999999996`` in floats).
+    """
+    return n_broken > round(max_fraction * total, 9)
+
+
+def broken_in_folder(key: str, root: str, index: dict[str, Any] | None,
+                     max_fraction: float) -> frozenset[str]:
     """The files of a folder that ``index_shards`` found broken and the build leaves out.
 
     Args:
         key: ``data.unlabelled_root`` or ``data.root``.
         root: the folder as written in params.yaml.
         index: the folder index (:func:`read_previous_folders`), or None.
+        max_fraction: ``data.max_broken_fraction`` now.
 
     Returns:
         Paths relative to the folder; empty without an index, or when its entry for ``key``
         is of another folder.
+
+    Raises:
+        SourceError: the index lists more broken files than ``max_fraction`` lets through (it
+            was written under a larger budget: the build was run without ``index_shards``).
     """
     entry = (index or {}).get(key)
     if not isinstance(entry, dict) or entry.get("root") != root:
         return frozenset()
-    return frozenset(str(p) for p in entry.get("broken", []))
+    broken = frozenset(str(p) for p in entry.get("broken", []))
+    if over_budget(len(broken), int(entry.get("images", 0)), max_fraction):
+        raise SourceError(f"{FOLDERS} lists {len(broken)} broken images of {entry.get('images')} "
+                          f"in {key} = {root!r}, more than data.max_broken_fraction "
+                          f"{max_fraction:g}: run index_shards first (`dvc repro`)")
+    return broken
 
 
 def index_params_folders(data: DataParams) -> dict[str, dict[str, Any]]:

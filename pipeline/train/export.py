@@ -58,7 +58,7 @@ def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path,
 
 
 def _sorted_metadata(data: bytes) -> bytes:
-    """safetensors bytes with the header's ``__metadata__`` keys in sorted order.
+    """Safetensors bytes with the header's ``__metadata__`` keys in sorted order.
 
     The format: an 8-byte little-endian header length N, N bytes of JSON (the tensors'
     entries and ``__metadata__``; padded with spaces to a multiple of 8), then the tensor data,

@@ -433,10 +433,16 @@ def test_index_folders__broken_within_the_budget_are_listed_and_left_out(tmp_pat
                                 f"{root / 'd' / 'cut.png'} (")
     assert warned[1] == ("data.unlabelled_root: 1 of 5 images skipped as broken "
                          "(data.max_broken_fraction 0.25)")
-    assert broken_in_folder("data.unlabelled_root", str(root), got) == {"d/cut.png"}
-    assert broken_in_folder("data.unlabelled_root", str(tmp_path), got) == frozenset()
-    assert broken_in_folder("data.root", str(root), got) == frozenset()
-    assert broken_in_folder("data.root", str(root), None) == frozenset()
+    assert broken_in_folder("data.unlabelled_root", str(root), got, 0.25) == {"d/cut.png"}
+    assert broken_in_folder("data.unlabelled_root", str(tmp_path), got, 0.25) == frozenset()
+    assert broken_in_folder("data.root", str(root), got, 0.25) == frozenset()
+    assert broken_in_folder("data.root", str(root), None, 0.25) == frozenset()
+    # the build run by hand under a lower budget than the index was written with
+    with pytest.raises(SourceError) as e:
+        broken_in_folder("data.unlabelled_root", str(root), got, 0.1)
+    assert str(e.value) == (f"data/index/folders.json lists 1 broken images of 5 in "
+                            f"data.unlabelled_root = '{root}', more than data.max_broken_fraction "
+                            "0.1: run index_shards first (`dvc repro`)")
     # the listing unchanged: the list is carried over without decoding anything again
     monkeypatch.setattr(index_mod, "read_images", None)
     assert index_folders({"data.unlabelled_root": str(root)}, got,
@@ -456,6 +462,65 @@ def test_index_folders__broken_within_the_budget_are_listed_and_left_out(tmp_pat
         index_folders({"data.unlabelled_root": str(root)}, max_broken_fraction=0.25)
     assert str(e.value).startswith(f"data.unlabelled_root = '{root}': 1 image(s) in an "
                                    f"unsupported mode: {root / 'print.tif'} (")
+
+
+def test_index_folders__finds_what_the_build_refuses_past_the_header(tmp_path):
+    # a float TIFF with values outside 0..1 and a PNG whose eXIf chunk after the pixels does
+    # not parse: headers pass, the build's reader (open_upright) refuses both; the decode
+    # check finds them first, within the budget left out (2 of 4 at 0.5)
+    import struct
+    import zlib
+
+    from pipeline.data.index import index_folders
+    from pipeline.data.sources.base import UnreadableImage
+    from pipeline.data.sources.imagefolder import open_upright, read_images
+
+    root = tmp_path / "photos"
+    root.mkdir()
+    Image.new("L", (6, 6), 1).save(root / "a.png")
+    Image.fromarray(np.full((6, 6), 0.5, np.float32), mode="F").save(root / "b_ok.tif")
+    Image.fromarray(np.full((6, 6), 5.0, np.float32), mode="F").save(root / "c_float.tif")
+    png = (root / "a.png").read_bytes()
+    body = b"garbage!garbage!"
+    chunk = (struct.pack(">I", len(body)) + b"eXIf" + body
+             + struct.pack(">I", zlib.crc32(b"eXIf" + body)))
+    iend = png.rindex(b"IEND") - 4
+    (root / "d_exif.png").write_bytes(png[:iend] + chunk + png[iend:])
+    paths = sorted(str(p) for p in root.iterdir())
+    assert read_images(paths).bad == {}  # headers alone pass all four
+    for name in ("c_float.tif", "d_exif.png"):
+        with pytest.raises(UnreadableImage):
+            open_upright(str(root / name), "L")
+    got = index_folders({"k": str(root)}, max_broken_fraction=0.5)["k"]
+    assert got["broken"] == ["c_float.tif", "d_exif.png"]
+    bad = read_images(paths, decode=True).bad
+    assert bad[str(root / "c_float.tif")] == (
+        f"{root / 'c_float.tif'} (mode F (float) values span 5..5, outside the accepted 0..1; "
+        "convert it to 8 or 16 bit)")
+    assert bad[str(root / "d_exif.png")].startswith(f"{root / 'd_exif.png'} (SyntaxError: ")
+
+
+def test_over_budget__a_share_written_in_params_is_met_exactly():
+    from pipeline.data.index import over_budget
+
+    assert not over_budget(29, 100, 0.29)  # 0.29 * 100 = 28.999999999999996 in floats
+    assert over_budget(30, 100, 0.29)
+    assert not over_budget(1, 1000, 0.001) and over_budget(2, 1000, 0.001)
+    assert over_budget(1, 999, 0.001) and not over_budget(0, 0, 0.0)
+
+
+def test_index_folders__a_fifo_named_like_an_image_stops_instead_of_hanging(tmp_path):
+    from pipeline.data.index import index_folders
+    from pipeline.data.sources import SourceError
+
+    root = tmp_path / "photos"
+    root.mkdir()
+    Image.new("L", (4, 4)).save(root / "ok.png")
+    os.mkfifo(root / "pipe.jpg")
+    with pytest.raises(SourceError) as e:
+        index_folders({"data.unlabelled_root": str(root)}, max_broken_fraction=0.9)
+    assert str(e.value) == (f"data.unlabelled_root: {root / 'pipe.jpg'}: not a regular file (a "
+                            "FIFO, socket or device)")
 
 
 def test_index_folders__relative_folder_missing_here_is_read_from_dvc_root(tmp_path,

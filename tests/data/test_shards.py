@@ -305,8 +305,7 @@ def test_build_all__image_cut_short_names_split_file_and_restore(tmp_path: Path)
 def test_build_all__leaves_out_the_broken_files_index_shards_listed(tmp_path: Path,
                                                                     monkeypatch):
     # index_shards let 1 broken file of each folder through (data.max_broken_fraction 0.25):
-    # the build reads data/index/folders.json and leaves exactly those out, and every
-    # manifest says how many
+    # the build reads data/index/folders.json and leaves exactly those out
     from pipeline.atomic import write_json
     from pipeline.data.index import FOLDERS, index_params_folders
 
@@ -330,8 +329,9 @@ def test_build_all__leaves_out_the_broken_files_index_shards_listed(tmp_path: Pa
     assert ms["train"]["label_counts"] == {"0": 2, "1": 2}  # train/b/9.png left out
     assert ms["test"]["label_counts"] == {"0": 2, "1": 2}
     assert ms["pretrain"]["label_counts"] == {"-1": 4, "0": 2, "1": 2}  # zz.png left out
-    assert all(m["build"]["broken_left_out"] == 1 for m in ms.values())  # data.root's
-    assert ms["pretrain"]["build"]["unlabelled"]["broken_left_out"] == 1
+    # the manifests do not count them: a broken download added or removed leaves them as
+    # they are, so pretraining does not rerun on the same shards
+    assert all("broken_left_out" not in json.dumps(m) for m in ms.values())
     assert ms["pretrain"]["build"]["unlabelled"]["images"] == 4
     # without the index (a build run by hand) nothing is left out: the file stops the build
     FOLDERS.unlink()

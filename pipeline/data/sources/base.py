@@ -159,8 +159,7 @@ class Source:
         std: per-channel normalisation std, or ``None`` (see ``mean``).
         native_shape: ``(C, H, W)`` when all images share one size, else ``None``.
         build_settings: how the source turns files into images, recorded verbatim in each
-            manifest's ``build`` settings (ImageFolder: the EXIF orientation rule, and the
-            count of broken files left out when there are some); empty here.
+            manifest's ``build`` settings (ImageFolder: the EXIF orientation rule); empty here.
     """
 
     name: str = ""

@@ -105,8 +105,6 @@ class ImageFolderSource(Source):
         files["pretrain"] = files["train"]
         self.class_names = tuple(classes)
         self._files = {s: sorted(f) for s, f in files.items()}
-        if self.broken:  # recorded in every split's manifest
-            self.build_settings = {**BUILD_SETTINGS, "broken_left_out": self.broken}
         self._scan_headers()
 
     def _discover(self, test_fraction: float, seed: int, exclude: Collection[str]
@@ -240,8 +238,8 @@ def read_images(paths: Iterable[str], *, decode: bool = False) -> ImageScan:
         try:
             with Image.open(path) as im:
                 kind, size = image_kind(im), upright_size(im)
-                if decode:
-                    _decode(im)
+            if decode:
+                _decode(path, kind)
         except ModeError as e:
             scan.unsupported.append(f"{shown_path(path)} ({e})")
             continue
@@ -278,16 +276,26 @@ class PixelError(Exception):
     """Pixel data past a good header that does not decode; the message is the reason."""
 
 
-def _decode(im: Image.Image) -> None:
-    """Decode an opened image's pixel data (a JPEG at its smallest DCT scale, 1/8).
+def _decode(path: str, kind: str) -> None:
+    """Decode an image file as the build does, a JPEG at its smallest DCT scale (1/8).
+
+    The pixels, then the EXIF orientation and the conversion to ``kind`` (``"L"`` or
+    ``"RGB"``), as :func:`open_upright`: so a value range the build refuses (``F`` outside
+    0..1) or an EXIF block that does not parse is found here too. The file is opened afresh:
+    the header scan's EXIF, read before the pixels, misses a PNG ``eXIf`` chunk after them.
 
     Raises:
-        PixelError: ``"<error type>: <message>"``, e.g. ``OSError: image file is truncated``.
+        PixelError: ``"<error type>: <message>"``, e.g. ``OSError: image file is truncated``;
+            the message alone for a refused value range.
     """
     try:
-        if im.format == "JPEG":
-            im.draft(im.mode, (1, 1))
-        im.load()
+        with Image.open(path) as im:
+            if im.format == "JPEG":
+                im.draft(im.mode, (1, 1))
+            im.load()
+            to_mode(ImageOps.exif_transpose(im), kind)
+    except ModeError as e:  # e.g. float values outside 0..1
+        raise PixelError(str(e)) from None
     except Exception as e:  # truncated / corrupt data past the header
         raise PixelError(f"{type(e).__name__}: {e}") from None
 

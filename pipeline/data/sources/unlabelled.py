@@ -137,13 +137,12 @@ class UnlabelledTree:
     def build_record(self) -> dict[str, object]:
         """What the pretrain manifest records under ``build.unlabelled``.
 
-        Not the skipped files: a README added beside the images would then change the
-        manifest, a dep of ``pretrain``, and retrain at the next rebuild. They are counted in
-        the log and in ``data/index/folders.json`` (:func:`pipeline.data.index.index_folders`).
-        Files left out as broken are counted (``broken_left_out``, only when there are some).
+        Not the skipped files, nor the broken ones left out: a README added beside the images,
+        or a broken download, would then change the manifest, a dep of ``pretrain``, and
+        retrain on the same shards. They are counted in the log and in
+        ``data/index/folders.json`` (:func:`pipeline.data.index.index_folders`).
         """
-        broken = {"broken_left_out": self.broken} if self.broken else {}
-        return {"root": str(self.root), "images": len(self.paths), **broken, **BUILD_SETTINGS}
+        return {"root": str(self.root), "images": len(self.paths), **BUILD_SETTINGS}
 
     def load(self, index: int, mode: str) -> Sample:
         """Image ``index`` in ``mode``, label -1.

@@ -47,7 +47,7 @@ def test_name_bad_files__names_ten_counts_the_rest_and_logs_all(caplog):
         "/d/7.jpg (OSError); /d/8.jpg (OSError); /d/9.jpg (OSError); ... and 3 more "
         "(all 13 logged above)")
     assert [r.getMessage() for r in caplog.records] == [
-        f"unreadable image(s): /d/{i}.jpg (OSError)" for i in range(13)]
+        f"unreadable image: /d/{i}.jpg (OSError)" for i in range(13)]
 
 
 def test_shown_path__odd_names_as_bytes_literals():
