@@ -299,8 +299,8 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
         of the lines
         ``<relative path> TAB <bytes> TAB <mtime in ns>`` in path order: an image added,
         removed, renamed, rewritten or touched changes it. (A README added beside the images
-        changes ``skipped``: ``build_shards`` reruns, writes the same shards, and nothing
-        after it reruns.)
+        changes ``skipped``, and a broken download ``broken``: ``build_shards`` reruns,
+        writes the same shards, and nothing after it reruns.)
 
     Every image of a new or changed folder is decoded
     (:func:`pipeline.data.sources.imagefolder.read_images` with ``decode``: a JPEG at 1/8
@@ -312,7 +312,8 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
 
     Raises:
         SourceError: a folder is not a directory, holds no image, lists a file that cannot
-            be read (a dangling link), holds image files in an unsupported mode, or more than
+            be read (a dangling link) or is not a regular file (a FIFO), holds image files in
+            an unsupported mode, or more than
             ``max_broken_fraction`` of its image files do not decode (header or pixels); one
             line naming the key and the path(s).
     """
