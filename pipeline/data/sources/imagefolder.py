@@ -136,7 +136,7 @@ class ImageFolderSource(Source):
         return classes, files
 
     def _leave_out(self, files: Files, exclude: Collection[str]) -> Files:
-        kept = [(p, y) for p, y in files if os.path.relpath(p, self.root) not in exclude]
+        kept = [(p, y) for p, y in files if not is_excluded(p, self.root, exclude)]
         self.broken += len(files) - len(kept)
         return kept
 
@@ -164,6 +164,15 @@ class ImageFolderSource(Source):
         image = open_upright(path, self.mode)
         rel = os.path.relpath(path, self.root)
         return Sample(f"{index:07d}_{sanitize_key(rel)}", image, label)
+
+
+def is_excluded(path: str, root: str | Path, exclude: Collection[str]) -> bool:
+    """Whether ``path`` is one of ``exclude``, paths relative to ``root``.
+
+    ``exclude`` is a folder index's ``broken`` list (:func:`pipeline.data.index.
+    broken_in_folder`), left out by :class:`ImageFolderSource` and the unlabelled tree alike.
+    """
+    return os.path.relpath(path, root) in exclude
 
 
 def open_upright(path: str, mode: str) -> Image.Image:

@@ -44,6 +44,7 @@ from pipeline.data.sources.imagefolder import (
     IMAGE_EXTENSIONS,
     SKIP_REASONS,
     ImageWalk,
+    is_excluded,
     open_upright,
     sanitize_key,
     scan_headers,
@@ -120,7 +121,7 @@ class UnlabelledTree:
             raise SourceError(f"data.unlabelled_root = {str(root)!r}: not a directory")
         self.paths, self.skipped = walk_images(self.top)
         self.broken = len(self.paths)
-        self.paths = [p for p in self.paths if os.path.relpath(p, self.top) not in exclude]
+        self.paths = [p for p in self.paths if not is_excluded(p, self.top, exclude)]
         self.broken -= len(self.paths)
         if not self.paths:
             raise SourceError(f"{self.root}: no images ({', '.join(IMAGE_EXTENSIONS)}) in the "
