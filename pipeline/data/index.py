@@ -67,7 +67,7 @@ from pipeline.data.shards import (
     shard_location,
 )
 from pipeline.data.sources.base import SourceError, local_path
-from pipeline.data.sources.imagefolder import IMAGE_EXTENSIONS, read_images
+from pipeline.data.sources.imagefolder import IMAGE_EXTENSIONS, discover_files, read_images
 from pipeline.data.sources.modes import image_kind, to_mode
 from pipeline.data.sources.unlabelled import describe_skipped, walk_images
 
@@ -424,15 +424,26 @@ def index_params_folders(data: DataParams) -> dict[str, dict[str, Any]]:
     """:func:`index_folders` of the local folders ``build_shards`` reads, against the last index.
 
     The folders: ``data.unlabelled_root``, and ``data.root`` of an ``imagefolder`` source; the
-    last index: :data:`FOLDERS` (:func:`read_previous_folders`).
+    last index: :data:`FOLDERS` (:func:`read_previous_folders`). The class layout of an
+    ``imagefolder`` root is checked too, without its broken files
+    (:func:`pipeline.data.sources.imagefolder.discover_files`: a walk, no image read).
 
     Raises:
-        SourceError: as :func:`index_folders`.
+        SourceError: as :func:`index_folders`; or a class layout the build would refuse (a
+            class folder without images, or whose every image is broken, a test class unknown
+            to train, a split left empty by ``data.test_fraction``).
     """
-    return index_folders({"data.unlabelled_root": data.unlabelled_root,
-                          "data.root": data.root if data.source == "imagefolder" else ""},
-                         previous=read_previous_folders(),
-                         max_broken_fraction=data.max_broken_fraction)
+    index = index_folders({"data.unlabelled_root": data.unlabelled_root,
+                           "data.root": data.root if data.source == "imagefolder" else ""},
+                          previous=read_previous_folders(),
+                          max_broken_fraction=data.max_broken_fraction)
+    if "data.root" in index:
+        try:
+            discover_files(local_path(data.root), data.test_fraction, 0,
+                           exclude=frozenset(index["data.root"].get("broken", [])))
+        except SourceError as e:
+            raise SourceError(f"data.root = {data.root!r}: {e}") from None
+    return index
 
 
 def pretrain_manifest(shards_dir: Path | ShardURL, index_dir: Path | None = None, *,

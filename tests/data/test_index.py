@@ -606,3 +606,45 @@ def test_index_folders__unchanged_listing_skips_the_header_check(tmp_path, caplo
     (tmp_path / "folders.json").write_text("{not json")
     assert read_previous_folders(tmp_path / "folders.json") is None
     assert read_previous_folders(tmp_path / "missing.json") is None
+
+
+def test_index_params_folders__class_layout_checked_before_the_build(tmp_path, monkeypatch):
+    # index_shards runs before build_shards deletes the shards: a class folder without images,
+    # or whose every image is broken (and so left out within the budget), stops it there
+    from pipeline.config import DataParams
+    from pipeline.data.index import index_params_folders
+    from pipeline.data.sources import SourceError
+
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "raw"
+    for cls in ("coat", "shoe"):
+        (root / cls).mkdir(parents=True)
+        for i in range(3):
+            Image.new("L", (6, 6), 40 * i).save(root / cls / f"{i}.png")
+    params = DataParams(source="imagefolder", root=str(root), test_fraction=0.5,
+                        max_broken_fraction=0.5)
+    assert index_params_folders(params)["data.root"]["images"] == 6
+    (root / "empty").mkdir()
+    with pytest.raises(SourceError) as e:
+        index_params_folders(params)
+    assert str(e.value) == (f"data.root = '{root}': class folder(s) without images (.jpg, "
+                            f".jpeg, .png, .webp, .bmp, .tif, .tiff): {root / 'empty'}")
+    (root / "empty").rmdir()
+    for i in range(3):  # every shoe cut short past its header: 3 of 6 broken, within 0.5
+        cut = root / "shoe" / f"{i}.png"
+        Image.effect_noise((16, 16), 60).convert("L").save(cut)
+        cut.write_bytes(cut.read_bytes()[:80])
+    with pytest.raises(SourceError) as e:
+        index_params_folders(params)
+    assert str(e.value) == (f"data.root = '{root}': class folder(s) whose every image is broken "
+                            "(data.max_broken_fraction lets them through; data/index/folders.json "
+                            f"lists them): {root / 'shoe'}")
+    # one shoe fixed: 2 broken of 6, the class keeps 1 image and the index is written
+    Image.new("L", (6, 6), 9).save(root / "shoe" / "0.png")
+    assert index_params_folders(params)["data.root"]["broken"] == ["shoe/1.png", "shoe/2.png"]
+    # a test_fraction that leaves the test split empty: round(3 * 0.1) + round(1 * 0.1) = 0
+    params.test_fraction = 0.1
+    with pytest.raises(SourceError) as e:
+        index_params_folders(params)
+    assert str(e.value) == (f"data.root = '{root}': {root}: test_fraction=0.1 leaves the test "
+                            "split empty")

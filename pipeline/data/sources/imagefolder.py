@@ -89,56 +89,21 @@ class ImageFolderSource(Source):
             seed: seeds that held-out split.
 
         Raises:
-            SourceError: no root, no class folders, an empty class folder, a test class unknown
-                to train, images whose header cannot be read (all bad paths listed), or a
-                ``test_fraction`` that leaves a split empty.
+            SourceError: no root, a layout :func:`discover_files` refuses (an empty class
+                folder, or one whose every image is in ``exclude``, ...), or images whose
+                header cannot be read (all bad paths listed).
+            ValueError: ``test_fraction`` not in (0, 1).
         """
         if not str(root):
             raise SourceError("imagefolder: data.root must name the image directory")
         self.root = Path(root)
         if not self.root.is_dir():
             raise SourceError(f"{self.root}: not a directory")
-        if not 0 < test_fraction < 1:
-            raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-        self.broken = 0
-        classes, files = self._discover(test_fraction, seed, exclude)
+        classes, files, self.broken = discover_files(self.root, test_fraction, seed, exclude)
         files["pretrain"] = files["train"]
         self.class_names = tuple(classes)
         self._files = {s: sorted(f) for s, f in files.items()}
         self._scan_headers()
-
-    def _discover(self, test_fraction: float, seed: int, exclude: Collection[str]
-                  ) -> tuple[list[str], dict[str, Files]]:
-        """Class names and the ``train``/``test`` files: as on disk, or a seeded per-class split.
-
-        Files in ``exclude`` (relative to the root) are left out first; :attr:`broken` counts
-        them.
-        """
-        subdirs = {d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith(".")}
-        held_out = "test" if "test" in subdirs else "val" if "val" in subdirs else None
-        if "train" in subdirs and held_out:
-            (classes, train), (test_classes, test) = _scan_trees(
-                [self.root / "train", self.root / held_out])
-            train, test = self._leave_out(train, exclude), self._leave_out(test, exclude)
-            unknown = sorted(set(test_classes) - set(classes))
-            if unknown:
-                raise SourceError(f"{self.root / held_out}: classes {unknown} are not in "
-                                  f"{self.root / 'train'}")
-            remap = [classes.index(c) for c in test_classes]
-            return classes, {"train": train, "test": [(p, remap[y]) for p, y in test]}
-        ((classes, items),) = _scan_trees([self.root])
-        items = self._leave_out(items, exclude)
-        files = split_per_class(items, len(classes), test_fraction, seed)
-        for split, f in files.items():
-            if not f:
-                raise SourceError(f"{self.root}: test_fraction={test_fraction} leaves the "
-                                  f"{split} split empty")
-        return classes, files
-
-    def _leave_out(self, files: Files, exclude: Collection[str]) -> Files:
-        kept = [(p, y) for p, y in files if not is_excluded(p, self.root, exclude)]
-        self.broken += len(files) - len(kept)
-        return kept
 
     def _scan_headers(self) -> None:
         """Decide :attr:`mode` and :attr:`native_shape` from every image header.
@@ -164,6 +129,65 @@ class ImageFolderSource(Source):
         image = open_upright(path, self.mode)
         rel = os.path.relpath(path, self.root)
         return Sample(f"{index:07d}_{sanitize_key(rel)}", image, label)
+
+
+def discover_files(root: Path, test_fraction: float, seed: int,
+                   exclude: Collection[str] = ()) -> tuple[list[str], dict[str, Files], int]:
+    """Class names and the ``train``/``test`` files of an image folder, headers not read.
+
+    ``root/train/<class>`` with ``root/test/<class>`` (or ``val``) is used as given; a bare
+    ``root/<class>`` is split per class (:func:`split_per_class`). Files in ``exclude``
+    (relative to ``root``) are left out before the split. ``index_shards`` calls it before
+    the build, so that a layout the build would refuse stops ``dvc repro`` while the shards
+    are still there.
+
+    Args:
+        root: the dataset directory.
+        test_fraction: share of each class held out as test without a split on disk;
+            ``0 < x < 1``.
+        seed: seeds that held-out split.
+        exclude: the broken files ``index_shards`` listed (:func:`is_excluded`).
+
+    Returns:
+        ``(class names, {"train": files, "test": files}, files left out)``; files are
+        ``(path, label)`` pairs.
+
+    Raises:
+        ValueError: ``test_fraction`` not in (0, 1).
+        SourceError: no class folders, a class folder without images or whose every image is
+            in ``exclude``, a test class unknown to train, or a ``test_fraction`` that leaves a
+            split empty.
+    """
+    if not 0 < test_fraction < 1:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    subdirs = {d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")}
+    held_out = "test" if "test" in subdirs else "val" if "val" in subdirs else None
+    trees = [root / "train", root / held_out] if "train" in subdirs and held_out else [root]
+    kept, n_left_out = [], 0
+    for tree, (classes, files) in zip(trees, _scan_trees(trees)):
+        good = [(path, y) for path, y in files if not is_excluded(path, root, exclude)]
+        n_left_out += len(files) - len(good)
+        all_broken = sorted(set(range(len(classes))) - {y for _, y in good})
+        if all_broken:
+            raise SourceError(
+                "class folder(s) whose every image is broken (data.max_broken_fraction lets "
+                "them through; data/index/folders.json lists them): "
+                + ", ".join(str(tree / classes[y]) for y in all_broken))
+        kept.append((classes, good))
+    if len(kept) == 2:
+        (classes, train), (test_classes, test) = kept
+        unknown = sorted(set(test_classes) - set(classes))
+        if unknown:
+            raise SourceError(f"{trees[1]}: classes {unknown} are not in {trees[0]}")
+        remap = [classes.index(c) for c in test_classes]
+        return classes, {"train": train, "test": [(p, remap[y]) for p, y in test]}, n_left_out
+    ((classes, items),) = kept
+    files = split_per_class(items, len(classes), test_fraction, seed)
+    for split, f in files.items():
+        if not f:
+            raise SourceError(f"{root}: test_fraction={test_fraction} leaves the {split} split "
+                              "empty")
+    return classes, files, n_left_out
 
 
 def is_excluded(path: str, root: str | Path, exclude: Collection[str]) -> bool:
