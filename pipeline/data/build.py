@@ -44,6 +44,7 @@ from pipeline.data.shards import (
 )
 from pipeline.data.sources import (
     SPLITS,
+    BrokenImages,
     PretrainMix,
     Sample,
     Source,
@@ -409,6 +410,16 @@ def _log_tree_share(manifest: dict[str, Any], tree_images: int, cap: int) -> Non
                 "folder)", used, tree_images, cap)
 
 
+def rerun_hint(shards_dir: str) -> str:
+    """What to do about image files that broke after ``index_shards`` decoded them.
+
+    ``dvc repro`` has deleted the shards before ``build_shards`` runs; ``dvc checkout`` brings
+    the last ones back from the cache.
+    """
+    return (f"fix or remove them and rerun (`dvc checkout {shards_dir}` restores the last shards "
+            "built)")
+
+
 def _build_split(src: Source, split: str, out_dir: Path, *, params: DataParams, seed: int,
                  record: dict[str, Any], mean: Sequence[float] | None,
                  std: Sequence[float] | None, progress: bool) -> dict[str, Any]:
@@ -455,9 +466,8 @@ def _build_split(src: Source, split: str, out_dir: Path, *, params: DataParams, 
                          samples_per_shard=params.samples_per_shard, mean=mean, std=std,
                          expected_count=min(cap, n) if cap else n, build=build,
                          progress=progress)
-    except SourceError as e:  # pixels that broke after index_shards decoded them
-        raise SourceError(f"split {split}: {e}; fix or remove them and rerun (`dvc checkout "
-                          f"{params.shards_dir}` restores the last shards built)") from None
+    except BrokenImages as e:  # pixels that broke after index_shards decoded them
+        raise SourceError(f"split {split}: {e}; {rerun_hint(params.shards_dir)}") from None
     if "unlabelled" in record:
         _log_tree_share(m, int(record["unlabelled"]["images"]), cap)
     return m
@@ -489,8 +499,9 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
         ``{split: manifest}``.
 
     Raises:
-        SourceError: raw data missing or invalid; an image that does not decode names its
-            split and file, and how to get the last shards back (``dvc repro`` deleted them).
+        SourceError: raw data missing or invalid; an image whose header or pixels do not
+            decode names its file (and split), and how to get the last shards back (``dvc
+            repro`` deleted them: :func:`rerun_hint`).
         ShardError: a URL ``shards_dir``; unreadable webdataset shards.
     """
     if isinstance(shards_location(params.shards_dir), ShardURL):
@@ -498,7 +509,10 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
                          "directory; images on a URL come in through data.pretrain_shards "
                          "(pretraining, read in place) and data.source webdataset (the labelled "
                          "data), indexed by the index_shards stage (docs/data.md)")
-    src, record = open_data(params, seed)
+    try:
+        src, record = open_data(params, seed)
+    except BrokenImages as e:  # headers that broke after index_shards decoded the files
+        raise SourceError(f"{e}; {rerun_hint(params.shards_dir)}") from None
     out = Path(params.shards_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))

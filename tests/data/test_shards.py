@@ -300,6 +300,15 @@ def test_build_all__image_cut_short_names_split_file_and_restore(tmp_path: Path)
     # build_all itself keeps the old shards (DVC is what deletes them before the stage)
     assert {p: p.read_bytes() for p in (tmp_path / "sh").rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["raw", "sh"]
+    # a header that breaks (the file's first bytes no PNG): found by the header scan, before
+    # any split; the same hint
+    cut.write_bytes(b"<html>not an image</html>")
+    with pytest.raises(SourceError) as e:
+        build_all(params, seed=0, progress=False)
+    assert str(e.value) == (f"1 unreadable image(s): {cut} (UnidentifiedImageError); fix or "
+                            f"remove them and rerun (`dvc checkout {tmp_path / 'sh'}` restores "
+                            "the last shards built)")
+    assert {p: p.read_bytes() for p in (tmp_path / "sh").rglob("*") if p.is_file()} == before
 
 
 def test_build_all__leaves_out_the_broken_files_index_shards_listed(tmp_path: Path,

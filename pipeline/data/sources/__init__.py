@@ -44,6 +44,7 @@ Modules (import the public names from this package, not from the modules):
 from pipeline.data.sources.base import (
     DEFAULT_ROOTS,
     SPLITS,
+    BrokenImages,
     Sample,
     Source,
     SourceError,
@@ -63,6 +64,7 @@ from pipeline.data.sources.unlabelled import NoLabelsSource, PretrainMix, Unlabe
 from pipeline.data.sources.webdataset import WebDatasetSource
 
 __all__ = [
+    "BrokenImages",
     "DEFAULT_ROOTS",
     "FASHION_MNIST_CHECKSUMS",
     "FASHION_MNIST_CLASSES",

@@ -97,6 +97,15 @@ class UnreadableImage(Exception):
     """One image that cannot be decoded or converted; :meth:`Source.iter` collects them."""
 
 
+class BrokenImages(SourceError):
+    """Image files of a source that do not decode or are in an unsupported mode, all named.
+
+    Raised by :meth:`Source.iter` (pixels) and by the header scan of the folder sources
+    (:func:`pipeline.data.sources.imagefolder.scan_headers`); ``build_all`` adds how to get the
+    last shards back.
+    """
+
+
 @dataclass(frozen=True)
 class Sample:
     """One image of a split.
@@ -213,7 +222,7 @@ class Source:
         """Yield the samples of a split (arguments as in :meth:`indices`).
 
         Raises:
-            SourceError: images that cannot be decoded or converted; raised after the last
+            BrokenImages: images that cannot be decoded or converted; raised after the last
                 readable one, listing every bad path with its reason.
         """
         bad: list[str] = []
@@ -223,7 +232,7 @@ class Source:
             except UnreadableImage as e:
                 bad.append(str(e))
         if bad:
-            raise SourceError(name_bad_files("unreadable image(s)", bad))
+            raise BrokenImages(name_bad_files("unreadable image(s)", bad))
 
 
 # --- array-backed sources --------------------------------------------------------------------

@@ -13,6 +13,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from pipeline.data.sources.base import (
+    BrokenImages,
     Sample,
     Source,
     SourceError,
@@ -295,13 +296,13 @@ def scan_headers(paths: Iterable[str], *, decode: bool = False
         ``(kinds, sizes)`` (:class:`ImageScan`).
 
     Raises:
-        SourceError: one line naming every file whose header (or, with ``decode``, pixel data)
+        BrokenImages: one line naming every file whose header (or, with ``decode``, pixel data)
             does not decode (``"2 unreadable image(s): <path> (<error type>); ..."``) and every
             file in an unsupported mode (:meth:`ImageScan.problems`).
     """
     scan = read_images(paths, decode=decode)
     if scan.bad or scan.unsupported:
-        raise SourceError(scan.problems())
+        raise BrokenImages(scan.problems())
     return scan.kinds, scan.sizes
 
 
