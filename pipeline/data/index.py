@@ -44,7 +44,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,7 +67,12 @@ from pipeline.data.shards import (
     shard_location,
 )
 from pipeline.data.sources.base import SourceError, local_path
-from pipeline.data.sources.imagefolder import IMAGE_EXTENSIONS, discover_files, read_images
+from pipeline.data.sources.imagefolder import (
+    IMAGE_EXTENSIONS,
+    read_images,
+    scan_folder,
+    split_files,
+)
 from pipeline.data.sources.modes import image_kind, to_mode
 from pipeline.data.sources.unlabelled import describe_skipped, walk_images
 
@@ -275,7 +280,9 @@ def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float
 
 
 def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = None, *,
-                  max_broken_fraction: float = 0.0) -> dict[str, dict[str, Any]]:
+                  max_broken_fraction: float = 0.0,
+                  listings: Mapping[str, tuple[list[str], Mapping[str, int]]] | None = None
+                  ) -> dict[str, dict[str, Any]]:
     """The identity of local image folders: a digest of their listing; every image is decoded.
 
     Args:
@@ -288,13 +295,17 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
         max_broken_fraction: ``data.max_broken_fraction``: files that do not decode are
             skipped, logged and listed while they are at most this share of a folder's
             image files; 0 = none (the default here; the stage passes the param).
+        listings: ``{key: (image paths, skipped per reason)}`` of folders listed by the
+            caller (an ImageFolder root: :func:`pipeline.data.sources.imagefolder.
+            scan_folder`, the files its build reads); the other folders are walked whole.
 
     Returns:
         ``{key: {"root", "images", "bytes", "skipped", "listing_sha256"}}`` and, when some
         files do not decode within the budget, ``"broken"``: their paths relative to the
         folder, which ``build_shards`` leaves out (:func:`broken_in_folder`). ``images`` and
-        ``bytes`` count the image files (:func:`pipeline.data.sources.unlabelled.walk_images`:
-        any nesting), broken ones included; ``skipped``: the files skipped per reason
+        ``bytes`` count the image files (``listings``, else
+        :func:`pipeline.data.sources.unlabelled.walk_images`: any nesting), broken ones
+        included; ``skipped``: the files skipped per reason
         (``appledouble``, ``hidden``, ``not_image``; only reasons that occur); and the sha256
         of the lines
         ``<relative path> TAB <bytes> TAB <mtime in ns>`` in path order: an image added,
@@ -324,7 +335,7 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
         top = local_path(root)  # the main repo's in a queued or temp experiment's copy
         if not top.is_dir():
             raise SourceError(f"{key} = {root!r}: not a directory")
-        paths, skipped = walk_images(top)
+        paths, skipped = (listings or {}).get(key) or walk_images(top)
         skipped = {r: n for r, n in sorted(skipped.items()) if n}
         if not paths:
             raise SourceError(f"{key} = {root!r}: no images ({', '.join(IMAGE_EXTENSIONS)}) in "
@@ -424,25 +435,25 @@ def index_params_folders(data: DataParams) -> dict[str, dict[str, Any]]:
     """:func:`index_folders` of the local folders ``build_shards`` reads, against the last index.
 
     The folders: ``data.unlabelled_root``, and ``data.root`` of an ``imagefolder`` source; the
-    last index: :data:`FOLDERS` (:func:`read_previous_folders`). The class layout of an
-    ``imagefolder`` root is checked too, without its broken files
-    (:func:`pipeline.data.sources.imagefolder.discover_files`: a walk, no image read).
+    last index: :data:`FOLDERS` (:func:`read_previous_folders`). An ``imagefolder`` root is
+    listed as its build reads it (:func:`pipeline.data.sources.imagefolder.scan_folder`: the
+    class folders only, each file under the build's name), and its layout is checked without
+    its broken files (:func:`pipeline.data.sources.imagefolder.split_files`).
 
     Raises:
-        SourceError: as :func:`index_folders`; or a class layout the build would refuse (a
-            class folder without images, or whose every image is broken, a test class unknown
-            to train, a split left empty by ``data.test_fraction``).
+        SourceError: as :func:`index_folders`; or a class layout the build would refuse
+            (:func:`~pipeline.data.sources.imagefolder.scan_folder`,
+            :func:`~pipeline.data.sources.imagefolder.split_files`).
     """
-    index = index_folders({"data.unlabelled_root": data.unlabelled_root,
-                           "data.root": data.root if data.source == "imagefolder" else ""},
+    root = data.root if data.source == "imagefolder" else ""
+    scan = scan_folder(local_path(root)) if root and local_path(root).is_dir() else None
+    index = index_folders({"data.unlabelled_root": data.unlabelled_root, "data.root": root},
                           previous=read_previous_folders(),
-                          max_broken_fraction=data.max_broken_fraction)
-    if "data.root" in index:
-        try:
-            discover_files(local_path(data.root), data.test_fraction, 0,
-                           exclude=frozenset(index["data.root"].get("broken", [])))
-        except SourceError as e:
-            raise SourceError(f"data.root = {data.root!r}: {e}") from None
+                          max_broken_fraction=data.max_broken_fraction,
+                          listings={"data.root": (scan.paths, scan.skipped)} if scan else None)
+    if scan is not None:
+        split_files(scan, data.test_fraction, 0,
+                    exclude=frozenset(index["data.root"].get("broken", [])))
     return index
 
 

@@ -627,8 +627,8 @@ def test_index_params_folders__class_layout_checked_before_the_build(tmp_path, m
     (root / "empty").mkdir()
     with pytest.raises(SourceError) as e:
         index_params_folders(params)
-    assert str(e.value) == (f"data.root = '{root}': class folder(s) without images (.jpg, "
-                            f".jpeg, .png, .webp, .bmp, .tif, .tiff): {root / 'empty'}")
+    assert str(e.value) == ("class folder(s) without images (.jpg, .jpeg, .png, .webp, .bmp, "
+                            f".tif, .tiff): {root / 'empty'}")
     (root / "empty").rmdir()
     for i in range(3):  # every shoe cut short past its header: 3 of 6 broken, within 0.5
         cut = root / "shoe" / f"{i}.png"
@@ -636,15 +636,63 @@ def test_index_params_folders__class_layout_checked_before_the_build(tmp_path, m
         cut.write_bytes(cut.read_bytes()[:80])
     with pytest.raises(SourceError) as e:
         index_params_folders(params)
-    assert str(e.value) == (f"data.root = '{root}': class folder(s) whose every image is broken "
-                            "(data.max_broken_fraction lets them through; data/index/folders.json "
-                            f"lists them): {root / 'shoe'}")
-    # one shoe fixed: 2 broken of 6, the class keeps 1 image and the index is written
+    assert str(e.value) == ("class folder(s) whose every image is broken (logged above; "
+                            "data.max_broken_fraction lets them through, but a class needs an "
+                            f"image): {root / 'shoe'}")
+    # one shoe fixed: round(1 * 0.5) = 1, the one good shoe would go to test, none to train
     Image.new("L", (6, 6), 9).save(root / "shoe" / "0.png")
+    with pytest.raises(SourceError) as e:
+        index_params_folders(params)
+    assert str(e.value) == ("data.test_fraction = 0.5 holds out every image of class folder(s) "
+                            f"{root / 'shoe'} (1 image(s)): each class keeps round(n x 0.5) for "
+                            "train; add images or lower data.test_fraction")
+    # a second good shoe: 2 broken of 7 within 0.5, listed, and the index is written
+    Image.new("L", (6, 6), 7).save(root / "shoe" / "3.png")
     assert index_params_folders(params)["data.root"]["broken"] == ["shoe/1.png", "shoe/2.png"]
-    # a test_fraction that leaves the test split empty: round(3 * 0.1) + round(1 * 0.1) = 0
+    # a test_fraction that leaves the test split empty: round(3 * 0.1) + round(2 * 0.1) = 0
     params.test_fraction = 0.1
     with pytest.raises(SourceError) as e:
         index_params_folders(params)
-    assert str(e.value) == (f"data.root = '{root}': {root}: test_fraction=0.1 leaves the test "
-                            "split empty")
+    assert str(e.value) == (f"data.test_fraction = 0.1 leaves the test split of {root} empty "
+                            "(each class holds out round(n x 0.1) images); raise it or add images")
+    params.test_fraction = 0.5
+    # a class folder that is a symlink to a disk not mounted
+    (root / "sandal").symlink_to(tmp_path / "unmounted" / "sandal")
+    with pytest.raises(SourceError) as e:
+        index_params_folders(params)
+    assert str(e.value) == (f"{root}: symlink(s) to nothing (a class folder on a missing "
+                            f"disk?): {root / 'sandal'}")
+
+
+def test_index_params_folders__lists_the_files_the_build_reads_under_its_names(tmp_path,
+                                                                               monkeypatch):
+    # one folder linked into both train/ and test/: the build reads it once, as train/...
+    # (train is walked first); the index must name its broken file the same way, or the build
+    # would not leave it out. Files outside the class folders are not the build's: a broken
+    # one there does not stop the index, and val/ beside test/ is not read either.
+    from pipeline.atomic import write_json
+    from pipeline.config import DataParams
+    from pipeline.data.build import open_data
+    from pipeline.data.index import FOLDERS, index_params_folders
+
+    monkeypatch.chdir(tmp_path)
+    root, shared = tmp_path / "raw", tmp_path / "shared"
+    shared.mkdir()
+    for i in range(5):
+        Image.new("L", (6, 6), 10 * i).save(shared / f"{i}.png")
+    (shared / "bad.png").write_text("<html>not an image</html>")
+    for split in ("train", "test", "val"):
+        for cls in ("coat", "shoe"):
+            (root / split / cls).mkdir(parents=True)
+            Image.new("L", (6, 6), 3).save(root / split / cls / "own.png")
+        (root / split / "coat" / "extra").symlink_to(shared)
+    (root / "val" / "shoe" / "broken.png").write_text("no image")
+    (root / "thumbnail.jpg").write_text("no image either")
+    params = DataParams(source="imagefolder", root=str(root), max_broken_fraction=0.2)
+    index = index_params_folders(params)
+    # train 2 own + 6 shared, test 2 own (its link: a folder already read): 10 images
+    assert index["data.root"]["images"] == 10
+    assert index["data.root"]["broken"] == ["train/coat/extra/bad.png"]
+    write_json(FOLDERS, index)
+    src, _ = open_data(params, seed=0)
+    assert src.broken == 1 and src.splits() == {"pretrain": 7, "train": 7, "test": 2}

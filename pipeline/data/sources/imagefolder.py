@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections import Counter
@@ -31,6 +32,8 @@ BUILD_SETTINGS = {"exif_orientation": "applied (PIL ImageOps.exif_transpose, bef
 _KEY_MAX_CHARS = 80  # USTAR member names are limited to 100 characters (key + extension)
 
 Files = list[tuple[str, int]]  # (path, label) pairs
+
+log = logging.getLogger(__name__)
 
 
 def sanitize_key(relpath: str) -> str:
@@ -90,9 +93,9 @@ class ImageFolderSource(Source):
             seed: seeds that held-out split.
 
         Raises:
-            SourceError: no root, a layout :func:`discover_files` refuses (an empty class
-                folder, or one whose every image is in ``exclude``, ...), or images whose
-                header cannot be read (all bad paths listed).
+            SourceError: no root, a layout :func:`scan_folder` or :func:`split_files`
+                refuses (an empty class folder, one whose every image is in ``exclude``, ...),
+                or images whose header cannot be read (all bad paths listed).
             ValueError: ``test_fraction`` not in (0, 1).
         """
         if not str(root):
@@ -100,7 +103,8 @@ class ImageFolderSource(Source):
         self.root = Path(root)
         if not self.root.is_dir():
             raise SourceError(f"{self.root}: not a directory")
-        classes, files, self.broken = discover_files(self.root, test_fraction, seed, exclude)
+        classes, files, self.broken = split_files(scan_folder(self.root), test_fraction, seed,
+                                                  exclude)
         files["pretrain"] = files["train"]
         self.class_names = tuple(classes)
         self._files = {s: sorted(f) for s, f in files.items()}
@@ -132,18 +136,77 @@ class ImageFolderSource(Source):
         return Sample(f"{index:07d}_{sanitize_key(rel)}", image, label)
 
 
-def discover_files(root: Path, test_fraction: float, seed: int,
-                   exclude: Collection[str] = ()) -> tuple[list[str], dict[str, Files], int]:
-    """Class names and the ``train``/``test`` files of an image folder, headers not read.
+SPLIT_NAMES = ("train", "training", "test", "testing", "val", "valid", "validation")
 
-    ``root/train/<class>`` with ``root/test/<class>`` (or ``val``) is used as given; a bare
-    ``root/<class>`` is split per class (:func:`split_per_class`). Files in ``exclude``
-    (relative to ``root``) are left out before the split. ``index_shards`` calls it before
-    the build, so that a layout the build would refuse stops ``dvc repro`` while the shards
-    are still there.
+
+@dataclass
+class FolderScan:
+    """The class folders of an ImageFolder root and their image files; no image read.
+
+    Attributes:
+        root: the dataset directory.
+        trees: ``[root]``, or ``[root/train, root/test]`` (``val`` for ``test``).
+        classes: each tree's class names, sorted.
+        files: each tree's ``(path, label)`` image files, the label indexing that tree's
+            classes, in walk order (:func:`_scan_trees`).
+        skipped: entries the walk skipped, per reason (:data:`SKIP_REASONS`).
+    """
+
+    root: Path
+    trees: list[Path]
+    classes: list[list[str]]
+    files: list[Files]
+    skipped: Counter[str]
+
+    @property
+    def paths(self) -> list[str]:
+        """Every image file the build reads, sorted by its path relative to :attr:`root`."""
+        return sorted((path for files in self.files for path, _ in files),
+                      key=lambda path: os.path.relpath(path, self.root))
+
+
+def scan_folder(root: Path) -> FolderScan:
+    """Walk an ImageFolder root: its layout, class folders and image files (headers not read).
+
+    ``root/train/<class>`` with ``root/test/<class>`` (or ``val``; lower case) is a split on
+    disk; otherwise ``root/<class>``. ``index_shards`` and the build both call it, so they
+    name the same files (a folder reached through two symlinks gets one name) and refuse the
+    same layouts, ``index_shards`` while the shards are still there. One class folder (in
+    ``train/`` for a split on disk), and class folders named like a split (``Train``,
+    ``validation``, ...) outside that layout, are logged as a warning.
+
+    Raises:
+        SourceError: no class sub-folders, a class folder that is a dangling symlink or holds
+            no image, or fewer than 2 classes (in ``train/`` for a split on disk).
+    """
+    subdirs = {d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")}
+    held_out = "test" if "test" in subdirs else "val" if "val" in subdirs else None
+    trees = [root / "train", root / held_out] if "train" in subdirs and held_out else [root]
+    walk = ImageWalk()
+    scanned = _scan_trees(trees, walk)
+    if len(scanned[0][0]) == 1:  # a test tree may hold fewer classes than train
+        log.warning("%s: one class folder (%s): every kNN and linear-probe prediction is right "
+                    "by construction; images without classes go in data.unlabelled_root, and a "
+                    "split on disk is train/ beside test/ or val/ (lower case)", trees[0],
+                    scanned[0][0][0])
+    named_like_splits = [c for c in scanned[0][0] if c.lower() in SPLIT_NAMES]
+    if len(trees) == 1 and named_like_splits:
+        log.warning("%s: class folder(s) named like a split: %s; a split on disk is train/ "
+                    "beside test/ or val/ (lower case), else every sub-folder is a class",
+                    root, ", ".join(named_like_splits))
+    return FolderScan(root, trees, [c for c, _ in scanned], [f for _, f in scanned],
+                      walk.skipped)
+
+
+def split_files(scan: FolderScan, test_fraction: float, seed: int,
+                exclude: Collection[str] = ()) -> tuple[list[str], dict[str, Files], int]:
+    """Class names and the ``train``/``test`` files of a :class:`FolderScan`.
+
+    Files in ``exclude`` (relative to the root) are left out first. A split on disk is used as
+    given; a bare ``root/<class>`` is split per class (:func:`split_per_class`).
 
     Args:
-        root: the dataset directory.
+        scan: :func:`scan_folder` of the root.
         test_fraction: share of each class held out as test without a split on disk;
             ``0 < x < 1``.
         seed: seeds that held-out split.
@@ -155,39 +218,44 @@ def discover_files(root: Path, test_fraction: float, seed: int,
 
     Raises:
         ValueError: ``test_fraction`` not in (0, 1).
-        SourceError: no class folders, a class folder without images or whose every image is
-            in ``exclude``, a test class unknown to train, or a ``test_fraction`` that leaves a
-            split empty.
+        SourceError: a class folder whose every image is in ``exclude``, a test class unknown
+            to train, a class that ``test_fraction`` leaves without a train image, or a test
+            split left empty.
     """
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    subdirs = {d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")}
-    held_out = "test" if "test" in subdirs else "val" if "val" in subdirs else None
-    trees = [root / "train", root / held_out] if "train" in subdirs and held_out else [root]
     kept, n_left_out = [], 0
-    for tree, (classes, files) in zip(trees, _scan_trees(trees)):
-        good = [(path, y) for path, y in files if not is_excluded(path, root, exclude)]
+    for tree, classes, files in zip(scan.trees, scan.classes, scan.files):
+        good = [(path, y) for path, y in files if not is_excluded(path, scan.root, exclude)]
         n_left_out += len(files) - len(good)
         all_broken = sorted(set(range(len(classes))) - {y for _, y in good})
         if all_broken:
             raise SourceError(
-                "class folder(s) whose every image is broken (data.max_broken_fraction lets "
-                "them through; data/index/folders.json lists them): "
+                "class folder(s) whose every image is broken (logged above; "
+                "data.max_broken_fraction lets them through, but a class needs an image): "
                 + ", ".join(str(tree / classes[y]) for y in all_broken))
         kept.append((classes, good))
     if len(kept) == 2:
         (classes, train), (test_classes, test) = kept
         unknown = sorted(set(test_classes) - set(classes))
         if unknown:
-            raise SourceError(f"{trees[1]}: classes {unknown} are not in {trees[0]}")
+            raise SourceError(f"{scan.trees[1]}: classes {unknown} are not in {scan.trees[0]}")
         remap = [classes.index(c) for c in test_classes]
         return classes, {"train": train, "test": [(p, remap[y]) for p, y in test]}, n_left_out
     ((classes, items),) = kept
     files = split_per_class(items, len(classes), test_fraction, seed)
-    for split, f in files.items():
-        if not f:
-            raise SourceError(f"{root}: test_fraction={test_fraction} leaves the {split} split "
-                              "empty")
+    counts = Counter(y for _, y in items)
+    no_train = sorted(set(range(len(classes))) - {y for _, y in files["train"]})
+    if no_train:
+        raise SourceError(
+            f"data.test_fraction = {test_fraction} holds out every image of class folder(s) "
+            + ", ".join(f"{scan.root / classes[y]} ({counts[y]} image(s))" for y in no_train)
+            + f": each class keeps round(n x {1 - test_fraction:g}) for train; add images "
+            "or lower data.test_fraction")
+    if not files["test"]:
+        raise SourceError(f"data.test_fraction = {test_fraction} leaves the test split of "
+                          f"{scan.root} empty (each class holds out round(n x {test_fraction:g}) "
+                          "images); raise it or add images")
     return classes, files, n_left_out
 
 
@@ -346,7 +414,7 @@ def upright_size(image: Image.Image) -> tuple[int, int]:
     return (h, w) if exif.get(EXIF_ORIENTATION) in _SWAPS_SIDES else (w, h)
 
 
-def _scan_trees(directories: list[Path]) -> list[tuple[list[str], Files]]:
+def _scan_trees(directories: list[Path], walk: ImageWalk) -> list[tuple[list[str], Files]]:
     """Class names and ``(path, label)`` image files of each tree, symlinks followed once.
 
     A tree is ``directory/<class>/**/<image>``. Symlinked directories are followed anywhere (a
@@ -362,14 +430,18 @@ def _scan_trees(directories: list[Path]) -> list[tuple[list[str], Files]]:
     Paths keep the symlink's name (``cls/link/x.jpg``), so keys and order are deterministic.
 
     Raises:
-        SourceError: a tree without class sub-folders, or a class folder without images (a
-            class folder that is a symlink to a directory counted elsewhere is named as such).
+        SourceError: a tree without class sub-folders, a class folder that is a dangling
+            symlink, or a class folder without images (a class folder that is a symlink to a
+            directory counted elsewhere is named as such).
     """
-    walk = ImageWalk()
     trees = []
     for directory in directories:
-        classes = sorted(d.name for d in directory.iterdir()
-                         if d.is_dir() and not d.name.startswith("."))
+        entries = [d for d in directory.iterdir() if not d.name.startswith(".")]
+        dangling = sorted(str(d) for d in entries if d.is_symlink() and not d.exists())
+        if dangling:  # a class folder on a disk that is not mounted
+            raise SourceError(f"{directory}: symlink(s) to nothing (a class folder on a "
+                              f"missing disk?): {', '.join(dangling)}")
+        classes = sorted(d.name for d in entries if d.is_dir())
         if not classes:
             raise SourceError(f"{directory}: no class sub-folders")
         found: list[list[str]] = [[] for _ in classes]
