@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
 from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -333,11 +334,15 @@ def read_images(paths: Iterable[str], *, decode: bool = False) -> ImageScan:
             header (``index_shards`` does, before ``build_shards`` deletes the shards).
 
     Returns:
-        The :class:`ImageScan`; nothing is raised for a bad file.
+        The :class:`ImageScan`; nothing is raised for a bad file. A file that cannot be
+        stat'ed or is not a regular file (a FIFO, which would block the read) is a bad file.
     """
     scan = ImageScan()
     for path in paths:
         try:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # opening a FIFO waits for a writer
+                scan.bad[path] = f"{shown_path(path)} (not a regular file)"
+                continue
             with Image.open(path) as im:
                 kind, size = image_kind(im), upright_size(im)
             if decode:

@@ -81,6 +81,21 @@ def test_imagefolder__unreadable_files_listed(tmp_path: Path):
         open_source("imagefolder", tmp_path, test_fraction=0.25)
 
 
+def test_imagefolder__fifo_named_instead_of_hanging(tmp_path: Path):
+    # a build run by hand (no index_shards first) reads every header: a FIFO named like an
+    # image would block the open until a writer comes
+    import os
+
+    for c in ("a", "b"):
+        for i in range(2):
+            save(tmp_path / c / f"{i}.png", Image.new("L", (4, 4), i))
+    os.mkfifo(tmp_path / "b" / "pipe.png")
+    with pytest.raises(SourceError) as e:
+        open_source("imagefolder", tmp_path, test_fraction=0.25)
+    pipe = tmp_path / "b" / "pipe.png"
+    assert str(e.value) == f"1 unreadable image(s): {pipe} (not a regular file)"
+
+
 def test_imagefolder__truncated_image_named_during_iteration(tmp_path: Path):
     for i in range(2):
         save(tmp_path / "a" / f"{i}.png", Image.effect_noise((64, 64), 50).convert("L"))
