@@ -374,7 +374,7 @@ def open_data(params: DataParams, seed: int) -> tuple[Source, dict[str, Any]]:
                       exclude=broken_in_folder("data.root", params.root, folders,
                                                params.max_broken_fraction))
     if getattr(src, "broken", 0):
-        log.info("data.root %s: %d broken images left out (data/index/folders.json)",
+        log.info("data.root %s: %d broken image(s) left out (data/index/folders.json)",
                  params.root, src.broken)
     if not params.unlabelled_root and params.pretrain_labelled:
         return src, {}

@@ -644,8 +644,9 @@ def test_index_params_folders__class_layout_checked_before_the_build(tmp_path, m
     with pytest.raises(SourceError) as e:
         index_params_folders(params)
     assert str(e.value) == ("data.test_fraction = 0.5 holds out every image of class folder(s) "
-                            f"{root / 'shoe'} (1 image(s)): each class keeps round(n x 0.5) for "
-                            "train; add images or lower data.test_fraction")
+                            f"{root / 'shoe'} (1 image(s) left) (a class of n images holds out "
+                            "int(n x 0.5 + 0.5) for test); add images or lower "
+                            "data.test_fraction")
     # a second good shoe: 2 broken of 7 within 0.5, listed, and the index is written
     Image.new("L", (6, 6), 7).save(root / "shoe" / "3.png")
     assert index_params_folders(params)["data.root"]["broken"] == ["shoe/1.png", "shoe/2.png"]
@@ -654,14 +655,30 @@ def test_index_params_folders__class_layout_checked_before_the_build(tmp_path, m
     with pytest.raises(SourceError) as e:
         index_params_folders(params)
     assert str(e.value) == (f"data.test_fraction = 0.1 leaves the test split of {root} empty "
-                            "(each class holds out round(n x 0.1) images); raise it or add images")
+                            "(a class of n images holds out int(n x 0.1 + 0.5) for test); raise "
+                            "it or add images")
     params.test_fraction = 0.5
     # a class folder that is a symlink to a disk not mounted
     (root / "sandal").symlink_to(tmp_path / "unmounted" / "sandal")
     with pytest.raises(SourceError) as e:
         index_params_folders(params)
-    assert str(e.value) == (f"{root}: symlink(s) to nothing (a class folder on a missing "
-                            f"disk?): {root / 'sandal'}")
+    assert str(e.value) == (f"{root}: symlink(s) to nothing, so folder(s) missing (a disk not "
+                            f"mounted?): {root / 'sandal'}; mount it or remove the link")
+    # a file link to nothing beside the class folders is not read, as any file there
+    (root / "sandal").unlink()
+    (root / "latest.jpg").symlink_to(tmp_path / "unmounted" / "latest.jpg")
+    assert index_params_folders(params)["data.root"]["images"] == 7
+    # test/ on a disk not mounted, val/ beside it: stops instead of reading val/ as test
+    split_root = tmp_path / "split"
+    for split in ("train", "val"):
+        for cls in ("coat", "shoe"):
+            (split_root / split / cls).mkdir(parents=True)
+            Image.new("L", (6, 6), 1).save(split_root / split / cls / "0.png")
+    (split_root / "test").symlink_to(tmp_path / "unmounted" / "test")
+    params.root = str(split_root)
+    with pytest.raises(SourceError) as e:
+        index_params_folders(params)
+    assert str(e.value).startswith(f"{split_root}: symlink(s) to nothing")
 
 
 def test_index_params_folders__lists_the_files_the_build_reads_under_its_names(tmp_path,

@@ -177,9 +177,10 @@ def scan_folder(root: Path) -> FolderScan:
     ``validation``, ...) outside that layout, are logged as a warning.
 
     Raises:
-        SourceError: no class sub-folders, a class folder that is a dangling symlink or holds
-            no image, or fewer than 2 classes (in ``train/`` for a split on disk).
+        SourceError: no class sub-folders, a folder that is a dangling symlink (a class, or
+            ``train``/``test``/``val``), or a class folder that holds no image.
     """
+    _refuse_dangling_folders(root)
     subdirs = {d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")}
     held_out = "test" if "test" in subdirs else "val" if "val" in subdirs else None
     trees = [root / "train", root / held_out] if "train" in subdirs and held_out else [root]
@@ -247,16 +248,17 @@ def split_files(scan: FolderScan, test_fraction: float, seed: int,
     files = split_per_class(items, len(classes), test_fraction, seed)
     counts = Counter(y for _, y in items)
     no_train = sorted(set(range(len(classes))) - {y for _, y in files["train"]})
+    rule = f"a class of n images holds out int(n x {test_fraction:g} + 0.5) for test"
     if no_train:
+        left = " left" if n_left_out else ""  # some of the images were broken
         raise SourceError(
             f"data.test_fraction = {test_fraction} holds out every image of class folder(s) "
-            + ", ".join(f"{scan.root / classes[y]} ({counts[y]} image(s))" for y in no_train)
-            + f": each class keeps round(n x {1 - test_fraction:g}) for train; add images "
-            "or lower data.test_fraction")
+            + ", ".join(f"{scan.root / classes[y]} ({counts[y]} image(s){left})"
+                        for y in no_train)
+            + f" ({rule}); add images or lower data.test_fraction")
     if not files["test"]:
         raise SourceError(f"data.test_fraction = {test_fraction} leaves the test split of "
-                          f"{scan.root} empty (each class holds out round(n x {test_fraction:g}) "
-                          "images); raise it or add images")
+                          f"{scan.root} empty ({rule}); raise it or add images")
     return classes, files, n_left_out
 
 
@@ -419,6 +421,23 @@ def upright_size(image: Image.Image) -> tuple[int, int]:
     return (h, w) if exif.get(EXIF_ORIENTATION) in _SWAPS_SIDES else (w, h)
 
 
+def _refuse_dangling_folders(directory: Path) -> None:
+    """Stop on a symlink to nothing in ``directory`` that would be a folder (a disk not mounted).
+
+    Hidden entries and names with an image extension (files, which are not read at this
+    level) are left alone.
+
+    Raises:
+        SourceError: naming every such link.
+    """
+    dangling = sorted(str(d) for d in directory.iterdir()
+                      if d.is_symlink() and not d.exists() and not d.name.startswith(".")
+                      and not d.name.lower().endswith(IMAGE_EXTENSIONS))
+    if dangling:
+        raise SourceError(f"{directory}: symlink(s) to nothing, so folder(s) missing (a disk "
+                          f"not mounted?): {', '.join(dangling)}; mount it or remove the link")
+
+
 def _scan_trees(directories: list[Path], walk: ImageWalk) -> list[tuple[list[str], Files]]:
     """Class names and ``(path, label)`` image files of each tree, symlinks followed once.
 
@@ -441,12 +460,9 @@ def _scan_trees(directories: list[Path], walk: ImageWalk) -> list[tuple[list[str
     """
     trees = []
     for directory in directories:
-        entries = [d for d in directory.iterdir() if not d.name.startswith(".")]
-        dangling = sorted(str(d) for d in entries if d.is_symlink() and not d.exists())
-        if dangling:  # a class folder on a disk that is not mounted
-            raise SourceError(f"{directory}: symlink(s) to nothing (a class folder on a "
-                              f"missing disk?): {', '.join(dangling)}")
-        classes = sorted(d.name for d in entries if d.is_dir())
+        _refuse_dangling_folders(directory)
+        classes = sorted(d.name for d in directory.iterdir()
+                         if d.is_dir() and not d.name.startswith("."))
         if not classes:
             raise SourceError(f"{directory}: no class sub-folders")
         found: list[list[str]] = [[] for _ in classes]
