@@ -62,6 +62,11 @@ class DataSource(Choice):
     none = "none"  # no labelled images: pretraining only (unlabelled_root / pretrain_shards)
 
 
+# ``embed.layer``: the ResNet stages whose map the embed stage may pool (torchvision's
+# ``layer1..layer4``; :func:`pipeline.evaluate.pooling.set_pool_grid`).
+EMBED_LAYERS = (1, 2, 3, 4)
+
+
 class Backbone(Choice):
     """``model.backbone`` (:func:`pipeline.moco.backbones.build_backbone`)."""
 
@@ -290,9 +295,12 @@ class EmbedParams:
 
     batch_size: int = 512
     use_head: bool = False  # True = features after the projection head
-    # Adaptive average pooling of the last stage to pool_grid x pool_grid cells, flattened
+    # The ResNet stage whose map is pooled: 1..4 (torchvision's layer1..layer4); 4 = the last
+    # stage, the MoCo / InstDisc protocol. The stages after it are not run.
+    layer: int = 4
+    # Adaptive average pooling of that map to pool_grid x pool_grid cells, flattened
     # (C * pool_grid**2 features). 1 = global average pooling (the MoCo / InstDisc protocol);
-    # 2 keeps the 2 x 2 layout of a 28 px image's last stage (Fashion-MNIST default, README).
+    # 2 keeps the 2 x 2 layout of a 28 px image's last stage (Fashion-MNIST, README).
     pool_grid: int = 2
 
 
@@ -375,20 +383,21 @@ def _switch(key: str, obj: Any, attr: str, names: tuple[str, ...]) -> None:
     _one_of(key, v, names)
 
 
-def last_stage_side(side: int, small_stem: str | bool, stem_stride: int) -> int:
-    """Side of a ResNet's last-stage map for ``side`` px inputs (the ``embed.pool_grid`` bound).
+def last_stage_side(side: int, small_stem: str | bool, stem_stride: int, layer: int = 4) -> int:
+    """Side of a ResNet's ``layer{layer}`` map for ``side`` px inputs (``embed.pool_grid``'s bound).
 
     Every stride-2 layer (3x3 pad 1, 7x7 pad 3, the max-pool, the 1x1 downsample) maps n to
     ceil(n / 2). The small stem (``auto`` = below 64 px, as
     :func:`pipeline.moco.backbones.resolve_small_stem`) divides by ``stem_stride``; the ImageNet
-    stem by 4; then ``layer2..4`` halve three times. 28 px with the stride-2 small stem: 2.
+    stem by 4; then ``layer2..layer{layer}`` halve ``layer - 1`` times. 28 px with the stride-2
+    small stem: 4 after ``layer3``, 2 after ``layer4`` (the last stage, the default ``layer``).
     """
     def halve(n: int, by: int = 2) -> int:
         return (n + by - 1) // by
 
     small = side < 64 if small_stem == "auto" else small_stem in (True, "true")
     n = halve(side, stem_stride) if small else halve(halve(side))
-    for _ in range(3):
+    for _ in range(layer - 1):
         n = halve(n)
     return n
 
@@ -407,10 +416,11 @@ def small_crop_side(augment: AugmentParams, side: int) -> int:
 
 
 def check_pool_grid(p: Params, side: int, where: str = "") -> None:
-    """Refuse an ``embed.pool_grid`` larger than the last-stage map of ``side`` px images.
+    """Refuse an ``embed.pool_grid`` larger than the ``embed.layer`` map of ``side`` px images.
 
     Args:
-        p: the params (``embed.pool_grid``, ``model.small_stem``, ``model.stem_stride``).
+        p: the params (``embed.pool_grid``, ``embed.layer``, ``model.small_stem``,
+            ``model.stem_stride``).
         side: image side in px (:func:`image_side`, or a shard manifest's ``image_shape``).
         where: where ``side`` came from, for the message (e.g. a manifest path).
 
@@ -420,12 +430,12 @@ def check_pool_grid(p: Params, side: int, where: str = "") -> None:
     """
     if p.embed.pool_grid <= 1:
         return
-    last = last_stage_side(side, p.model.small_stem, p.model.stem_stride)
+    last = last_stage_side(side, p.model.small_stem, p.model.stem_stride, p.embed.layer)
     src = f" ({where})" if where else ""
     _check(p.embed.pool_grid <= last, "embed.pool_grid",
-           f"<= {last}: {side} px images{src} leave a {last} x {last} map after the last stage "
-           f"(model.small_stem {p.model.small_stem}, stem_stride {p.model.stem_stride})",
-           p.embed.pool_grid)
+           f"<= {last}: {side} px images{src} leave a {last} x {last} map after "
+           f"layer{p.embed.layer} (embed.layer; model.small_stem {p.model.small_stem}, "
+           f"stem_stride {p.model.stem_stride})", p.embed.pool_grid)
 
 
 def _validate_mlflow(p: Params) -> None:
@@ -621,9 +631,15 @@ def _validate_pretrain(p: Params) -> None:
 def _validate_evaluation(p: Params) -> None:
     _pos("embed.batch_size", p.embed.batch_size)
     _pos("embed.pool_grid", p.embed.pool_grid)
+    _check(p.embed.layer in EMBED_LAYERS, "embed.layer",
+           f"one of {', '.join(map(str, EMBED_LAYERS))} (the ResNet stage whose map is pooled)",
+           p.embed.layer)
     _check(p.embed.pool_grid == 1 or not p.embed.use_head, "embed.pool_grid",
            "1 with embed.use_head: true (the head takes pooled (N, C) features)",
            p.embed.pool_grid)
+    _check(p.embed.layer == 4 or not p.embed.use_head, "embed.layer",
+           "4 with embed.use_head: true (the head takes the last stage's features)",
+           p.embed.layer)
     side = image_side(p)
     if side:
         check_pool_grid(p, side)

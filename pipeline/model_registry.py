@@ -111,13 +111,14 @@ def _example_images(split: Path | ShardURL, image_size: int,
     return images, m
 
 
-def log_encoder(*, encoder_path: Path, pool_grid: int, example_split: Path | ShardURL,
-                tags: dict[str, str]) -> str:
+def log_encoder(*, encoder_path: Path, pool_grid: int, layer: int,
+                example_split: Path | ShardURL, tags: dict[str, str]) -> str:
     """Log ``encoder.pt`` as the active run's MLflow logged model (pt2); return its model id.
 
     Args:
         encoder_path: ``models/encoder.pt`` (``encoder.json`` beside it).
         pool_grid: ``embed.pool_grid``: the model's features are the embed stage's.
+        layer: ``embed.layer``: the stage whose map is pooled (the later ones are left out).
         example_split: the split whose first images are the input example (test).
         tags: tags of the logged model.
 
@@ -132,7 +133,7 @@ def log_encoder(*, encoder_path: Path, pool_grid: int, example_split: Path | Sha
 
     from pipeline.evaluate.run.embed import load_encoder
 
-    backbone, meta = load_encoder(encoder_path, pool_grid=pool_grid)
+    backbone, meta = load_encoder(encoder_path, pool_grid=pool_grid, layer=layer)
     backbone.eval()
     images, manifest = _example_images(example_split, int(meta["image_size"]), EXAMPLE_IMAGES)
     c, s = images.shape[1], images.shape[2]
@@ -177,7 +178,8 @@ def publish_encoder(run: StageRun, *, params: Params, encoder_path: Path,
     tags = _version_tags(params, run, encoder_path)
     try:
         model_id = log_encoder(encoder_path=encoder_path,
-                               pool_grid=params.embed.pool_grid, example_split=example_split,
+                               pool_grid=params.embed.pool_grid, layer=params.embed.layer,
+                               example_split=example_split,
                                tags=tags)
     except Exception as e:  # noqa: BLE001 - a tracking failure must not fail the training
         _warn(run, "model", f"could not log the encoder as an MLflow model: "

@@ -23,7 +23,8 @@ def run(p: Params) -> None:
         for split in ("train", "test"):
             mlrun.log_shards(shards / split, context="evaluation")
         metrics = baselines(shards_dir=shards, model=p.model, seed=p.seed, linear=p.linear,
-                            batch_size=p.embed.batch_size, pool_grid=p.embed.pool_grid)
+                            batch_size=p.embed.batch_size, pool_grid=p.embed.pool_grid,
+                            layer=p.embed.layer)
         write_metrics(Path("metrics/baselines.json"), metrics)
         mlrun.log_metrics(metrics)
 

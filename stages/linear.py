@@ -27,7 +27,7 @@ def run(p: Params) -> None:
                                encoder_path=Path("models/encoder.pt"), linear=p.linear,
                                seed=p.seed, details_path=Path("eval/linear_details.json"),
                                plots_path=Path("plots/linear.tsv"),
-                               pool_grid=p.embed.pool_grid)
+                               pool_grid=p.embed.pool_grid, layer=p.embed.layer)
         write_metrics(Path("metrics/linear.json"), metrics)
         mlrun.log_metrics(metrics)
         attach_scores(mlrun, "linear", metrics, dataset=test)  # and tags the registry version

@@ -11,7 +11,8 @@ from pipeline.config import Params, from_dict
 from pipeline.model_registry import attach_scores, publish_encoder, update_champion
 from pipeline.tracking import stage_run
 
-PARAMS = {"embed": {"pool_grid": 1}}  # 16 px with the stride-2 stem: a 1 x 1 last map
+# 16 px with the stride-2 stem: a 1 x 1 last map; the tests compare with load_encoder's layer 4
+PARAMS = {"embed": {"layer": 4, "pool_grid": 1}}
 
 
 def train_tiny(root: Path) -> Path:

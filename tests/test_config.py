@@ -99,8 +99,13 @@ def test_imagenet_preset__matches_moco_v2():
     ({"knn": {"select": "test"}}, "knn.select"),           # choosing on test is not offered
     ({"embed": {"pool_grid": 0}}, "embed.pool_grid"),
     ({"embed": {"pool_grid": 2, "use_head": True}}, "embed.pool_grid"),  # head takes (N, C)
-    ({"embed": {"pool_grid": 3}}, "embed.pool_grid"),      # 28 px, stride-2 stem: a 2 x 2 map
-    ({"data": {"image_size": 16}}, "embed.pool_grid"),     # 16 px: 1 x 1 at the default grid 2
+    ({"embed": {"layer": 4, "pool_grid": 3}}, "embed.pool_grid"),  # 28 px: layer4 is 2 x 2
+    ({"embed": {"layer": 3, "pool_grid": 5}}, "embed.pool_grid"),  # 28 px: layer3 is 4 x 4
+    ({"data": {"image_size": 16}, "embed": {"layer": 4, "pool_grid": 2}},
+     "embed.pool_grid"),                                    # 16 px: layer4 is 1 x 1
+    ({"embed": {"layer": 0}}, "embed.layer"),
+    ({"embed": {"layer": 5}}, "embed.layer"),              # a ResNet has layer1..layer4
+    ({"embed": {"layer": 3, "pool_grid": 1, "use_head": True}}, "embed.layer"),
     ({"linear": {"val_fraction": 1.0}}, "linear.val_fraction"),
     ({"data": {"size": 3}}, "data.size"),                  # DVC run-cache-ignored name
     ({"pretrain": {"lr": float("nan")}}, "pretrain.lr"),
@@ -119,6 +124,17 @@ def test_from_dict__error_names_the_key(tree, key):
         from_dict(tree)
     assert f"'{key}'" in str(e.value)
     assert len(str(e.value).splitlines()) == 1  # ONE clear message
+
+
+@pytest.mark.parametrize("side, layer, largest", [
+    (28, 4, 2), (28, 3, 4), (28, 2, 7), (28, 1, 14), (16, 3, 2), (32, 3, 4)])
+def test_validate__pool_grid_bound_is_the_map_of_embed_layer(side, layer, largest):
+    # stride-2 small stem: 28 -> 14 (layer1), 7, 4, 2; 16 -> 8, 4, 2, 1; 32 -> 16, 8, 4, 2
+    from_dict({"data": {"image_size": side}, "embed": {"layer": layer, "pool_grid": largest}})
+    with pytest.raises(ParamsError, match=rf"'embed.pool_grid' = {largest + 1} is invalid; "
+                                          rf"allowed: <= {largest}: .* after layer{layer} "):
+        from_dict({"data": {"image_size": side},
+                   "embed": {"layer": layer, "pool_grid": largest + 1}})
 
 
 def test_from_dict__interpolation_rejected():

@@ -176,9 +176,7 @@ def settings_section(p: Params) -> Section:
         ],
         ["augmentation", f"preset {p.augment.preset}, crop scale >= {p.augment.crop_min_scale:g}"],
         ["features", "after the projection head" if p.embed.use_head else
-         "backbone (pre-head), " + ("global average pool" if p.embed.pool_grid == 1 else
-                                    f"last stage average-pooled to {p.embed.pool_grid} x "
-                                    f"{p.embed.pool_grid} cells, flattened")],
+         "backbone (pre-head), " + _pooling(p.embed.layer, p.embed.pool_grid)],
         ["kNN", f"k={p.knn.k}, T={p.knn.T:g}" if p.knn.select == "fixed"
          else "k and T chosen on 10 % of train (grid k 1-200, T 0.02-1)"],
         [
@@ -190,6 +188,14 @@ def settings_section(p: Params) -> Section:
         ["seed", str(p.seed)],
     ]
     return Section("Settings", [Table(["setting", "value"], rows)])
+
+
+def _pooling(layer: int, grid: int) -> str:
+    """The features' pooling in words (``embed.layer``, ``embed.pool_grid``)."""
+    stage = "last stage" if layer == 4 else f"layer{layer}"
+    if grid == 1:
+        return "global average pool" + ("" if layer == 4 else f" of {stage}")
+    return f"{stage} average-pooled to {grid} x {grid} cells, flattened"
 
 
 def _results_rows(p: Params, m: Mapping[str, Metrics | None]) -> list[list[str]]:
@@ -374,7 +380,8 @@ def _knn_monitor(monitor: fg.Columns | None, base: Metrics | None, fig_dir: Path
         "knn_monitor.png",
         "kNN top-1 of the monitor (on pretrain.knn_monitor_* images) per epoch, epoch 0 = "
         "random init; dashed: kNN top-1 of the baselines stage (whole train/test sets; the "
-        "random encoder pooled as embed.pool_grid, while the monitor pools globally).",
+        "random encoder pooled as embed.layer and embed.pool_grid, while the monitor pools the "
+        "last stage globally).",
     )
 
 

@@ -1,4 +1,4 @@
-"""embed.pool_grid: the last stage average-pooled to g x g cells, flattened channel-major."""
+"""embed.layer / embed.pool_grid: a stage's map average-pooled to g x g cells, channel-major."""
 
 import json
 
@@ -45,10 +45,45 @@ def test_last_stage_side__equals_the_real_backbone_map(side, small_stem, stride)
     assert last_stage_side(side, small_stem, stride) == h
 
 
-def _layer4(bb, x):
-    """Slow reference: the backbone's layers by hand, up to the last stage's map."""
+def _layer4(bb, x, layer=4):
+    """Slow reference: the backbone's layers by hand, up to ``layer``'s map."""
     x = bb.maxpool(bb.relu(bb.bn1(bb.conv1(x))))
-    return bb.layer4(bb.layer3(bb.layer2(bb.layer1(x))))
+    for i in range(1, layer + 1):
+        x = getattr(bb, f"layer{i}")(x)
+    return x
+
+
+@pytest.mark.parametrize("side,stride,layer", [(28, 2, 3), (28, 2, 2), (28, 2, 1), (33, 2, 3),
+                                               (96, 1, 3), (224, 1, 2)])
+def test_last_stage_side__of_an_earlier_layer_equals_the_real_map(side, stride, layer):
+    from pipeline.config import last_stage_side
+    from pipeline.moco.backbones import resolve_small_stem, resolve_stem_stride
+
+    small = resolve_small_stem("auto", side)
+    bb = build_backbone("resnet18", width=2, in_channels=1, small_stem=small,
+                        stem_stride=resolve_stem_stride(stride, small)).eval()
+    with torch.no_grad():
+        h = _layer4(bb, torch.zeros(1, 1, side, side), layer).shape[-1]
+    assert last_stage_side(side, "auto", stride, layer) == h
+
+
+def test_set_pool_grid__layer3_at_28px_keeps_its_whole_4x4_map():
+    torch.manual_seed(0)
+    bb = build_backbone("resnet18", width=4, in_channels=1, small_stem=True, stem_stride=2).eval()
+    x = torch.randn(3, 1, 28, 28)
+    with torch.no_grad():
+        ref = _layer4(bb, x, 3)
+        # width 4: layer3 has 4 x 4 = 16 channels; a 4 x 4 grid keeps 16 cells: 256 features
+        assert set_pool_grid(bb, 4, layer=3) == 16 * 16 == bb.num_features
+        got = bb(x)
+    assert ref.shape == (3, 16, 4, 4)  # 28 -> 14 (stem) -> 14, 7, 4
+    torch.testing.assert_close(got, ref.flatten(1))
+    assert "layer4" not in {k.split(".")[0] for k in bb.state_dict()}  # not run, not carried
+    assert set_pool_grid(bb, 1, layer=3) == 16  # global pool of layer3
+    with pytest.raises(ValueError, match="layer4..4 were already removed"):
+        set_pool_grid(bb, 1, layer=4)
+    with pytest.raises(ValueError, match="embed.layer must be one of"):
+        set_pool_grid(bb, 1, layer=5)
 
 
 def test_set_pool_grid__28px_stride2_gives_the_whole_2x2_map_and_cells_average_to_gap():
@@ -102,15 +137,54 @@ def test_embed__pool_grid_2_writes_cells_whose_mean_is_the_global_feature(tiny_s
         torch.testing.assert_close(glob.features, feats[1].features, rtol=1e-5, atol=1e-6)
 
 
+def test_embed__layer3_features_are_its_map_and_the_protocol_files_stay_the_last_stage(
+        tiny_shards, encoder_dir):
+    from pipeline.evaluate.run.embed import load_encoder
+
+    enc = encoder_dir / "encoder.pt"
+    m4 = embed(encoder_path=enc, shards_dir=tiny_shards, out_dir=encoder_dir / "l4",
+               batch_size=32, pool_grid=1)
+    m3 = embed(encoder_path=enc, shards_dir=tiny_shards, out_dir=encoder_dir / "l3",
+               batch_size=32, pool_grid=4, layer=3)
+    # 16 px, stride-1 small stem: layer3 is 16 channels x 4 x 4 (16, 16, 8, 4, 2)
+    assert (m3["dim"], m3["layer"], m3["global_dim"]) == (16 * 16, 3, 32)
+    f3 = load_features(encoder_dir / "l3" / "test.pt")
+    bb, _ = load_encoder(enc)
+    images = torch.stack([x for x, _, _ in _test_images(tiny_shards)])
+    with torch.no_grad():
+        ref = _layer4(bb.eval(), images, 3).flatten(1)
+    torch.testing.assert_close(f3.features, ref, rtol=1e-5, atol=1e-6)
+    # the MoCo-protocol files hold the last stage's global pool, whatever embed.layer is
+    for split in ("train", "test"):
+        g3, g4 = (load_features(encoder_dir / d / f"{split}_global.pt") for d in ("l3", "l4"))
+        assert g3.keys == g4.keys
+        torch.testing.assert_close(g3.features, g4.features, rtol=1e-5, atol=1e-6)
+    assert m4["global_dim"] == m4["dim"] == 32
+
+
+def _test_images(shards):
+    """The test split's images, one by one, through the embed stage's own transform."""
+    from pipeline.data.loader import eval_loader
+    from pipeline.data.shards import image_spec, read_manifest
+    from pipeline.data.views import build_eval_transform
+
+    spec = image_spec(read_manifest(shards / "test"), shards / "test")
+    for x, y, k in eval_loader(shards / "test", batch_size=1,
+                               transform=build_eval_transform(spec.size, spec.mean, spec.std)):
+        yield x[0], y, k
+
+
 def test_embed__grid_larger_than_the_map_or_with_the_head_fails_and_writes_nothing(
         tiny_shards, encoder_dir):
     out = encoder_dir / "f3"
     with pytest.raises(ValueError, match="embed.pool_grid = 3"):
         embed(encoder_path=encoder_dir / "encoder.pt", shards_dir=tiny_shards, out_dir=out,
                   batch_size=32, pool_grid=3)
-    with pytest.raises(ValueError, match="embed.use_head"):
-        embed(encoder_path=encoder_dir / "encoder.pt", shards_dir=tiny_shards, out_dir=out,
-                  batch_size=32, pool_grid=2, use_head=True, head_path=encoder_dir / "x.pt")
+    for grid, layer in ((2, 4), (1, 3)):
+        with pytest.raises(ValueError, match="embed.use_head"):
+            embed(encoder_path=encoder_dir / "encoder.pt", shards_dir=tiny_shards, out_dir=out,
+                  batch_size=32, pool_grid=grid, layer=layer, use_head=True,
+                  head_path=encoder_dir / "x.pt")
     assert not out.exists() or not any(out.iterdir())
 
 
@@ -134,6 +208,13 @@ def test_linear_probe__augment_mode_runs_the_backbone_with_the_same_grid(
                          details_path=tmp_path / "d.json", plots_path=tmp_path / "p.tsv",
                          pool_grid=2)
     assert got == {"dim": 128, "num_features": 128}
+    with pytest.raises(StopIteration):
+        linear_probe(features_dir=tmp_path / "f", shards_dir=tiny_shards,
+                     encoder_path=encoder_dir / "encoder.pt",
+                     linear=LinearParams(mode="augment", epochs=1, batch_size=32), seed=0,
+                     details_path=tmp_path / "d.json", plots_path=tmp_path / "p.tsv",
+                     pool_grid=2, layer=3)
+    assert got == {"dim": 64, "num_features": 64}  # layer3: 16 channels x 2 x 2
 
 
 def test_baselines__random_encoder_uses_the_embed_layout(tiny_shards, monkeypatch):
@@ -151,3 +232,6 @@ def test_baselines__random_encoder_uses_the_embed_layout(tiny_shards, monkeypatc
     run_baselines.baselines(shards_dir=tiny_shards, model=model, seed=0, batch_size=32, pool_grid=2)
     # raw pixels: 1 x 16 x 16; the random width-4 ResNet-18: 32 channels x 2 x 2 cells
     assert dims[0] == 256 and dims[-1] == 32 * 4
+    run_baselines.baselines(shards_dir=tiny_shards, model=model, seed=0, batch_size=32, pool_grid=4,
+                            layer=3)
+    assert dims[-1] == 16 * 16  # layer3: 16 channels x 4 x 4 cells

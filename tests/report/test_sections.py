@@ -101,6 +101,20 @@ def test_settings_section__knn_row_says_how_k_and_T_were_set():
         "k and T chosen on 10 % of train (grid k 1-200, T 0.02-1)")
 
 
+def test_settings_section__features_row_names_the_pooled_stage():
+    def row(embed):
+        rows = settings_section(from_dict({"embed": embed})).blocks[0].rows
+        return next(r for r in rows if r[0] == "features")[1]
+
+    assert row({"layer": 3, "pool_grid": 4}) == (
+        "backbone (pre-head), layer3 average-pooled to 4 x 4 cells, flattened")
+    assert row({"layer": 4, "pool_grid": 2}) == (
+        "backbone (pre-head), last stage average-pooled to 2 x 2 cells, flattened")
+    assert row({"layer": 4, "pool_grid": 1}) == "backbone (pre-head), global average pool"
+    assert row({"layer": 3, "pool_grid": 1}) == (
+        "backbone (pre-head), global average pool of layer3")
+
+
 def test_runs_section__links_the_ui_runs_table_without_credentials(tmp_path):
     from pipeline.report.sections import runs_section
 

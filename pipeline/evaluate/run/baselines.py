@@ -25,13 +25,13 @@ log = logging.getLogger(__name__)
 
 def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
               linear: LinearParams | None = None, batch_size: int = 512,
-              pool_grid: int = 1) -> dict[str, float]:
+              pool_grid: int = 1, layer: int = 4) -> dict[str, float]:
     """What the MoCo features must beat: raw pixels (kNN, tuned kNN, linear) and a random encoder.
 
     * ``raw_pixels_*`` and ``random_encoder_*``: the reference kNN (k=200, T=0.1, InstDisc /
       MoCo CIFAR demo) on the normalised image flattened to ``(N, C*H*W)``, and on the backbone
-      built with ``seed`` (BN in eval mode, initial running statistics; its last stage pooled
-      as the MoCo features are, ``pool_grid`` = ``embed.pool_grid``).
+      built with ``seed`` (BN in eval mode, initial running statistics; pooled as the MoCo
+      features are: stage ``layer`` = ``embed.layer``, ``pool_grid`` = ``embed.pool_grid``).
     * ``raw_pixels_knn_tuned_*``: kNN on raw pixels with k and T chosen on a validation split
       of TRAIN (``KNN_SELECT_VAL_FRACTION`` of it, seeded by ``seed``; the grid of
       :func:`~pipeline.evaluate.knn.select_k_T`), then scored on test with the whole train bank.
@@ -59,7 +59,8 @@ def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
     random_bb = build_backbone(model.backbone, width=model.width, in_channels=channels,
                                small_stem=small,
                                stem_stride=resolve_stem_stride(model.stem_stride, small))
-    set_pool_grid(random_bb, pool_grid)
+    set_pool_grid(random_bb, pool_grid, layer)
+    random_bb.to(device)
     for name, net in (("raw_pixels", Flatten()), ("random_encoder", random_bb)):
         t0 = time.time()
         tr, te = (extract_features(net, eval_loader(shards_dir / s, transform=tf,

@@ -32,11 +32,12 @@ PROTOCOL = LinearParams(mode=LinearMode.features, feature_norm=FeatureNorm.none)
 
 def linear_probe(*, features_dir: Path, shards_dir: Path | ShardURL, encoder_path: Path,
                  linear: LinearParams, seed: int, details_path: Path,
-                 plots_path: Path, pool_grid: int = 1) -> dict[str, float]:
+                 plots_path: Path, pool_grid: int = 1, layer: int = 4) -> dict[str, float]:
     """Linear probe (MoCo protocol); ``linear.mode`` picks precomputed features or augmentation.
 
-    ``pool_grid`` (``embed.pool_grid``) is the feature layout of augment mode, which runs the
-    backbone itself; features mode reads the embed stage's files, made with the same value.
+    ``layer`` and ``pool_grid`` (``embed.layer``, ``embed.pool_grid``) are the feature layout of
+    augment mode, which runs the backbone itself; features mode reads the embed stage's files,
+    made with the same values.
 
     The reported top-1/top-5 are the FINAL epoch's on the test set. Labels as in
     :func:`knn_eval`: -1 ignored (logged), otherwise ``0..C-1`` with C from the test manifest.
@@ -59,7 +60,8 @@ def linear_probe(*, features_dir: Path, shards_dir: Path | ShardURL, encoder_pat
     else:
         res = _linear_augment(shards_dir=shards_dir, encoder_path=encoder_path,
                               features_dir=features_dir, linear=linear, num_classes=len(names),
-                              settings=settings, seed=seed, pool_grid=pool_grid)
+                              settings=settings, seed=seed, pool_grid=pool_grid,
+                              layer=layer)
     write_json(details_path, res.details(names))
     _write_history(plots_path, res.history)
     out = {"top1": res.top1, "top5": res.top5, "epochs": linear.epochs, "lr": linear.lr,
@@ -90,7 +92,7 @@ AUGMENT_CROP_SCALE = (0.08, 1.0)
 
 def _linear_augment(*, shards_dir: Path | ShardURL, encoder_path: Path, features_dir: Path,
                     linear: LinearParams, num_classes: int, settings: dict[str, Any],
-                    seed: int, pool_grid: int = 1) -> Any:
+                    seed: int, pool_grid: int = 1, layer: int = 4) -> Any:
     """Augment mode: RandomResizedCrop + flip through the frozen backbone every step.
 
     Every epoch reads the TRAIN split in a new order (:func:`~pipeline.data.loader.train_loader`
@@ -103,7 +105,8 @@ def _linear_augment(*, shards_dir: Path | ShardURL, encoder_path: Path, features
     epoch); validation rows (``linear.val_fraction``, the split of features mode, cut from
     TRAIN) are dropped from the train batches and scored with the eval transform.
     """
-    backbone, meta = load_encoder(encoder_path, pool_grid=pool_grid)
+    backbone, meta = load_encoder(encoder_path, pool_grid=pool_grid, layer=layer)
+    backbone.to(settings["device"])
     m = read_manifest(shards_dir / "train")
     spec = image_spec(m, shards_dir / "train")
     size, mean, std = spec.size, spec.mean, spec.std
