@@ -31,5 +31,5 @@ def test_readme_own_images__snippet_is_valid_params(snippet):
     for sec, vals in yaml.safe_load(snippet).items():
         tree[sec].update(vals)
     p = from_dict(tree)
-    assert p.data.image_size == 64 and p.embed.pool_grid == 2  # the grid fits 64 px
+    assert p.data.image_size == 64 and p.embed.pool_grid == 4  # the grid fits 64 px's layer3
     assert p.data.unlabelled_root or p.data.pretrain_shards

@@ -81,7 +81,7 @@ def _imagefolder_grid_run(tiny_shards, tmp_path, stem_stride: int):
         "data": {"source": "imagefolder", "root": str(tmp_path / "images"), "image_size": 0,
                  "shards_dir": str(shards)},
         "model": {"stem_stride": stem_stride},
-        "embed": {"pool_grid": 2}}, mlflow=False)
+        "embed": {"layer": 4, "pool_grid": 2}}, mlflow=False)
     return wd, run_stage("pretrain", wd, db=tmp_path / "x.db", timeout=300)
 
 

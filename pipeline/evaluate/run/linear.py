@@ -106,7 +106,7 @@ def _linear_augment(*, shards_dir: Path | ShardURL, encoder_path: Path, features
     TRAIN) are dropped from the train batches and scored with the eval transform.
     """
     backbone, meta = load_encoder(encoder_path, pool_grid=pool_grid, layer=layer)
-    backbone.to(settings["device"])
+    backbone.to(settings.get("device", "cpu"))  # train_linear_augment's device (default cpu)
     m = read_manifest(shards_dir / "train")
     spec = image_spec(m, shards_dir / "train")
     size, mean, std = spec.size, spec.mean, spec.std
