@@ -156,7 +156,8 @@ def test_pipeline__registry_version_aliases_and_champion_features_bit_identical(
     got = torch.load(out)
     fs = load_features(dst / "features/test.pt")
     rows = fs.features[[fs.keys.index(k) for k in got["keys"]]]
-    assert got["features"].shape == rows.shape == (10, 8 * 8 * 2 * 2)  # width 8, 2 x 2 grid
+    # width 8: layer3 has 4 x 8 = 32 channels; its whole 4 x 4 map at 28 px
+    assert got["features"].shape == rows.shape == (10, 32 * 4 * 4)
     assert torch.equal(got["features"], rows)  # bit for bit
     # the report links the experiment's runs table
     assert "workflowType=machine_learning" in (dst / "reports/report.html").read_text()
