@@ -8,7 +8,8 @@ pretext task; the stages before keep more of the image.
 It embeds the labelled train/test shards once with the embed stage's transform, keeping the
 maps of ``layer2``, ``layer3`` and ``layer4`` (at 28 px with the stride-2 stem: 7 x 7, 4 x 4
 and 2 x 2), each average-pooled to a ``g x g`` grid and flattened channel-major
-(:data:`PARTS`). With ``embed.pool_grid: 2`` the ``layer4`` part is checked against
+(:data:`PARTS`). When the params' ``embed.layer`` / ``embed.pool_grid`` are one of the parts
+(the default's ``layer3@4``, or ``layer4@2``), that part is checked against
 ``features/train.pt``, the embed stage's own. A variant (:data:`VARIANTS`) of several parts
 L2-normalises each, concatenates them and scales by ``1/sqrt(n)``, so the cosine similarity
 of two rows is the mean of the parts' cosine similarities. Per variant:
@@ -141,10 +142,11 @@ def main() -> None:
     columns = part_columns(backbone)
     num_classes = len(read_manifest(shards / "test")["class_names"])
     train, test = (embed_split(model, shards, s) for s in ("train", "test"))
-    if p.embed.pool_grid == 2:
+    part = f"layer{p.embed.layer}@{p.embed.pool_grid}"
+    if part in columns:
         ref = load_features(Path("features/train.pt")).features
-        if not torch.allclose(ref, train.features[:, columns["layer4@2"]], atol=1e-4):
-            raise SystemExit("the layer4 part is not features/train.pt")
+        if not torch.allclose(ref, train.features[:, columns[part]], atol=1e-4):
+            raise SystemExit(f"the {part} part is not features/train.pt")
     for name in args.variants or VARIANTS:
         tr, te = (variant(fs, columns, VARIANTS[name]) for fs in (train, test))
         row = {"features": name, "dim": tr.features.shape[1],
