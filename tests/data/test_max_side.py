@@ -36,7 +36,8 @@ def shards(tmp_path_factory):
             Image.fromarray(a, "RGB").save(root / name / f"{i}_{w}x{h}.png")
     p = from_dict({"data": {"source": "imagefolder", "root": str(root), "image_size": 24,
                             "max_side": 32, "samples_per_shard": 5,
-                            "shards_dir": str(root.parent / "shards")}})
+                            "shards_dir": str(root.parent / "shards")},
+                   "embed": {"pool_grid": 3}})  # 24 px: layer3's map is 3 x 3
     build_all(p.data, 0, progress=False)
     return root.parent / "shards"
 
