@@ -82,6 +82,15 @@ def test_render_markdown__tables_escaped(tmp_path):
     assert md.endswith(".png)\n\n*" + CAPTION + "*\n")
 
 
+def test_render_markdown__blocks_are_separated_by_a_blank_line():
+    lines = render_markdown(_doc()).splitlines()
+    para = [i for i, line in enumerate(lines) if line.startswith(("paragraph", "curves:"))]
+    table = lines.index("| name\\|x | value |")
+    # two paragraphs, then the table: each followed by an empty line (not merged into one)
+    assert len(para) == 2 and para[1] == para[0] + 2 and table == para[1] + 2
+    assert lines[para[0] + 1] == lines[para[1] + 1] == ""
+
+
 def test_templates__package_data_and_autoescape():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     env = environment()
