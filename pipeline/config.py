@@ -391,7 +391,8 @@ def last_stage_side(side: int, small_stem: str | bool, stem_stride: int, layer: 
     ceil(n / 2). The small stem (``auto`` = below 64 px, as
     :func:`pipeline.moco.backbones.resolve_small_stem`) divides by ``stem_stride``; the ImageNet
     stem by 4; then ``layer2..layer{layer}`` halve ``layer - 1`` times. 28 px with the stride-2
-    small stem: 4 after ``layer3``, 2 after ``layer4`` (the last stage, the default ``layer``).
+    small stem: 4 after ``layer3``, 2 after ``layer4`` (the last stage; this function's default
+    ``layer``, not ``embed.layer``'s).
     """
     def halve(n: int, by: int = 2) -> int:
         return (n + by - 1) // by
