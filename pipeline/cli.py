@@ -113,7 +113,8 @@ def _stage_main(name: str, run: Callable[[Params], None], argv: list[str] | None
     try:
         run(params)
     except ParamsError as e:  # a param that only the data can refute (checked before any work)
-        print(f"error: {e}", file=sys.stderr)
+        # name the file as load_params does: "params.yaml: 'moco.K' = ...", not "params: ..."
+        print(f"error: {args.params}: {str(e).removeprefix('params: ')}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception as e:
         line = error_line(e)

@@ -636,6 +636,11 @@ def _validate_evaluation(p: Params) -> None:
     _check(p.embed.layer in EMBED_LAYERS, "embed.layer",
            f"one of {', '.join(map(str, EMBED_LAYERS))} (the ResNet stage whose map is pooled)",
            p.embed.layer)
+    if p.embed.use_head and p.embed.layer != 4 and p.embed.pool_grid != 1:  # both, in one
+        raise ParamsError(
+            "params: 'embed.use_head' = True needs embed.layer 4 and embed.pool_grid 1 (the "
+            "head takes the last stage's globally pooled (N, C) features); here embed.layer = "
+            f"{p.embed.layer} and embed.pool_grid = {p.embed.pool_grid}", "embed.use_head")
     _check(p.embed.pool_grid == 1 or not p.embed.use_head, "embed.pool_grid",
            "1 with embed.use_head: true (the head takes pooled (N, C) features)",
            p.embed.pool_grid)
@@ -705,9 +710,11 @@ def _unknown_key_message(key: str) -> str:
 
 
 def _check_shapes(tree: dict[str, Any], schema: dict[str, Any], prefix: str = "") -> None:
-    """Refuse a scalar where the schema has a section or a list.
+    """Refuse a scalar where the schema has a section or a list, and a quoted number or switch.
 
-    OmegaConf's own messages for these name internal node types, or no key at all.
+    OmegaConf's own messages for the first name internal node types, or no key at all. A quoted
+    ``"3"`` would validate as ``3``, but DVC records the raw text in ``dvc.lock``, so the value
+    would rerun every stage that lists the key although nothing changed.
     """
     for k, v in tree.items():
         key, want = f"{prefix}{k}", schema.get(k)
@@ -716,6 +723,11 @@ def _check_shapes(tree: dict[str, Any], schema: dict[str, Any], prefix: str = ""
             _check_shapes(v, want, key + ".")
         elif isinstance(want, list):
             _check(isinstance(v, list), key, f"a list, e.g. {want}", v)
+        elif isinstance(want, (bool, int, float)) and isinstance(v, str) and "${" not in v:
+            kind = ("true or false" if isinstance(want, bool)
+                    else "an integer" if isinstance(want, int) else "a number")
+            _check(False, key, f"{kind}, without quotes (DVC compares the quoted text, so it "
+                   "would rerun the stages that use the key)", v)
 
 
 def from_dict(tree: dict[str, Any] | None) -> Params:

@@ -98,7 +98,7 @@ def test_imagenet_preset__matches_moco_v2():
     ({"knn": {"k": 0}}, "knn.k"),
     ({"knn": {"select": "test"}}, "knn.select"),           # choosing on test is not offered
     ({"embed": {"pool_grid": 0}}, "embed.pool_grid"),
-    ({"embed": {"pool_grid": 2, "use_head": True}}, "embed.pool_grid"),  # head takes (N, C)
+    ({"embed": {"layer": 4, "pool_grid": 2, "use_head": True}}, "embed.pool_grid"),  # (N, C)
     ({"embed": {"layer": 4, "pool_grid": 3}}, "embed.pool_grid"),  # 28 px: layer4 is 2 x 2
     ({"embed": {"layer": 3, "pool_grid": 5}}, "embed.pool_grid"),  # 28 px: layer3 is 4 x 4
     ({"data": {"image_size": 16}, "embed": {"layer": 4, "pool_grid": 2}},
@@ -106,6 +106,9 @@ def test_imagenet_preset__matches_moco_v2():
     ({"embed": {"layer": 0}}, "embed.layer"),
     ({"embed": {"layer": 5}}, "embed.layer"),              # a ResNet has layer1..layer4
     ({"embed": {"layer": 3, "pool_grid": 1, "use_head": True}}, "embed.layer"),
+    ({"embed": {"layer": 3, "pool_grid": 4, "use_head": True}}, "embed.use_head"),  # both
+    ({"embed": {"layer": "3"}}, "embed.layer"),            # quoted: dvc.lock would record '3'
+    ({"mlflow": {"enabled": "false"}}, "mlflow.enabled"),
     ({"linear": {"val_fraction": 1.0}}, "linear.val_fraction"),
     ({"data": {"size": 3}}, "data.size"),                  # DVC run-cache-ignored name
     ({"pretrain": {"lr": float("nan")}}, "pretrain.lr"),
@@ -201,11 +204,18 @@ def test_check_params_file__a_deleted_key_is_named_missing_not_its_default_refus
      "params: 'pretrain.lr_milestones' = 5 is invalid; allowed: a list, e.g. [120, 160]"),
     ({"linear": {"lr_milestones": "60,80"}},
      "params: 'linear.lr_milestones' = '60,80' is invalid; allowed: a list, e.g. [60, 80]"),
+    ({"knn": {"T": "0.1"}},
+     "params: 'knn.T' = '0.1' is invalid; allowed: a number, without quotes (DVC compares the "
+     "quoted text, so it would rerun the stages that use the key)"),
+    ({"embed": {"layer": 3, "pool_grid": 4, "use_head": True}},
+     "params: 'embed.use_head' = True needs embed.layer 4 and embed.pool_grid 1 (the head takes "
+     "the last stage's globally pooled (N, C) features); here embed.layer = 3 and "
+     "embed.pool_grid = 4"),
     ({"moco": 4096},
      "params: 'moco' = 4096 is invalid; allowed: a section (a mapping of K, m, m_schedule, T, "
      "symmetric, bn, bn_splits)"),
 ])
-def test_from_dict__a_scalar_for_a_list_or_a_section_is_named(tree, message):
+def test_from_dict__messages_state_the_rule(tree, message):
     with pytest.raises(ParamsError) as e:
         from_dict(tree)
     assert str(e.value) == message

@@ -145,7 +145,7 @@ def test_unlabelled__queue_longer_than_the_tree_is_refused_before_pretrain_loses
     assert ran(text) == ["check_params", "index_shards", "check_data"], text[-3000:]
     errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
     assert errors == [
-        "error: params: 'moco.K' = 340 is invalid; allowed: < 340, the number of pretraining "
+        "error: params.yaml: 'moco.K' = 340 is invalid; allowed: < 340, the number of pretraining "
         f"images (data/shards/pretrain; 300 of them from data.unlabelled_root "
         f"{dst.parent / 'photos'}): a queue of K >= N keys holds keys of the very images in the "
         "batch as negatives (moco#146); lower moco.K or add images"], text[-3000:]

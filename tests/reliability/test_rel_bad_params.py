@@ -92,7 +92,7 @@ def test_pretrain__grid_larger_than_the_manifests_map__exit_2_before_training(ti
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
-    assert lines[0].startswith("error: params: 'embed.pool_grid' = 2 is invalid")
+    assert lines[0].startswith("error: params.yaml: 'embed.pool_grid' = 2 is invalid")
     assert "<= 1: 16 px images" in lines[0] and "pretrain/manifest.json" in lines[0]
     assert sorted(p.name for p in wd.iterdir()) == ["params.yaml", "shards"]  # nothing written
 

@@ -61,7 +61,7 @@ def test_pretrain_stage__queue_longer_than_data_refused_before_anything(tmp_path
     assert res.returncode == 2, res.stderr[-3000:]
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert errors == [res.stderr.strip().splitlines()[-1]] and len(errors) == 1
-    assert errors[0].startswith("error: params: 'moco.K' = 100 is invalid; allowed: < 64, the "
+    assert errors[0].startswith("error: params.yaml: 'moco.K' = 100 is invalid; allowed: < 64, the "
                                 "number of pretraining images (data/shards/pretrain)")
     # nothing touched: no model, no checkpoint, no run record, no MLflow database
     assert sorted(p.name for p in wd.iterdir()) == ["data", "params.yaml"]
@@ -86,7 +86,7 @@ def test_check_data_stage__refuses_from_the_manifest_and_writes_a_content_stable
     assert res.returncode == 2, res.stderr[-3000:]
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert errors == [res.stderr.strip().splitlines()[-1]] and len(errors) == 1
-    assert errors[0].startswith("error: params: 'moco.K' = 64 is invalid; allowed: < 64, the "
+    assert errors[0].startswith("error: params.yaml: 'moco.K' = 64 is invalid; allowed: < 64, the "
                                 "number of pretraining images (data/shards/pretrain)")
     assert not (wd / "runs").exists()
     stamps = []
