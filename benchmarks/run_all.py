@@ -21,6 +21,7 @@ BENCHES = {
     "width_precision": ["width_precision.py"],
     "queue": ["queue_bench.py"],
     "knn": ["knn_bench.py"],
+    "linear_probe": ["linear_probe.py"],
     "gpu": ["gpu.py"],
 }
 

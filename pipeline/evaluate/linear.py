@@ -278,13 +278,17 @@ def train_linear_on_features(
                        steps_per_epoch=1, schedule=lr_schedule, milestones=milestones)
     classes, (y_train, y_test) = contiguous_labels(train.labels, test.labels)
     tr_idx, val_idx = split_train_val(len(train), val_fraction, seed)
-    x_all = train.features.to(device, torch.float32)
+    # The features are fixed, so each row is normalised once here rather than in every batch
+    # of every epoch (rows are independent: the same bits as per batch, in half the time of a
+    # 2048-d probe); ``_fit`` and ``_scores`` then take them as they are.
+    x_all = _normalize(train.features.to(device, torch.float32), feature_norm)
     if len(val_idx):  # a copy of the train rows; without validation the features are used as is
         x_tr, y_tr = x_all[tr_idx.to(device)], y_train[tr_idx].to(device)  # N_train x D
     else:
         x_tr, y_tr = x_all, y_train.to(device)
     x_val, y_val = x_all[val_idx.to(device)], y_train[val_idx].to(device)  # N_val x D
-    x_te, y_te = test.features.to(device, torch.float32), y_test.to(device)  # M x D
+    x_te = _normalize(test.features.to(device, torch.float32), feature_norm)  # M x D
+    y_te = y_test.to(device)
 
     shuffle = torch.Generator().manual_seed(seed)
 
@@ -300,11 +304,11 @@ def train_linear_on_features(
     clf = _make_classifier(x_tr.shape[1], len(classes), seed, device)
     history = _fit(
         clf, lambda x: x, train_batches, lrs=lrs, momentum=momentum, weight_decay=weight_decay,
-        feature_norm=feature_norm, device=device,
+        feature_norm="none", device=device,
         val_batches=chunks(x_val, y_val) if len(val_idx) else None,
         test_batches_each_epoch=chunks(x_te, y_te), progress=progress,
     )
-    scores, targets = _scores(clf, lambda x: x, chunks(x_te, y_te)(), feature_norm, device)
+    scores, targets = _scores(clf, lambda x: x, chunks(x_te, y_te)(), "none", device)
     val_keys = [train.keys[i] for i in val_idx.tolist()]
     return _result(clf, history, scores, targets, classes, lrs[0], feature_norm, val_keys)
 
