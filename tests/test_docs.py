@@ -412,7 +412,7 @@ def test_readme__results_table_matches_the_metrics():
     for prefix, run in (("MoCo, default", "default-2026-12-04-epyc"),
                         ("MoCo, the same encoder at *layer 4*", "default-2026-12-03-epyc"),
                         ("MoCo, `configs/fashion-mnist-long.yaml`", "long"),
-                        ("MoCo, the long preset at *layer 4*, fp32 EPYC", "long-2026-12-03-epyc")):
+                        ("MoCo, the same long encoder at *layer 4*", "long/same-encoder-layer4")):
         cells = row(prefix)
         knn, lin = (_json(f"results/fashion-mnist-{run}/metrics/{m}.json")
                     for m in ("knn", "linear"))
