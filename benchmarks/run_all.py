@@ -22,6 +22,7 @@ BENCHES = {
     "queue": ["queue_bench.py"],
     "knn": ["knn_bench.py"],
     "linear_probe": ["linear_probe.py"],
+    "step_profile": ["step_profile.py"],
     "gpu": ["gpu.py"],
 }
 
