@@ -65,6 +65,15 @@ def table(res: dict) -> str:
         rows += [(f"enqueue, K={r['K']} (us)", f"{r['enqueue_us']}") for r in q["results"]]
     if "error" not in k:
         rows.append(("kNN 10k x 60k, D=512 (s)", f"{k['seconds_median']}"))
+    lp = res.get("linear_probe", {})
+    if "seconds_median" in lp:
+        rows.append((f"linear probe {lp['n']} x {lp['dim']}, {lp['epochs']} epochs, rows "
+                     "normalised once / per batch (s)",
+                     f"{lp['seconds_median']['once']} / {lp['seconds_median']['per_batch']}"))
+    sp = res.get("step_profile", {})
+    if "share_percent" in sp:
+        rows.append((f"MoCo step {sp['precision']}: convolution / batch norm / rest (% CPU)",
+                     " / ".join(str(v) for v in sp["share_percent"].values())))
     width = max(len(a) for a, _ in rows)
     return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)
 
