@@ -638,7 +638,7 @@ def _validate_evaluation(p: Params) -> None:
            p.embed.layer)
     if p.embed.use_head and p.embed.layer != 4 and p.embed.pool_grid != 1:  # both, in one
         raise ParamsError(
-            "params: 'embed.use_head' = True needs embed.layer 4 and embed.pool_grid 1 (the "
+            "params: 'embed.use_head' = true needs embed.layer 4 and embed.pool_grid 1 (the "
             "head takes the last stage's globally pooled (N, C) features); here embed.layer = "
             f"{p.embed.layer} and embed.pool_grid = {p.embed.pool_grid}", "embed.use_head")
     _check(p.embed.pool_grid == 1 or not p.embed.use_head, "embed.pool_grid",
@@ -723,6 +723,10 @@ def _check_shapes(tree: dict[str, Any], schema: dict[str, Any], prefix: str = ""
             _check_shapes(v, want, key + ".")
         elif isinstance(want, list):
             _check(isinstance(v, list), key, f"a list, e.g. {want}", v)
+            _check(not any(isinstance(x, str) for x in v) or not want
+                   or isinstance(want[0], str), key,
+                   f"a list of numbers without quotes, e.g. {want} (DVC compares the quoted "
+                   "text, so it would rerun the stages that use the key)", v)
         elif isinstance(want, (bool, int, float)) and isinstance(v, str) and "${" not in v:
             kind = ("true or false" if isinstance(want, bool)
                     else "an integer" if isinstance(want, int) else "a number")
@@ -752,7 +756,10 @@ def from_dict(tree: dict[str, Any] | None) -> Params:
             msg = _unknown_key_message(key)
         raise ParamsError(f"params: '{key}': {msg}", key) from None
     if "${" in OmegaConf.to_yaml(raw):
-        raise ParamsError("params: '${...}' interpolation is not allowed (DVC compares raw values)")
+        key = next((k for k, v in flatten(tree).items() if "${" in str(v)), None)
+        where = f"'{key}' = {flatten(tree)[key]!r}: " if key else ""
+        raise ParamsError(f"params: {where}'${{...}}' interpolation is not allowed (DVC compares "
+                          "raw values)", key)
     obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Params), resolved))
     assert isinstance(obj, Params)
     return validate(obj)

@@ -204,11 +204,18 @@ def test_check_params_file__a_deleted_key_is_named_missing_not_its_default_refus
      "params: 'pretrain.lr_milestones' = 5 is invalid; allowed: a list, e.g. [120, 160]"),
     ({"linear": {"lr_milestones": "60,80"}},
      "params: 'linear.lr_milestones' = '60,80' is invalid; allowed: a list, e.g. [60, 80]"),
+    ({"linear": {"lr_milestones": ["6", 8]}},
+     "params: 'linear.lr_milestones' = ['6', 8] is invalid; allowed: a list of numbers without "
+     "quotes, e.g. [60, 80] (DVC compares the quoted text, so it would rerun the stages that "
+     "use the key)"),
+    ({"seed": 1, "pretrain": {"lr": "${seed}"}},
+     "params: 'pretrain.lr' = '${seed}': '${...}' interpolation is not allowed (DVC compares raw "
+     "values)"),
     ({"knn": {"T": "0.1"}},
      "params: 'knn.T' = '0.1' is invalid; allowed: a number, without quotes (DVC compares the "
      "quoted text, so it would rerun the stages that use the key)"),
     ({"embed": {"layer": 3, "pool_grid": 4, "use_head": True}},
-     "params: 'embed.use_head' = True needs embed.layer 4 and embed.pool_grid 1 (the head takes "
+     "params: 'embed.use_head' = true needs embed.layer 4 and embed.pool_grid 1 (the head takes "
      "the last stage's globally pooled (N, C) features); here embed.layer = 3 and "
      "embed.pool_grid = 4"),
     ({"moco": 4096},
