@@ -723,8 +723,8 @@ def _check_shapes(tree: dict[str, Any], schema: dict[str, Any], prefix: str = ""
             _check_shapes(v, want, key + ".")
         elif isinstance(want, list):
             _check(isinstance(v, list), key, f"a list, e.g. {want}", v)
-            _check(not any(isinstance(x, str) for x in v) or not want
-                   or isinstance(want[0], str), key,
+            numbers = bool(want) and not isinstance(want[0], str)
+            _check(not (numbers and any(isinstance(x, str) for x in v)), key,
                    f"a list of numbers without quotes, e.g. {want} (DVC compares the quoted "
                    "text, so it would rerun the stages that use the key)", v)
         elif isinstance(want, (bool, int, float)) and isinstance(v, str) and "${" not in v:
@@ -756,8 +756,9 @@ def from_dict(tree: dict[str, Any] | None) -> Params:
             msg = _unknown_key_message(key)
         raise ParamsError(f"params: '{key}': {msg}", key) from None
     if "${" in OmegaConf.to_yaml(raw):
-        key = next((k for k, v in flatten(tree).items() if "${" in str(v)), None)
-        where = f"'{key}' = {flatten(tree)[key]!r}: " if key else ""
+        flat = flatten(tree)
+        key = next((k for k, v in flat.items() if "${" in str(v)), None)
+        where = f"'{key}' = {flat[key]!r}: " if key else ""
         raise ParamsError(f"params: {where}'${{...}}' interpolation is not allowed (DVC compares "
                           "raw values)", key)
     obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Params), resolved))
