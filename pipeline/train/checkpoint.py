@@ -221,6 +221,24 @@ class Checkpointer:
         """Training wall time so far, seconds, including interrupted processes."""
         return state.wall_before_s + time.time() - self.t_start
 
+    def saved_step(self) -> int | None:
+        """The step of this run's ``last.pt`` on disk, or None.
+
+        None when there is no file, it is unreadable, or it belongs to other training (another
+        fingerprint: a rerun would ignore it).
+
+        Read from the file rather than remembered: a signal handler (PyTorch's SIGCHLD handler
+        for a dead loader worker) can raise between the atomic rename of a new checkpoint and
+        any bookkeeping after it, so only the file says which one stands.
+        """
+        if not self.path.is_file():
+            return None
+        try:
+            ckpt = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+            return int(ckpt["step"]) if ckpt.get("fingerprint") == self.fingerprint else None
+        except Exception:  # noqa: BLE001 - an unreadable file is no checkpoint to resume from
+            return None
+
     def save(self, net: torch.nn.Module, optimizer: torch.optim.Optimizer,
              scaler: torch.amp.GradScaler, state: TrainState) -> None:
         """Write ``last.pt`` atomically (rank 0 only)."""

@@ -131,7 +131,6 @@ class Run:
         bar: the progress bar (disabled off a terminal and on ranks > 0).
         tracking: the MLflow run (rank 0), or None.
         in_step: between taking a batch and the end of its step (the state is not whole).
-        saved_step: the step of the last checkpoint written or resumed (None: none yet).
     """
 
     rt: Runtime
@@ -154,28 +153,27 @@ class Run:
     bar: tqdm
     tracking: StageRun | None
     in_step: bool = False
-    saved_step: int | None = None
 
 
 def save_checkpoint(r: Run) -> None:
     """Write ``last.pt`` at the current step (rank 0)."""
     r.ckpt.save(r.net, r.optimizer, r.precision.scaler, r.state)
-    r.saved_step = r.state.step
 
 
 def worker_died(r: Run, died: LoaderWorkerError) -> BaseException:
     """The one-line failure for a dead loader worker, with the step to resume from.
 
     Between two steps (the usual case: the death surfaces while a batch is awaited) the state
-    is whole, so a checkpoint is written at the current step; inside a step the last one
-    stands. When this process also received SIGTERM/SIGINT (a signal to the whole process group
+    is whole, so a checkpoint is written at the current step; inside a step the one on disk
+    stands, and its step is read from the file (the death can surface while it is written).
+    When this process also received SIGTERM/SIGINT (a signal to the whole process group
     reaches the worker first), it is that signal's :class:`Terminated`.
     """
     if not r.in_step:
         save_checkpoint(r)
         where = f"checkpoint written at step {r.state.step} to {r.ckpt.path}"
-    elif r.saved_step is not None:
-        where = f"the last checkpoint is at step {r.saved_step} ({r.ckpt.path})"
+    elif (saved := r.ckpt.saved_step()) is not None:
+        where = f"the last checkpoint is at step {saved} ({r.ckpt.path})"
     else:
         where = "no checkpoint was written yet"
     if r.stop.raised:
@@ -393,7 +391,7 @@ def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
         stop=StopFlag(),
         bar=tqdm(total=plan.total_steps, initial=state.step, desc="pretrain", unit="step",
                  disable=None if rt.is_main else True),
-        tracking=run, saved_step=state.step or None)
+        tracking=run)
 
 
 def _finish(r: Run, model: ModelParams, encoder_path: Path, metrics_path: Path,

@@ -95,6 +95,42 @@ def test_pretrain__nan_loss_stops_with_step_and_keeps_checkpoint(tiny_shards, tm
     assert not (tmp_path / "encoder.pt").exists()
 
 
+def test_pretrain__worker_death_while_a_checkpoint_is_written__names_the_one_on_disk(
+        tiny_shards, tmp_path, monkeypatch):
+    # PyTorch's SIGCHLD handler raises at any line: here right after the checkpoint of step 4
+    # was renamed into place (one every 2 steps), before save() returns. The message must name
+    # step 4, the file a rerun resumes from, not step 2, the last save that returned.
+    from pipeline.data.workers import LoaderWorkerError
+    from pipeline.train.checkpoint import Checkpointer
+
+    real_save = Checkpointer.save
+
+    def save_then_die(self, net, optimizer, scaler, state):
+        real_save(self, net, optimizer, scaler, state)
+        if state.step == 4:
+            raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
+
+    monkeypatch.setattr(Checkpointer, "save", save_then_die)
+    with pytest.raises(LoaderWorkerError) as e:
+        run_pretrain(tiny_shards, tmp_path)
+    assert torch.load(tmp_path / "ckpt/last.pt", weights_only=True)["step"] == 4
+    assert f"the last checkpoint is at step 4 ({tmp_path / 'ckpt/last.pt'})" in str(e.value)
+    assert "pid 4242" in str(e.value) and "SIGKILL" in str(e.value)
+
+
+def test_checkpointer_saved_step__only_this_runs_readable_file(tiny_shards, tmp_path):
+    from pipeline.train.checkpoint import Checkpointer
+
+    run_pretrain(tiny_shards, tmp_path, max_steps=3)  # checkpoint at step 2
+    path = tmp_path / "ckpt/last.pt"
+    fp = torch.load(path, weights_only=True)["fingerprint"]
+    assert Checkpointer(path, fp, {}, is_main=True).saved_step() == 2
+    assert Checkpointer(path, "other", {}, is_main=True).saved_step() is None
+    assert Checkpointer(tmp_path / "none.pt", fp, {}, is_main=True).saved_step() is None
+    path.write_bytes(path.read_bytes()[:1000])  # truncated
+    assert Checkpointer(path, fp, {}, is_main=True).saved_step() is None
+
+
 def test_pretrain__resume_after_interruption_is_bit_identical(tiny_shards, tmp_path, caplog):
     run_pretrain(tiny_shards, tmp_path / "full")
     part = tmp_path / "part"
