@@ -780,12 +780,12 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     """
     path = Path(path)
     if not path.is_file():
-        raise ParamsError(f"params: file '{path}' does not exist")
+        raise ParamsError(f"{path}: file does not exist")
     try:
         tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     except Exception as e:  # yaml errors come in several classes
         one_line = " ".join(str(e).split())  # PyYAML's message spans several lines
-        raise ParamsError(f"params: '{path}' is not valid YAML: {one_line}") from None
+        raise ParamsError(f"{path}: not valid YAML: {one_line}") from None
     try:
         return from_dict(tree)  # type: ignore[arg-type]
     except ParamsError as e:  # "params.yaml: 'knn.k' = ...", not "params.yaml: params: ..."

@@ -267,7 +267,7 @@ def test_load_params__yaml_syntax_error__one_line(tmp_path):
     f.write_text("seed: 0\nknn:\n\tk: 3\n")
     with pytest.raises(ParamsError) as e:
         load_params(f)
-    assert "\n" not in str(e.value) and "not valid YAML" in str(e.value)
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"{f}: not valid YAML: ")
 
 
 @pytest.mark.parametrize("tree, expected", [

@@ -48,7 +48,7 @@ def test_stage__bad_param__exit_2_one_line_naming_key_nothing_written(stage, sec
 def test_pretrain_stage__missing_params_file__exit_2_naming_it(tmp_path):
     r = run_stage("pretrain", tmp_path, "nope.yaml", db=tmp_path / "x.db", timeout=120)
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == ["error: params: file 'nope.yaml' does not exist"]
+    assert r.stderr.strip().splitlines() == ["error: nope.yaml: file does not exist"]
     assert list(tmp_path.iterdir()) == []
 
 
