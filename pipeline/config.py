@@ -710,7 +710,7 @@ def _unknown_key_message(key: str) -> str:
 
 
 def _check_shapes(tree: dict[str, Any], schema: dict[str, Any], prefix: str = "") -> None:
-    """Refuse a scalar where the schema has a section or a list, and a quoted number or switch.
+    """Refuse a scalar where the schema has a section or a list, and a quoted number or boolean.
 
     OmegaConf's own messages for the first name internal node types, or no key at all. A quoted
     ``"3"`` would validate as ``3``, but DVC records the raw text in ``dvc.lock``, so the value
@@ -726,6 +726,10 @@ def _check_shapes(tree: dict[str, Any], schema: dict[str, Any], prefix: str = ""
             numbers = bool(want) and not isinstance(want[0], str)
             _check(not (numbers and any(isinstance(x, str) for x in v)), key,
                    f"a list of numbers without quotes, e.g. {want} (DVC compares the quoted "
+                   "text, so it would rerun the stages that use the key)", v)
+        elif want == "auto" and isinstance(v, str) and v.lower() in ("true", "false"):
+            # the auto|true|false switches: true and "true" would be one value in two spellings
+            _check(False, key, "auto, or true or false without quotes (DVC compares the quoted "
                    "text, so it would rerun the stages that use the key)", v)
         elif isinstance(want, (bool, int, float)) and isinstance(v, str) and "${" not in v:
             kind = ("true or false" if isinstance(want, bool)
@@ -787,9 +791,38 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         one_line = " ".join(str(e).split())  # PyYAML's message spans several lines
         raise ParamsError(f"{path}: not valid YAML: {one_line}") from None
     try:
+        _same_as_dvc_reads(path, tree)
         return from_dict(tree)  # type: ignore[arg-type]
     except ParamsError as e:  # "params.yaml: 'knn.k' = ...", not "params.yaml: params: ..."
         raise ParamsError(f"{path}: {str(e).removeprefix('params: ')}", e.key) from None
+
+
+def _same_as_dvc_reads(path: Path, tree: Any) -> None:
+    """Refuse a value that DVC's YAML reader reads differently from OmegaConf's.
+
+    OmegaConf reads YAML 1.1 (``yes``, ``on`` and ``off`` are booleans), DVC's reader
+    (:func:`dvc.utils.serialize.load_yaml`, YAML 1.2) keeps them as text, and ``dvc.lock``
+    records DVC's reading: ``enabled: yes`` would train as ``true`` while a later ``true`` (the
+    same value) reruns every stage that lists the key.
+
+    Raises:
+        ParamsError: names the first key read differently, with both readings.
+    """
+    from dvc.utils.serialize import load_yaml
+
+    try:
+        theirs = load_yaml(path)
+    except Exception as e:  # noqa: BLE001 - any reader error means DVC cannot use the file
+        raise ParamsError(f"params: DVC's YAML reader cannot read it: {e}") from None
+    if not (isinstance(tree, dict) and isinstance(theirs, dict)):
+        return
+    mine, dvc = flatten(tree), flatten(theirs)
+    for key, v in mine.items():
+        if key in dvc and type(dvc[key]) is not type(v):
+            hint = "true or false" if isinstance(v, bool) else "the value as DVC reads it"
+            raise ParamsError(
+                f"params: '{key}' = {dvc[key]!r} reads as {v!r} here but as {dvc[key]!r} in DVC "
+                f"(YAML 1.2, what dvc.lock records); write {hint}", key)
 
 
 def missing_keys(path: str | Path) -> list[str]:
@@ -848,7 +881,7 @@ def to_dict(p: Any) -> dict[str, Any]:
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Flatten a nested dict to dotted keys, the names DVC uses (``moco.K``).
 
-    Lists become their string form (``[60, 80]``).
+    Lists stay lists (``[60, 80]``).
     """
     out: dict[str, Any] = {}
     for k, v in tree.items():

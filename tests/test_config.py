@@ -109,6 +109,8 @@ def test_imagenet_preset__matches_moco_v2():
     ({"embed": {"layer": 3, "pool_grid": 4, "use_head": True}}, "embed.use_head"),  # both
     ({"embed": {"layer": "3"}}, "embed.layer"),            # quoted: dvc.lock would record '3'
     ({"mlflow": {"enabled": "false"}}, "mlflow.enabled"),
+    ({"model": {"small_stem": "true"}}, "model.small_stem"),  # true and "true": two spellings
+    ({"pretrain": {"compile": "False"}}, "pretrain.compile"),
     ({"linear": {"val_fraction": 1.0}}, "linear.val_fraction"),
     ({"data": {"size": 3}}, "data.size"),                  # DVC run-cache-ignored name
     ({"pretrain": {"lr": float("nan")}}, "pretrain.lr"),
@@ -226,6 +228,29 @@ def test_from_dict__messages_state_the_rule(tree, message):
     with pytest.raises(ParamsError) as e:
         from_dict(tree)
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("written, ours, dvc", [("yes", "True", "'yes'"),
+                                                 ("off", "False", "'off'")])
+def test_load_params__a_value_dvc_reads_otherwise_is_refused(tmp_path, written, ours, dvc):
+    # OmegaConf reads YAML 1.1 (yes/off are booleans), DVC YAML 1.2 (text): dvc.lock would
+    # record the text while training saw the boolean
+    f = tmp_path / "p.yaml"
+    f.write_text(f"mlflow:\n  enabled: {written}\n")
+    with pytest.raises(ParamsError) as e:
+        load_params(f)
+    assert str(e.value) == (f"{f}: 'mlflow.enabled' = {dvc} reads as {ours} here but as {dvc} "
+                            "in DVC (YAML 1.2, what dvc.lock records); write true or false")
+    assert e.value.key == "mlflow.enabled"
+
+
+def test_load_params__switch_spelled_as_yaml_boolean_or_auto_is_accepted(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text("model:\n  small_stem: true\npretrain:\n  compile: False\n"
+                 "  channels_last: auto\nmlflow:\n  enabled: True\n")
+    p = load_params(f)
+    assert (p.model.small_stem, p.pretrain.compile, p.pretrain.channels_last,
+            p.mlflow.enabled) == ("true", "false", "auto", True)
 
 
 def test_check_params_cli__stamp_is_content_stable(tmp_path, capsys):
