@@ -8,6 +8,7 @@ import json
 import re
 import socket
 import struct
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -220,3 +221,22 @@ class FaultServer:
     def close(self):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shipped_versions(rel: str) -> list[str]:
+    """The texts of a repository file a claim may be checked against: the workspace copy, and
+    the committed one (git HEAD) when it differs.
+
+    Tests of what ships (params.yaml equals the schema defaults, the README's numbers equal
+    metrics/) pass when either agrees: a user who copied a preset into params.yaml and reran
+    the pipeline changed the workspace, not what ships; a developer who changed a default
+    and params.yaml together has not committed yet. On a fresh clone both are one text.
+    """
+    texts = [(REPO / rel).read_text()]
+    r = subprocess.run(["git", "show", f"HEAD:{rel}"], cwd=REPO, capture_output=True, text=True)
+    if r.returncode == 0 and r.stdout != texts[0]:
+        texts.append(r.stdout)
+    return texts
