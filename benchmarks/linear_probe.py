@@ -3,7 +3,8 @@
 The probe (:func:`pipeline.evaluate.linear.train_linear_on_features`) L2-normalises each fixed
 feature row once; the variant normalises every batch as it is drawn, every epoch (what the
 augment mode must do). Both train the same classifier on the same ``(N, D)`` random features
-(same shape, fp32, same threads), interleaved; prints one JSON object with the per-round
+(same shape, fp32, same threads), after one untimed warm-up call of each, interleaved with the
+order swapped every round; prints one JSON object with the per-round
 seconds, their medians and the ratio. Defaults: the default run's shape (60,000 x 2,048,
 batch 256, 10 classes, 10,000 test rows) for 10 epochs.
 Usage: ``python benchmarks/linear_probe.py [--dim 2048] [--epochs 10] [--rounds 2]``.
@@ -15,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -56,12 +58,18 @@ def main() -> None:
         return FeatureSet(torch.randn(n, args.dim, generator=g).relu(),
                           torch.randint(0, 10, (n,), generator=g), [str(i) for i in range(n)])
     train, test = features(args.n), features(args.test)
-    runs = {"once": lambda: lin.train_linear_on_features(
-                train, test, epochs=args.epochs, batch_size=args.batch_size, num_classes=10),
-            "per_batch": lambda: _per_batch(train, test, args.epochs, args.batch_size)}
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(args.rounds):
-        for name, fn in runs.items():
+    def runs(epochs: int) -> dict[str, Callable[[], object]]:
+        return {"once": lambda: lin.train_linear_on_features(
+                    train, test, epochs=epochs, batch_size=args.batch_size, num_classes=10),
+                "per_batch": lambda: _per_batch(train, test, epochs, args.batch_size)}
+
+    for fn in runs(1).values():  # warm-up: allocator, oneDNN kernels, page faults
+        fn()
+    timed = runs(args.epochs)
+    times: dict[str, list[float]] = {k: [] for k in timed}
+    for r in range(args.rounds):
+        for name in (list(timed) if r % 2 == 0 else list(timed)[::-1]):
+            fn = timed[name]
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
