@@ -727,8 +727,10 @@ def _check_shapes(tree: dict[str, Any], schema: dict[str, Any], prefix: str = ""
             _check(not (numbers and any(isinstance(x, str) for x in v)), key,
                    f"a list of numbers without quotes, e.g. {want} (DVC compares the quoted "
                    "text, so it would rerun the stages that use the key)", v)
-        elif want == "auto" and isinstance(v, str) and v.lower() in ("true", "false"):
-            # the auto|true|false switches: true and "true" would be one value in two spellings
+        elif (want == "auto" and isinstance(v, str) and v != "auto"
+              and v.lower() in ("auto", "true", "false")):
+            # the auto|true|false switches: true and "true" (or auto and Auto) would be one value
+            # in two spellings
             _check(False, key, "auto, or true or false without quotes (DVC compares the quoted "
                    "text, so it would rerun the stages that use the key)", v)
         elif isinstance(want, (bool, int, float)) and isinstance(v, str) and "${" not in v:
@@ -800,8 +802,9 @@ def load_params(path: str | Path = "params.yaml") -> Params:
 def _same_as_dvc_reads(path: Path, tree: Any) -> None:
     """Refuse a value that DVC's YAML reader reads differently from OmegaConf's.
 
-    OmegaConf reads YAML 1.1 (``yes``, ``on`` and ``off`` are booleans), DVC's reader
-    (:func:`dvc.utils.serialize.load_yaml`, YAML 1.2) keeps them as text, and ``dvc.lock``
+    OmegaConf reads YAML 1.1 (``yes``, ``on``, ``off`` are booleans, ``010`` is octal 8), DVC's
+    reader (:func:`dvc.utils.serialize.load_yaml`, YAML 1.2) keeps the text and reads 10, and
+    ``dvc.lock``
     records DVC's reading: ``enabled: yes`` would train as ``true`` while a later ``true`` (the
     same value) reruns every stage that lists the key.
 
@@ -818,8 +821,9 @@ def _same_as_dvc_reads(path: Path, tree: Any) -> None:
         return
     mine, dvc = flatten(tree), flatten(theirs)
     for key, v in mine.items():
-        if key in dvc and type(dvc[key]) is not type(v):
-            hint = "true or false" if isinstance(v, bool) else "the value as DVC reads it"
+        if key in dvc and (type(dvc[key]) is not type(v) or dvc[key] != v):
+            hint = ("true or false, or the text in quotes" if isinstance(v, bool)
+                    else "it without leading zeros, as DVC reads it")
             raise ParamsError(
                 f"params: '{key}' = {dvc[key]!r} reads as {v!r} here but as {dvc[key]!r} in DVC "
                 f"(YAML 1.2, what dvc.lock records); write {hint}", key)

@@ -117,6 +117,7 @@ def test_imagenet_preset__matches_moco_v2():
     ({"mlflow": {"enabled": "false"}}, "mlflow.enabled"),
     ({"model": {"small_stem": "true"}}, "model.small_stem"),  # true and "true": two spellings
     ({"pretrain": {"compile": "False"}}, "pretrain.compile"),
+    ({"pretrain": {"compile": "Auto"}}, "pretrain.compile"),  # DVC records 'Auto': reruns
     ({"linear": {"val_fraction": 1.0}}, "linear.val_fraction"),
     ({"data": {"size": 3}}, "data.size"),                  # DVC run-cache-ignored name
     ({"pretrain": {"lr": float("nan")}}, "pretrain.lr"),
@@ -250,8 +251,18 @@ def test_load_params__a_value_dvc_reads_otherwise_is_refused(tmp_path, written, 
     with pytest.raises(ParamsError) as e:
         load_params(f)
     assert str(e.value) == (f"{f}: 'mlflow.enabled' = {dvc} reads as {ours} here but as {dvc} "
-                            "in DVC (YAML 1.2, what dvc.lock records); write true or false")
+                            "in DVC (YAML 1.2, what dvc.lock records); write true or false, or "
+                            "the text in quotes")
     assert e.value.key == "mlflow.enabled"
+
+
+def test_load_params__leading_zero_number_is_refused(tmp_path):
+    # YAML 1.1 reads 010 as octal 8, DVC (YAML 1.2) as 10: training and dvc.lock would differ
+    f = tmp_path / "p.yaml"
+    f.write_text("pretrain:\n  epochs: 010\n")
+    with pytest.raises(ParamsError) as e:
+        load_params(f)
+    assert str(e.value).startswith(f"{f}: 'pretrain.epochs' = 10 reads as 8 here but as 10 in DVC")
 
 
 def test_load_params__switch_spelled_as_yaml_boolean_or_auto_is_accepted(tmp_path):
