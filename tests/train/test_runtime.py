@@ -153,7 +153,7 @@ def test_log_window__averages_by_hand():
 def test_pretrain__compile_on_cpu_and_resume_bit_identical(tiny_shards, tmp_path, caplog):
     # width 16: at width 4 with one thread, torch 2.14's CPU convolutions in channels_last
     # (which inductor picks) corrupt memory; the same crash happens eagerly with channels_last
-    over = {"model": {"width": 16}, "pretrain": {"compile": "true", "epochs": 1,
+    over = {"model": {"width": 16}, "pretrain": {"compile": True, "epochs": 1,
                                                   "num_threads": 1}}
     full = run_pretrain(tiny_shards, tmp_path / "full", over)
     assert math.isfinite(full["loss"])
@@ -194,7 +194,7 @@ def test_pretrain__cuda_device_autocast_and_cpu_loadable_outputs(tiny_shards, tm
         return loss, logits
 
     monkeypatch.setattr(model_mod, "info_nce", spy)
-    m = run_pretrain(tiny_shards, tmp_path, {"pretrain": {"epochs": 1, "compile": "false"}})
+    m = run_pretrain(tiny_shards, tmp_path, {"pretrain": {"epochs": 1, "compile": False}})
     low = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     assert seen == [("cuda", "cuda", low, torch.float32)] * (192 // 16)
     assert math.isfinite(m["loss"]) and m["peak_memory_bytes"] > 0

@@ -65,7 +65,7 @@ def test_pretrain__exports_plain_backbone_and_outputs(tiny_shards, tmp_path):
 def test_pretrain__encoder_loads_into_torchvision_with_only_fc_missing(tmp_path):
     shards = build_tiny_shards(tmp_path / "rgb", n_pretrain=64, n_train=32, n_test=32, size=32,
                                mode="RGB")
-    run_pretrain(shards, tmp_path, {"model": {"width": 64, "small_stem": "false"},
+    run_pretrain(shards, tmp_path, {"model": {"width": 64, "small_stem": False},
                                     "pretrain": {"epochs": 1, "batch_size": 32}})
     sd = torch.load(tmp_path / "encoder.pt", weights_only=True)
     res = torchvision.models.resnet18(num_classes=10).load_state_dict(sd, strict=False)
