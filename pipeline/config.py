@@ -782,9 +782,11 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         The validated :class:`Params`.
 
     Raises:
-        ParamsError: the file is missing, is not YAML, or violates the schema.
+        ParamsError: the file is missing or a directory, is not YAML, or violates the schema.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ParamsError(f"{path}: is a directory, not a params file")
     if not path.is_file():
         raise ParamsError(f"{path}: file does not exist")
     try:

@@ -185,6 +185,12 @@ def test_load_params__missing_file_named(tmp_path):
         load_params(tmp_path / "nope.yaml")
 
 
+def test_load_params__a_directory_is_named_as_one(tmp_path):
+    with pytest.raises(ParamsError) as e:
+        load_params(tmp_path)
+    assert str(e.value) == f"{tmp_path}: is a directory, not a params file"
+
+
 def test_check_params_cli__incomplete_file_names_missing_keys(tmp_path, capsys):
     part = tmp_path / "p.yaml"
     part.write_text("seed: 1\nmoco:\n  K: 16\n")  # valid values, but DVC needs every key
