@@ -131,8 +131,10 @@ def status_of(main: Path, name: str, env: dict) -> str:
 def queue_and_kill(main: Path, env: dict, name: str, *, at_step: int, force: bool,
                    params: list[str]) -> str:
     """Queue pretrain as ``name``, kill it once it logged ``at_step``; returns its log."""
-    sh(["dvc", "exp", "run", "--queue", "-n", name, *params, "pretrain"], main, env)
+    # before queueing: a worker still running from an earlier test picks the task up (and
+    # creates its log) while `dvc exp run --queue` is still returning
     before = logs(main)
+    sh(["dvc", "exp", "run", "--queue", "-n", name, *params, "pretrain"], main, env)
     start_queue(main, env)
     # the new log file, then its step lines, read directly (a `dvc queue status` takes seconds)
     (log,) = wait_for(lambda: logs(main) - before, 600, f"{name}'s log", every_s=0.1)
