@@ -827,7 +827,7 @@ def _same_as_dvc_reads(path: Path, tree: Any) -> None:
             hint = ("true or false, or the text in quotes" if isinstance(v, bool)
                     else "it without leading zeros, as DVC reads it")
             raise ParamsError(
-                f"params: '{key}' = {dvc[key]!r} reads as {v!r} here but as {dvc[key]!r} in DVC "
+                f"params: '{key}' reads as {v!r} here but as {dvc[key]!r} in DVC "
                 f"(YAML 1.2, what dvc.lock records); write {hint}", key)
 
 

@@ -256,7 +256,7 @@ def test_load_params__a_value_dvc_reads_otherwise_is_refused(tmp_path, written, 
     f.write_text(f"mlflow:\n  enabled: {written}\n")
     with pytest.raises(ParamsError) as e:
         load_params(f)
-    assert str(e.value) == (f"{f}: 'mlflow.enabled' = {dvc} reads as {ours} here but as {dvc} "
+    assert str(e.value) == (f"{f}: 'mlflow.enabled' reads as {ours} here but as {dvc} "
                             "in DVC (YAML 1.2, what dvc.lock records); write true or false, or "
                             "the text in quotes")
     assert e.value.key == "mlflow.enabled"
@@ -268,7 +268,7 @@ def test_load_params__leading_zero_number_is_refused(tmp_path):
     f.write_text("pretrain:\n  epochs: 010\n")
     with pytest.raises(ParamsError) as e:
         load_params(f)
-    assert str(e.value).startswith(f"{f}: 'pretrain.epochs' = 10 reads as 8 here but as 10 in DVC")
+    assert str(e.value).startswith(f"{f}: 'pretrain.epochs' reads as 8 here but as 10 in DVC")
 
 
 def test_load_params__switch_spelled_as_yaml_boolean_or_auto_is_accepted(tmp_path):
