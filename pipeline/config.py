@@ -824,8 +824,12 @@ def _same_as_dvc_reads(path: Path, tree: Any) -> None:
     mine, dvc = flatten(tree), flatten(theirs)
     for key, v in mine.items():
         if key in dvc and (type(dvc[key]) is not type(v) or dvc[key] != v):
-            hint = ("true or false, or the text in quotes" if isinstance(v, bool)
-                    else "it without leading zeros, as DVC reads it")
+            if isinstance(v, bool):  # a text key takes the word quoted, a boolean key true/false
+                default = flatten(to_dict(Params())).get(key)
+                hint = ("true or false" if isinstance(default, bool) or default is None
+                        else f"'{dvc[key]}' in quotes")
+            else:
+                hint = "it without leading zeros, as DVC reads it"
             raise ParamsError(
                 f"params: '{key}' reads as {v!r} here but as {dvc[key]!r} in DVC "
                 f"(YAML 1.2, what dvc.lock records); write {hint}", key)

@@ -257,8 +257,7 @@ def test_load_params__a_value_dvc_reads_otherwise_is_refused(tmp_path, written, 
     with pytest.raises(ParamsError) as e:
         load_params(f)
     assert str(e.value) == (f"{f}: 'mlflow.enabled' reads as {ours} here but as {dvc} "
-                            "in DVC (YAML 1.2, what dvc.lock records); write true or false, or "
-                            "the text in quotes")
+                            "in DVC (YAML 1.2, what dvc.lock records); write true or false")
     assert e.value.key == "mlflow.enabled"
 
 
@@ -387,3 +386,12 @@ def test_unlabelled_preset__the_default_recipe_on_the_unlabelled_tree():
     changed = {k: v for k, v in p["data"].items() if base["data"][k] != v}
     assert changed == {"unlabelled_root": "data/raw/fmnist-unlabelled",
                        "pretrain_labelled": False, "max_train_images": 6000}
+
+
+def test_load_params__yaml_boolean_word_on_a_text_key__hint_quotes_the_word(tmp_path):
+    # augment.preset is text: `off` is False to OmegaConf, 'off' to DVC; quoting gives both 'off'
+    f = tmp_path / "p.yaml"
+    f.write_text("augment:\n  preset: off\n")
+    with pytest.raises(ParamsError) as e:
+        load_params(f)
+    assert str(e.value).endswith("write 'off' in quotes")
