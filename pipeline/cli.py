@@ -184,8 +184,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pipeline.data.shards import ShardError
     from pipeline.data.sources import SourceError
     from pipeline.tracking import TrackingError
-    from pipeline.train.engine import NonFiniteLossError
+    from pipeline.train.checkpoint import NonFiniteError
     from pipeline.train.plan import PlanError
 
-    return (ShardError, SourceError, TrackingError, NonFiniteLossError, PlanError, RemoteError,
+    return (ShardError, SourceError, TrackingError, NonFiniteError, PlanError, RemoteError,
             FileNotFoundError)

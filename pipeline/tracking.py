@@ -555,7 +555,7 @@ def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), ran
         extra_tags: more tags.
         system_metrics: also sample CPU/GPU/memory usage (MLflow system metrics: psutil, and
             nvidia-ml-py for GPUs).
-        resume_run_id: the run to continue (:func:`pipeline.train.resume.resumable_run_id`).
+        resume_run_id: the run to continue (:func:`pipeline.train.checkpoint.resumable_run_id`).
 
     Yields:
         A :class:`StageRun` (its ``record`` fields join ``runs/<stage>.json``).

@@ -31,9 +31,9 @@ def run(p: Params) -> None:
     from pipeline.model_registry import publish_encoder
     from pipeline.signals import Terminated
     from pipeline.tracking import stage_run
+    from pipeline.train.checkpoint import checkpoint_fingerprint, resumable_run_id
     from pipeline.train.engine import pretrain
-    from pipeline.train.resume import resumable_run_id
-    from pipeline.train.resume_store import CHECKPOINT_NAME, entry_dir, open_entry, watch_workspace
+    from pipeline.train.resume_store import CHECKPOINT_NAME, open_entry, watch_workspace
 
     rank = int(os.environ.get("RANK", "0"))
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
@@ -42,11 +42,12 @@ def run(p: Params) -> None:
     index = index_location("pretrain") if p.data.pretrain_shards else None
     pretrain_set = pretrain_manifest(shards, index, image_size=p.data.image_size)
     check_against_data(p, pretrain_set, shards / "pretrain")  # also the check_data stage's check
+    # the one computation of the resume key: params, shard hashes and this stage's own code
+    key = checkpoint_fingerprint(p.seed, p.model, p.moco, p.augment, p.pretrain,
+                                 int(os.environ.get("WORLD_SIZE", "1")), pretrain_set)
+    checkpoint_dir = open_entry(key.fingerprint, maintain=rank == 0)
     # a checkpoint the engine will resume names its MLflow run: continue it (one training = one run)
-    resume = resumable_run_id(
-        lambda fp: entry_dir(fp) / CHECKPOINT_NAME, seed=p.seed, model=p.model, moco=p.moco,
-        augment=p.augment, opt=p.pretrain, pretrain_set=pretrain_set,
-        world_size=int(os.environ.get("WORLD_SIZE", "1"))) if rank == 0 else None
+    resume = resumable_run_id(checkpoint_dir / CHECKPOINT_NAME, key) if rank == 0 else None
     with stage_run("pretrain", p, upstream=("build_shards", "index_shards"), rank=rank,
                    system_metrics=True, resume_run_id=resume) as mlrun, \
             watch_workspace() as watch:
@@ -56,7 +57,7 @@ def run(p: Params) -> None:
         try:
             pretrain(model=p.model, moco=p.moco, opt=p.pretrain, augment=p.augment,
                      seed=p.seed, shards_dir=shards, encoder_path=Path("models/encoder.pt"),
-                     checkpoint_dir=lambda fp: open_entry(fp, maintain=rank == 0),
+                     checkpoint_dir=checkpoint_dir, resume_key=key,
                      metrics_path=Path("metrics/pretrain.json"),
                      plots_path=Path("plots/pretrain.tsv"),
                      knn_plots_path=Path("plots/knn_monitor.tsv"), run=mlrun,

@@ -4,7 +4,8 @@ DVC reruns a stage only when one of its deps changes. A stage whose script impor
 is not a dep would keep stale outputs after that module changes, so this test computes each
 stage's import closure inside ``pipeline/`` (the way Python executes it: ``import a.b.c`` runs
 ``a/__init__.py``, ``a/b/__init__.py`` and ``a/b/c.py``) and requires every module in it to be
-covered by a dep (the file itself, or a directory above it), or to be in :data:`NOT_OUTPUT_CODE`.
+covered by a dep (the file itself, or a directory above it), or to be in
+:data:`pipeline.codegraph.NOT_OUTPUT_CODE` (the same closure as the resume fingerprint's code).
 """
 
 from __future__ import annotations
@@ -17,82 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-
-# Modules that provably never change an output's bytes, with the reason. They are not deps (a
-# logging tweak must not rerun pretraining), and their own imports are not followed: what they
-# import serves logging, signal handling or error messages.
-NOT_OUTPUT_CODE = {
-    # the stage entry: argument parsing, logging set-up, exception -> one `error:` line
-    "pipeline/cli.py",
-    # SIGTERM/SIGINT -> Terminated, exit codes (standard library only)
-    "pipeline/signals.py",
-    # MLflow runs; writes only runs/<stage>.json, whose run id is new at every execution anyway
-    "pipeline/tracking.py",
-    # the encoder as an MLflow logged model and registry version: talks to MLflow only
-    "pipeline/model_registry.py",
-}
-
-
-def _type_checking_block(node: ast.AST) -> bool:
-    test = getattr(node, "test", None)
-    return isinstance(node, ast.If) and (
-        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
-        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
-
-
-def _imported_modules(path: Path) -> set[str]:
-    """Dotted ``pipeline.*`` names whose import a file executes (TYPE_CHECKING blocks skipped)."""
-    names: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if _type_checking_block(node):
-            for child in node.orelse:  # the `else:` of `if TYPE_CHECKING` does run
-                visit(child)
-            return
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)  # maybe submodules
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text(), filename=str(path)))
-    return {n for n in names if n == "pipeline" or n.startswith("pipeline.")}
-
-
-def _module_files(dotted: str) -> list[Path]:
-    """The files executed by importing ``dotted`` (each package ``__init__`` on the way)."""
-    parts = dotted.split(".")
-    files = []
-    for i in range(1, len(parts) + 1):
-        base = REPO.joinpath(*parts[:i])
-        if (base / "__init__.py").is_file():
-            files.append(base / "__init__.py")
-        elif base.with_suffix(".py").is_file():
-            files.append(base.with_suffix(".py"))
-        else:
-            break  # `from pipeline.x import name`: name is not a module
-    return files
-
-
-def import_closure(script: Path) -> set[str]:
-    """Repo-relative paths of every pipeline module that running ``script`` may import."""
-    seen: set[str] = set()
-    todo = [script]
-    while todo:
-        f = todo.pop()
-        rel = f.relative_to(REPO).as_posix()
-        if rel in seen:
-            continue
-        seen.add(rel)
-        if rel in NOT_OUTPUT_CODE:
-            continue
-        for name in _imported_modules(f):
-            todo.extend(_module_files(name))
-    seen.discard(script.relative_to(REPO).as_posix())
-    return {m for m in seen if m.startswith("pipeline/")}
+from pipeline.codegraph import NOT_OUTPUT_CODE, REPO, import_closure
 
 
 def _stage_script(cmd: str) -> Path:

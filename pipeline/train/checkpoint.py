@@ -1,10 +1,14 @@
 """Resume state: what a checkpoint holds, when one is written, and whether one may be resumed.
 
 A checkpoint (``last.pt``) is written atomically and resumed only when its fingerprint equals
-the current one: the hash of the params that affect training, the pretraining shards' sha256
-(from the manifest) and the source of the modules that define the training math. Anything else
-is ignored with a log line naming what changed. Loading uses ``torch.load(weights_only=True)``:
-nothing in a checkpoint can execute code.
+the current one (:func:`checkpoint_fingerprint`): the hash of the params that affect training,
+the pretraining shards' sha256 (from the manifest) and the source of every module the pretrain
+stage runs, derived from its imports (:func:`pipeline.codegraph.output_code`; only
+:data:`pipeline.codegraph.NOT_OUTPUT_CODE` is left out). Anything else is ignored with a log
+line naming what changed. A checkpoint holds finite values only: a state with a NaN or an
+infinity in any parameter or buffer is never written (:class:`NonFiniteError`), and one found
+on disk is never resumed. Loading uses ``torch.load(weights_only=True)``: nothing in a
+checkpoint can execute code.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 
 from pipeline.atomic import save_torch
+from pipeline.codegraph import PRETRAIN_SCRIPT, REPO, code_digest, output_code
 from pipeline.config import (
     AugmentParams,
     MocoParams,
@@ -31,15 +36,30 @@ from pipeline.config import (
 
 log = logging.getLogger(__name__)
 
-# Library modules whose source is part of the fingerprint (changing them restarts training).
-TRAINING_CODE = ("train/engine.py", "train/plan.py", "train/runtime.py", "schedules.py",
-                 "train/checkpoint.py", "moco/queue.py", "moco/momentum.py", "moco/loss.py",
-                 "moco/batchnorm.py", "moco/backbones.py", "moco/model.py", "moco/distributed.py",
-                 "data/views.py", "data/loader.py", "seeds.py")
 # pretrain.* keys that change how fast or how visibly training runs, never its result
 NOT_FINGERPRINTED = ("checkpoint_every_epochs", "checkpoint_every_steps", "knn_every_epochs",
                      "knn_monitor_train_images", "knn_monitor_test_images", "log_every_steps",
                      "compile", "num_threads")
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a NaN or an infinity (in the loss, or in the state to be saved)."""
+
+
+@dataclass(frozen=True)
+class ResumeKey:
+    """What a checkpoint must carry to be resumed (:func:`checkpoint_fingerprint`).
+
+    Attributes:
+        fingerprint: 64 hex digits over the training params, shard hashes and training code.
+        train_params: the params behind it (a checkpoint stores them, so that an ignored one's
+            log line names what changed).
+        code: the files whose bytes entered the fingerprint, repo-relative.
+    """
+
+    fingerprint: str
+    train_params: dict[str, Any]
+    code: tuple[str, ...] = ()
 
 
 def training_params(seed: int, model: ModelParams, moco: MocoParams, augment: AugmentParams,
@@ -52,10 +72,8 @@ def training_params(seed: int, model: ModelParams, moco: MocoParams, augment: Au
 
 def checkpoint_fingerprint(seed: int, model: ModelParams, moco: MocoParams,
                            augment: AugmentParams, opt: PretrainParams, world_size: int,
-                           manifest: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(fingerprint, training params) that a checkpoint must carry to be resumed.
-
-    The one computation of the engine and of :func:`pipeline.train.resume.resumable_run_id`.
+                           manifest: dict[str, Any], *, code_root: Path = REPO) -> ResumeKey:
+    """The key a checkpoint must carry to be resumed; computed once per run, by the stage.
 
     Args:
         seed: ``seed``.
@@ -65,17 +83,25 @@ def checkpoint_fingerprint(seed: int, model: ModelParams, moco: MocoParams,
         opt: ``pretrain`` section.
         world_size: number of training processes.
         manifest: the pretraining split's manifest (its shards' sha256 enter the hash).
+        code_root: the tree holding ``pipeline/`` and ``stages/`` (the repo; a copy in tests).
+
+    Raises:
+        FileNotFoundError: ``stages/pretrain.py`` is not beside the package.
     """
     params = training_params(seed, model, moco, augment, opt, world_size)
-    return fingerprint(params, [s["sha256"] for s in manifest["shards"]]), params
+    code = output_code(PRETRAIN_SCRIPT, code_root)
+    digest = fingerprint(params, [s["sha256"] for s in manifest["shards"]],
+                         code_digest(code, code_root))
+    return ResumeKey(digest, params, tuple(code))
 
 
-def fingerprint(training_params: dict[str, Any], shard_hashes: list[str]) -> str:
-    """sha256 over the training params (canonical JSON), shard hashes and training code.
+def fingerprint(training_params: dict[str, Any], shard_hashes: list[str], code: str) -> str:
+    """sha256 over the training params (canonical JSON), shard hashes and the code's digest.
 
     Args:
         training_params: nested dict of the params that change the trained weights.
         shard_hashes: sha256 of every pretraining shard, in manifest order.
+        code: :func:`pipeline.codegraph.code_digest` of the training code.
 
     Returns:
         A 64-character hex digest.
@@ -84,12 +110,52 @@ def fingerprint(training_params: dict[str, Any], shard_hashes: list[str]) -> str
     h.update(json.dumps(training_params, sort_keys=True, default=str).encode())
     for s in shard_hashes:
         h.update(s.encode())
-    pkg = Path(__file__).resolve().parents[1]
-    for rel in TRAINING_CODE:
-        f = pkg / rel
-        h.update(rel.encode())
-        h.update(f.read_bytes() if f.is_file() else b"<missing>")
+    h.update(code.encode())
     return h.hexdigest()
+
+
+def nonfinite(state: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors of a ``state_dict`` holding a NaN or an infinity."""
+    return [k for k, t in state.items()
+            if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def read_header(path: Path) -> dict[str, Any] | None:
+    """A checkpoint's dict, memory-mapped (no weights read), or None when there is none.
+
+    None: no file, an unreadable or truncated one, or not a checkpoint. Executes no code
+    (``weights_only``). The one reader of a checkpoint's bookkeeping (fingerprint, step, run).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - an unreadable file is no checkpoint
+        log.debug("no checkpoint header in %s: %s", path, e)
+        return None
+    return ckpt if isinstance(ckpt, dict) else None
+
+
+def resumable_run_id(path: Path, key: ResumeKey) -> str | None:
+    """The MLflow run id stored in a checkpoint that will be resumed, else None.
+
+    The stage asks this BEFORE it starts its MLflow run, so that a resumed training continues
+    the interrupted run (one training = one run across resumes).
+
+    Args:
+        path: the ``last.pt`` the engine will be given.
+        key: this run's :func:`checkpoint_fingerprint`.
+
+    Returns:
+        The run id, or None: no checkpoint, an unreadable one, another fingerprint (it will be
+        ignored and training starts fresh), or one written with MLflow disabled.
+    """
+    ckpt = read_header(path)
+    if ckpt is None or ckpt.get("fingerprint") != key.fingerprint:
+        return None
+    run_id = ckpt.get("mlflow_run_id")
+    return run_id if isinstance(run_id, str) and run_id else None
 
 
 def changed_params(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -101,7 +167,7 @@ def changed_params(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 def load_checkpoint(path: Path, expected_fingerprint: str,
                     training_params: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """Load a checkpoint if it exists, is readable and matches ``expected_fingerprint``.
+    """Load a checkpoint if it exists, is readable, matches and holds finite values only.
 
     Loading uses ``torch.load(weights_only=True)``: nothing in a checkpoint can execute code.
     When the fingerprint differs, the log line names the params that changed (from the
@@ -109,7 +175,7 @@ def load_checkpoint(path: Path, expected_fingerprint: str,
 
     Args:
         path: the checkpoint file.
-        expected_fingerprint: :func:`fingerprint` of the current run.
+        expected_fingerprint: :attr:`ResumeKey.fingerprint` of the current run.
         training_params: the current run's training params (to explain a mismatch).
 
     Returns:
@@ -135,6 +201,11 @@ def load_checkpoint(path: Path, expected_fingerprint: str,
             why = "it was made with different params, shards or training code"
         log.warning("ignoring checkpoint %s (%s; fingerprint %s, now %s): starting fresh",
                     path, why, str(found)[:12], expected_fingerprint[:12])
+        return None
+    bad = nonfinite(ckpt["model"])
+    if bad:  # written before checkpoints were checked: resuming it would fail again
+        log.warning("ignoring checkpoint %s (non-finite values in %s%s): starting fresh", path,
+                    bad[0], f" and {len(bad) - 1} more tensors" if len(bad) > 1 else "")
         return None
     log.info("resuming from %s at step %d", path, ckpt["step"])
     return ckpt
@@ -185,25 +256,23 @@ class Checkpointer:
 
     Args:
         path: the checkpoint file (``<checkpoint_dir>/last.pt``), written atomically.
-        fingerprint: hash of everything that determines training
-            (:func:`fingerprint`); a checkpoint with another one is ignored.
-        train_params: the params behind the fingerprint, stored so that an ignored checkpoint's
-            log line can name what changed.
+        key: the run's :func:`checkpoint_fingerprint`; a checkpoint with another fingerprint
+            is ignored.
         is_main: only rank 0 writes.
         run_id: the MLflow run of this training, stored so that a resume continues that run
-            (:func:`pipeline.train.resume.resumable_run_id`).
+            (:func:`resumable_run_id`).
     """
 
-    def __init__(self, path: Path, fingerprint: str, train_params: dict[str, Any],
-                 is_main: bool, run_id: str | None = None) -> None:
-        self.path, self.fingerprint, self.run_id = path, fingerprint, run_id
-        self.train_params, self.is_main = train_params, is_main
+    def __init__(self, path: Path, key: ResumeKey, is_main: bool,
+                 run_id: str | None = None) -> None:
+        self.path, self.key, self.run_id = Path(path), key, run_id
+        self.is_main = is_main
         self.t_start = time.time()
 
     def restore(self, net: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 scaler: torch.amp.GradScaler) -> TrainState:
         """Load a matching checkpoint into the objects; a fresh state when there is none."""
-        ckpt = load_checkpoint(self.path, self.fingerprint, self.train_params)
+        ckpt = load_checkpoint(self.path, self.key.fingerprint, self.key.train_params)
         if ckpt is None:
             return TrainState()
         net.load_state_dict(ckpt["model"])
@@ -231,22 +300,41 @@ class Checkpointer:
         for a dead loader worker) can raise between the atomic rename of a new checkpoint and
         any bookkeeping after it, so only the file says which one stands.
         """
-        if not self.path.is_file():
+        ckpt = read_header(self.path)
+        if ckpt is None or ckpt.get("fingerprint") != self.key.fingerprint:
             return None
         try:
-            ckpt = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
-            return int(ckpt["step"]) if ckpt.get("fingerprint") == self.fingerprint else None
-        except Exception:  # noqa: BLE001 - an unreadable file is no checkpoint to resume from
+            return int(ckpt["step"])
+        except (KeyError, TypeError, ValueError):
             return None
+
+    def kept(self) -> str:
+        """Which checkpoint a rerun resumes from, for a failure's message."""
+        saved = self.saved_step()
+        return (f"the last good checkpoint is kept at {self.path} (step {saved})"
+                if saved is not None else "no checkpoint was written yet")
 
     def save(self, net: torch.nn.Module, optimizer: torch.optim.Optimizer,
              scaler: torch.amp.GradScaler, state: TrainState) -> None:
-        """Write ``last.pt`` atomically (rank 0 only)."""
+        """Write ``last.pt`` atomically (rank 0 only), if every parameter and buffer is finite.
+
+        Raises:
+            NonFiniteError: a parameter or buffer of ``net`` (a BatchNorm running variance,
+                say) holds a NaN or an infinity; nothing is written, the checkpoint on disk
+                stays.
+        """
+        model = net.state_dict()
+        bad = nonfinite(model)
+        if bad:
+            more = f" and {len(bad) - 1} more tensors" if len(bad) > 1 else ""
+            raise NonFiniteError(
+                f"non-finite values in {bad[0]}{more} at step {state.step}: not saved; "
+                f"training stopped, {self.kept()}. Lower pretrain.lr or check the data")
         if not self.is_main:
             return
         save_torch({
-            "fingerprint": self.fingerprint, "train_params": self.train_params,
-            "step": state.step, "model": net.state_dict(), "optimizer": optimizer.state_dict(),
+            "fingerprint": self.key.fingerprint, "train_params": self.key.train_params,
+            "step": state.step, "model": model, "optimizer": optimizer.state_dict(),
             "scaler": scaler.state_dict(), "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "rows": state.rows, "knn_rows": state.knn_rows,

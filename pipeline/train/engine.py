@@ -42,6 +42,8 @@ from pipeline.signals import StopFlag, Terminated, signal_name, stop_on_signals
 from pipeline.train.checkpoint import (
     Checkpointer,
     CheckpointPolicy,
+    NonFiniteError,
+    ResumeKey,
     TrainState,
     checkpoint_fingerprint,
 )
@@ -68,7 +70,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(NonFiniteError):
     """The loss became NaN or inf; training stopped before the optimizer step."""
 
 
@@ -220,10 +222,9 @@ def _train_steps(r: Run, batches: Iterator[Any], epoch: int, stop_at: int) -> No
                              optimizer=r.optimizer, precision=r.precision, lr=plan.lrs[s],
                              m=plan.momenta[s], step=s)
         except NonFiniteLossError as e:
-            kept = (f"the last good checkpoint is kept at {r.ckpt.path}"
-                    if r.ckpt.path.is_file() else "no checkpoint was written yet")
-            raise NonFiniteLossError(f"{e} (epoch {epoch}); training stopped, {kept}. Lower "
-                                     "pretrain.lr or check the data") from None
+            raise NonFiniteLossError(f"{e} (epoch {epoch}); training stopped, "
+                                     f"{r.ckpt.kept()}. Lower pretrain.lr or check the "
+                                     "data") from None
         state.step = s = s + 1
         window.add(loss=out.loss.item(), top1=float(out.top1), top5=float(out.top5),
                    wait_s=wait_s)
@@ -261,10 +262,11 @@ def record_monitor(r: Run, epoch: int) -> None:
 
 def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augment: AugmentParams,
              seed: int, shards_dir: Path | ShardURL, encoder_path: Path,
-             checkpoint_dir: Path | Callable[[str], Path], metrics_path: Path,
+             checkpoint_dir: Path, metrics_path: Path,
              plots_path: Path, knn_plots_path: Path, run: StageRun | None = None,
              max_steps: int | None = None,
              pretrain_set: dict[str, Any] | None = None,
+             resume_key: ResumeKey | None = None,
              abandoned: Callable[[], bool] | None = None) -> dict[str, float]:
     """Pretrain MoCo on the ``pretrain`` shards and export the query backbone.
 
@@ -278,9 +280,8 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
         encoder_path: where the QUERY backbone ``state_dict`` is written (plain BatchNorm2d,
             no ``fc.*``); ``encoder.json`` beside it records the architecture and ``head.pt``
             the query projection head.
-        checkpoint_dir: ``last.pt`` lives here (resume state, outside DVC's outputs), or a
-            function of the run's fingerprint returning that folder (the stage's resume store,
-            :func:`pipeline.train.resume_store.open_entry`).
+        checkpoint_dir: ``last.pt`` lives here (resume state, outside DVC's outputs; the
+            stage's resume store entry, :func:`pipeline.train.resume_store.open_entry`).
         metrics_path: final metrics JSON (``metrics/pretrain.json``).
         plots_path: per-logged-step TSV (``plots/pretrain.tsv``).
         knn_plots_path: kNN-monitor TSV per epoch (``plots/knn_monitor.tsv``).
@@ -289,6 +290,8 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
         pretrain_set: the pretraining set's manifest when it is more than
             ``shards_dir/pretrain`` (:func:`pipeline.data.index.pretrain_manifest`); None =
             that split alone.
+        resume_key: the run's :func:`pipeline.train.checkpoint.checkpoint_fingerprint`, as
+            the stage computed it to find ``checkpoint_dir``; None = computed here.
         abandoned: asked when the data fails between two steps; True = the workspace was
             abandoned and the failure is its consequence (DVC deleting a killed experiment's
             shards), so a checkpoint is written and :class:`Terminated` raised instead
@@ -299,7 +302,8 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
 
     Raises:
         PlanError: sizes that do not fit the data or the processes (names the param).
-        NonFiniteLossError: the loss became NaN/inf (the last good checkpoint is kept).
+        NonFiniteError: the loss, or a parameter or buffer to be saved, became NaN/inf (the
+            last good checkpoint is kept).
         Terminated: SIGTERM or SIGINT was received, or ``abandoned`` said so (a checkpoint was
             written first).
         LoaderWorkerError: a DataLoader worker died (e.g. SIGKILL from the out-of-memory
@@ -308,7 +312,7 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
     with kept_threads():
         r = _build_run(model=model, moco=moco, opt=opt, augment=augment, seed=seed,
                        shards_dir=shards_dir, checkpoint_dir=checkpoint_dir, run=run,
-                       pretrain_set=pretrain_set)
+                       pretrain_set=pretrain_set, resume_key=resume_key)
         stop_at = r.plan.total_steps if max_steps is None else min(max_steps,
                                                                     r.plan.total_steps)
         if r.state.step == 0 and not r.state.knn_rows:
@@ -333,8 +337,8 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
 
 def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
                augment: AugmentParams, seed: int, shards_dir: Path | ShardURL,
-               checkpoint_dir: Path | Callable[[str], Path], run: StageRun | None,
-               pretrain_set: dict[str, Any] | None) -> Run:
+               checkpoint_dir: Path, run: StageRun | None,
+               pretrain_set: dict[str, Any] | None, resume_key: ResumeKey | None) -> Run:
     """Plan, build the model and optimizer, restore a fitting checkpoint, pick threads."""
     rt = setup_device()
     manifest = pretrain_set or read_manifest(shards_dir / "pretrain")
@@ -349,11 +353,11 @@ def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
     precision = Precision(resolve_precision(opt.precision, rt.device), rt.device)
     optimizer = torch.optim.SGD(net.trainable_parameters(), lr=0.0, momentum=opt.sgd_momentum,
                                 weight_decay=opt.weight_decay)
-    fp, params = checkpoint_fingerprint(seed, model, moco, augment, opt, rt.world_size, manifest)
-    ckpt_dir = checkpoint_dir(fp) if callable(checkpoint_dir) else checkpoint_dir
-    ckpt = Checkpointer(ckpt_dir / "last.pt", fp, params, rt.is_main,
+    key = resume_key or checkpoint_fingerprint(seed, model, moco, augment, opt, rt.world_size,
+                                               manifest)
+    ckpt = Checkpointer(Path(checkpoint_dir) / "last.pt", key, rt.is_main,
                         run_id=run.run_id if run is not None else None)
-    state = ckpt.restore(net, optimizer, precision.scaler)
+    state = _restore(ckpt, net, optimizer, precision, rt=rt, total_steps=plan.total_steps)
     state.num_threads = setup_threads(
         requested=opt.num_threads, resumed=state.num_threads, num_workers=opt.num_workers,
         device=rt.device, probe_model=net.encoder_q,
@@ -392,6 +396,24 @@ def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
         bar=tqdm(total=plan.total_steps, initial=state.step, desc="pretrain", unit="step",
                  disable=None if rt.is_main else True),
         tracking=run)
+
+
+def _restore(ckpt: Checkpointer, net: MoCo, optimizer: torch.optim.Optimizer,
+             precision: Precision, *, rt: Runtime, total_steps: int) -> TrainState:
+    """Restore a fitting checkpoint; one line when it is a finished training, reused as it is.
+
+    Raises:
+        ValueError: the checkpoint's key was computed for another number of processes.
+    """
+    if ckpt.key.train_params["world_size"] != rt.world_size:
+        raise ValueError(f"resume_key was computed for {ckpt.key.train_params['world_size']} "
+                         f"processes, this run has {rt.world_size}")
+    state = ckpt.restore(net, optimizer, precision.scaler)
+    if state.step >= total_steps and rt.is_main:  # DVC reran a stage whose training is done
+        log.warning("pretrain: %s is a finished training of this fingerprint (step %d of %d): "
+                    "its weights are exported again, nothing is trained (to retrain: `python -m "
+                    "pipeline clean-checkpoints`)", ckpt.path, state.step, total_steps)
+    return state
 
 
 def _finish(r: Run, model: ModelParams, encoder_path: Path, metrics_path: Path,

@@ -9,16 +9,15 @@ experiments alike); the store is::
 
 (the working directory when ``DVC_ROOT`` is unset: ``python stages/pretrain.py`` by hand). The
 key is the fingerprint that already decides whether a checkpoint may be resumed
-(:func:`pipeline.train.checkpoint.fingerprint`: training params, shard hashes, training
-code), so the same experiment queued again finds its checkpoint, and a run with other params
-never opens it (the full fingerprint inside ``last.pt`` is still checked on load).
+(:func:`pipeline.train.checkpoint.checkpoint_fingerprint`: training params, shard hashes,
+training code), so the same experiment queued again finds its checkpoint, and a run with other
+params never opens it (the full fingerprint inside ``last.pt`` is still checked on load).
 ``.checkpoints/`` is git- and dvc-ignored: never copied into an experiment's workspace, never a
 DVC output.
 
 Bounded: opening an entry keeps the :data:`KEEP` most recently written ones and deletes the rest
 (never the one being opened); ``python -m pipeline clean-checkpoints [--keep N]`` deletes them
-by hand. A ``last.pt`` directly in the store (the layout before the fingerprint folders) is
-moved into the folder of its own fingerprint the first time the store is opened.
+by hand.
 
 Abandoned workspaces (:func:`watch_workspace`): ``dvc queue kill --force`` SIGKILLs DVC's
 experiment runner but not the stage it started, which goes on training in a workspace DVC
@@ -70,20 +69,20 @@ def entry_dir(fingerprint: str, root: str | Path | None = None) -> Path:
 
 def open_entry(fingerprint: str, *, root: str | Path | None = None, keep: int = KEEP,
                maintain: bool = True) -> Path:
-    """The checkpoint folder for ``fingerprint``; adopts a legacy ``last.pt``, prunes old ones.
+    """The checkpoint folder for ``fingerprint``; prunes old ones.
 
     Args:
-        fingerprint: :func:`pipeline.train.checkpoint.fingerprint` of the run (64 hex digits).
+        fingerprint: :attr:`pipeline.train.checkpoint.ResumeKey.fingerprint` of the run (64
+            hex digits).
         root: the main repo (default ``DVC_ROOT``, else the working directory).
         keep: entries kept after pruning, the opened one included (>= 1).
-        maintain: adopt and prune (rank 0); False only computes the folder (other ranks).
+        maintain: prune (rank 0); False only computes the folder (other ranks).
 
     Returns:
         The folder (created by the first checkpoint write).
     """
     here = entry_dir(fingerprint, root)
     if maintain:
-        _adopt_legacy(store_root(root))
         removed = prune(root=root, keep=max(keep, 1) - 1, protect=here)
         if removed:
             log.info("resume store: removed %d old checkpoint folder(s) (%s kept)", len(removed),
@@ -121,31 +120,6 @@ def prune(*, root: str | Path | None = None, keep: int = KEEP,
     return removed
 
 
-def _adopt_legacy(store: Path) -> None:
-    """Move ``<store>/last.pt`` (no fingerprint folder) into the folder of its fingerprint."""
-    legacy = store / CHECKPOINT_NAME
-    if not legacy.is_file():
-        return
-    import torch
-
-    try:
-        ckpt = torch.load(legacy, map_location="cpu", weights_only=True, mmap=True)
-        fp = ckpt.get("fingerprint") if isinstance(ckpt, dict) else None
-    except Exception:  # noqa: BLE001 - unreadable: nothing can resume from it
-        fp = None
-    if not isinstance(fp, str) or len(fp) < KEY_CHARS:
-        log.warning("resume store: removing unreadable legacy checkpoint %s", legacy)
-        legacy.unlink(missing_ok=True)
-        return
-    dest = store / fp[:KEY_CHARS] / CHECKPOINT_NAME
-    if dest.exists():
-        legacy.unlink(missing_ok=True)
-        return
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(legacy, dest)
-    log.info("resume store: moved %s to %s", legacy, dest)
-
-
 def clean_main(*, keep: int = 0, root: str | Path | None = None) -> int:
     """``python -m pipeline clean-checkpoints [--keep N]``: delete old resume state.
 
@@ -160,7 +134,6 @@ def clean_main(*, keep: int = 0, root: str | Path | None = None) -> int:
         print(f"error: clean-checkpoints: --keep must be >= 0, got {keep}", file=sys.stderr)
         return 1
     store = store_root(root)
-    _adopt_legacy(store)
     removed = prune(root=root, keep=keep)
     kept = len(entries(root))
     print(f"{store}: removed {len(removed)} checkpoint folder(s), kept {kept}")

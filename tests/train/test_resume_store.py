@@ -1,10 +1,11 @@
 """The resume store: main repo (DVC_ROOT), one folder per fingerprint, bounded."""
 
+import json
 import os
 
 import pytest
 import torch
-from helpers import build_tiny_shards, run_pretrain
+from helpers import TINY, build_tiny_shards, run_pretrain
 
 from pipeline.train import resume_store as rs
 
@@ -39,15 +40,6 @@ def test_open_entry__keeps_the_newest_and_never_the_one_opened(tmp_path):
     assert rs.open_entry("c" * 64, root=tmp_path, keep=1).is_dir()
 
 
-def test_open_entry__legacy_last_pt__moved_into_its_fingerprint_folder(tmp_path):
-    store = tmp_path / rs.STORE
-    store.mkdir(parents=True)
-    torch.save({"fingerprint": "ab" * 32, "step": 4}, store / "last.pt")
-    rs.open_entry("ab" * 32, root=tmp_path)
-    assert not (store / "last.pt").exists()
-    assert torch.load(store / ("ab" * 8) / "last.pt", weights_only=True)["step"] == 4
-
-
 def test_clean_main__keep_n(tmp_path, capsys):
     for i, key in enumerate(["a" * 16, "b" * 16, "c" * 16]):
         _entry(tmp_path, key, 1000.0 + i)
@@ -60,19 +52,25 @@ def test_clean_main__keep_n(tmp_path, capsys):
     assert rs.clean_main(keep=-1, root=tmp_path) == 1
 
 
-def test_pretrain__store_callable__checkpoint_in_the_fingerprint_folder(tmp_path):
+def test_pretrain__stage_key__checkpoint_in_the_fingerprint_folder(tmp_path):
+    # the stage's way: the key computed once, its store folder given to the engine
+    from pipeline.config import from_dict
+    from pipeline.data.shards import read_manifest
+    from pipeline.train.checkpoint import checkpoint_fingerprint
+
     shards = build_tiny_shards(tmp_path / "shards", n_pretrain=32, n_train=16, n_test=16)
-    seen = []
-
-    def where(fp: str):
-        seen.append(fp)
-        return rs.open_entry(fp, root=tmp_path / "repo")
-
-    run_pretrain(shards, tmp_path / "out", {"moco": {"K": 16}, "pretrain": {"epochs": 1}},
-                 checkpoint_dir=where)
-    (fp,) = seen
-    ck = torch.load(tmp_path / "repo" / rs.STORE / fp[:16] / "last.pt", weights_only=True)
-    assert ck["fingerprint"] == fp and ck["step"] == 2
+    overrides = {"moco": {"K": 16}, "pretrain": {"epochs": 1}}
+    tree = json.loads(json.dumps(TINY))
+    for sec, vals in overrides.items():
+        tree[sec].update(vals)
+    p = from_dict(tree)
+    key = checkpoint_fingerprint(p.seed, p.model, p.moco, p.augment, p.pretrain, 1,
+                                 read_manifest(shards / "pretrain"))
+    where = rs.open_entry(key.fingerprint, root=tmp_path / "repo")
+    run_pretrain(shards, tmp_path / "out", overrides, checkpoint_dir=where, resume_key=key)
+    ck = torch.load(tmp_path / "repo" / rs.STORE / key.fingerprint[:16] / "last.pt",
+                    weights_only=True)
+    assert ck["fingerprint"] == key.fingerprint and ck["step"] == 2
 
 
 def _failing_loader_after(monkeypatch, n_batches: int) -> None:

@@ -2,6 +2,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -95,6 +96,55 @@ def test_pretrain__nan_loss_stops_with_step_and_keeps_checkpoint(tiny_shards, tm
     assert not (tmp_path / "encoder.pt").exists()
 
 
+def test_pretrain__nonfinite_buffer_is_never_saved__the_good_checkpoint_stays(
+        tiny_shards, tmp_path, monkeypatch, caplog):
+    # bf16 at a huge lr: a BatchNorm running variance overflows while the loss (computed with
+    # batch statistics in train mode) stays finite. Simulated exactly: after step 3 (index 2)
+    # one running_var becomes inf. The checkpoint due after step 4 must not be written; the one
+    # of step 2 (every 2 steps) stays, and the message names the tensor and that checkpoint.
+    import pipeline.train.engine as engine
+    from pipeline.train.checkpoint import NonFiniteError, load_checkpoint, nonfinite
+
+    real = engine.train_step
+
+    def overflow(net, images, **kw):
+        out = real(net, images, **kw)
+        if kw["step"] == 2:
+            bn = next(m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d))
+            bn.running_var.fill_(float("inf"))
+        return out
+
+    monkeypatch.setattr(engine, "train_step", overflow)
+    with pytest.raises(NonFiniteError) as e:
+        run_pretrain(tiny_shards, tmp_path)
+    path = tmp_path / "ckpt/last.pt"
+    assert re.search(r"^non-finite values in \S+running_var at step 4: not saved; training "
+                     r"stopped, the last good checkpoint is kept at \S+ \(step 2\)\. Lower "
+                     "pretrain.lr", str(e.value)), str(e.value)
+    ck = torch.load(path, weights_only=True)
+    assert ck["step"] == 2 and nonfinite(ck["model"]) == []
+    # a checkpoint written before this check, holding an infinity, is never resumed
+    ck["model"][next(k for k in ck["model"] if k.endswith("running_var"))].fill_(float("inf"))
+    torch.save(ck, path)
+    caplog.set_level("INFO")
+    assert load_checkpoint(path, ck["fingerprint"]) is None
+    assert "non-finite values in" in caplog.text and "starting fresh" in caplog.text
+
+
+def test_pretrain__finished_checkpoint_reused__one_line_names_it(tiny_shards, tmp_path, caplog):
+    # DVC reruns pretrain for a change outside the fingerprint (a logging cadence): the
+    # finished checkpoint is reused, and one line says so
+    run_pretrain(tiny_shards, tmp_path / "a")
+    first = (tmp_path / "a/encoder.pt").read_bytes()
+    caplog.set_level("INFO")
+    run_pretrain(tiny_shards, tmp_path / "a", {"pretrain": {"log_every_steps": 4}})
+    lines = [r.getMessage() for r in caplog.records if "finished training" in r.getMessage()]
+    assert lines == [f"pretrain: {tmp_path / 'a/ckpt/last.pt'} is a finished training of this "
+                     "fingerprint (step 24 of 24): its weights are exported again, nothing is "
+                     "trained (to retrain: `python -m pipeline clean-checkpoints`)"]
+    assert (tmp_path / "a/encoder.pt").read_bytes() == first
+
+
 def test_pretrain__worker_death_while_a_checkpoint_is_written__names_the_one_on_disk(
         tiny_shards, tmp_path, monkeypatch):
     # PyTorch's SIGCHLD handler raises at any line: here right after the checkpoint of step 4
@@ -119,16 +169,16 @@ def test_pretrain__worker_death_while_a_checkpoint_is_written__names_the_one_on_
 
 
 def test_checkpointer_saved_step__only_this_runs_readable_file(tiny_shards, tmp_path):
-    from pipeline.train.checkpoint import Checkpointer
+    from pipeline.train.checkpoint import Checkpointer, ResumeKey
 
     run_pretrain(tiny_shards, tmp_path, max_steps=3)  # checkpoint at step 2
     path = tmp_path / "ckpt/last.pt"
-    fp = torch.load(path, weights_only=True)["fingerprint"]
-    assert Checkpointer(path, fp, {}, is_main=True).saved_step() == 2
-    assert Checkpointer(path, "other", {}, is_main=True).saved_step() is None
-    assert Checkpointer(tmp_path / "none.pt", fp, {}, is_main=True).saved_step() is None
+    key = ResumeKey(torch.load(path, weights_only=True)["fingerprint"], {})
+    assert Checkpointer(path, key, is_main=True).saved_step() == 2
+    assert Checkpointer(path, ResumeKey("other", {}), is_main=True).saved_step() is None
+    assert Checkpointer(tmp_path / "none.pt", key, is_main=True).saved_step() is None
     path.write_bytes(path.read_bytes()[:1000])  # truncated
-    assert Checkpointer(path, fp, {}, is_main=True).saved_step() is None
+    assert Checkpointer(path, key, is_main=True).saved_step() is None
 
 
 def test_pretrain__resume_after_interruption_is_bit_identical(tiny_shards, tmp_path, caplog):
