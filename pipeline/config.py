@@ -283,9 +283,10 @@ class PretrainParams:
     deterministic: bool = True
     checkpoint_every_epochs: int = 1
     checkpoint_every_steps: int = 50  # also checkpoint every N steps (0 = only per epoch)
-    knn_every_epochs: int = 1  # 0 = no kNN monitor
+    knn_every_epochs: int = 1  # 0 = no monitor (kNN with labels, label-free numbers always)
     knn_monitor_train_images: int = 10000
     knn_monitor_test_images: int = 2000
+    labelfree_images: int = 2048  # RankMe / alignment / uniformity sample; 0 = off
     log_every_steps: int = 10
 
 
@@ -605,7 +606,7 @@ def _validate_pretrain(p: Params) -> None:
               "knn_monitor_test_images", "log_every_steps"):
         _pos(f"pretrain.{k}", getattr(t, k))
     for k in ("steps_per_epoch", "warmup_epochs", "weight_decay", "num_threads", "num_workers",
-              "checkpoint_every_steps", "knn_every_epochs"):
+              "checkpoint_every_steps", "knn_every_epochs", "labelfree_images"):
         _pos(f"pretrain.{k}", getattr(t, k), strict=False)
     _milestones("pretrain.lr_milestones", t.lr_milestones)
     _check(t.warmup_epochs < t.epochs, "pretrain.warmup_epochs", "< pretrain.epochs",

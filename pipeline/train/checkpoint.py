@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # pretrain.* keys that change how fast or how visibly training runs, never its result
 NOT_FINGERPRINTED = ("checkpoint_every_epochs", "checkpoint_every_steps", "knn_every_epochs",
                      "knn_monitor_train_images", "knn_monitor_test_images", "log_every_steps",
-                     "compile", "num_threads")
+                     "labelfree_images", "compile", "num_threads")
 
 
 class NonFiniteError(RuntimeError):
@@ -219,6 +219,7 @@ class TrainState:
         step: optimizer steps done (global).
         rows: logged rows so far (``plots/pretrain.tsv``).
         knn_rows: kNN-monitor rows so far (``plots/knn_monitor.tsv``).
+        labelfree_rows: label-free monitor rows so far (``plots/labelfree.tsv``).
         wall_before_s: training wall time of earlier (interrupted) processes, seconds.
         num_threads: CPU intra-op threads in use; a resumed run keeps them (float reductions
             depend on the thread count, so this keeps resume bit-identical).
@@ -227,6 +228,7 @@ class TrainState:
     step: int = 0
     rows: list[dict[str, float]] = field(default_factory=list)
     knn_rows: list[dict[str, float]] = field(default_factory=list)
+    labelfree_rows: list[dict[str, float]] = field(default_factory=list)
     wall_before_s: float = 0.0
     num_threads: int = 0
 
@@ -283,6 +285,7 @@ class Checkpointer:
             torch.cuda.set_rng_state_all(ckpt["rng_cuda"])
         return TrainState(step=int(ckpt["step"]), rows=list(ckpt["rows"]),
                           knn_rows=list(ckpt["knn_rows"]),
+                          labelfree_rows=list(ckpt.get("labelfree_rows", [])),
                           wall_before_s=float(ckpt["wall_time_s"]),
                           num_threads=int(ckpt.get("num_threads", 0)))
 
@@ -338,6 +341,7 @@ class Checkpointer:
             "scaler": scaler.state_dict(), "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "rows": state.rows, "knn_rows": state.knn_rows,
+            "labelfree_rows": state.labelfree_rows,
             "wall_time_s": self.wall_time(state), "num_threads": state.num_threads,
             "mlflow_run_id": self.run_id,
         }, self.path)

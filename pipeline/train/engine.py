@@ -36,6 +36,7 @@ from pipeline.data.views import (
     build_eval_transform,
 )
 from pipeline.data.workers import LoaderWorkerError, shut_down, worker_death
+from pipeline.evaluate.labelfree import LabelFreeProbe
 from pipeline.moco.model import MoCo, MocoOutput
 from pipeline.seeds import batch_seed
 from pipeline.signals import StopFlag, Terminated, signal_name, stop_on_signals
@@ -49,7 +50,7 @@ from pipeline.train.checkpoint import (
 )
 from pipeline.train.export import export_outputs, final_metrics
 from pipeline.train.logging import LogWindow, format_row
-from pipeline.train.monitor import KnnMonitor
+from pipeline.train.monitor import KnnMonitor, Monitor
 from pipeline.train.plan import RunPlan, build_moco, plan_run
 from pipeline.train.runtime import (
     Precision,
@@ -149,7 +150,7 @@ class Run:
     state: TrainState
     views: BatchTwoCrop
     crop: SeededRandomResizedCrop | None
-    monitor: KnnMonitor
+    monitor: Monitor
     policy: CheckpointPolicy
     stop: StopFlag
     bar: tqdm
@@ -250,14 +251,24 @@ def _train_steps(r: Run, batches: Iterator[Any], epoch: int, stop_at: int) -> No
 
 
 def record_monitor(r: Run, epoch: int) -> None:
-    """The kNN monitor after ``epoch`` epochs, when due (rank 0): a row, and an MLflow metric."""
+    """The monitor after ``epoch`` epochs, when due (rank 0): rows, and MLflow metrics.
+
+    The kNN part (with labels) appends to ``knn_rows`` and logs ``monitor_knn_top1/5``; the
+    label-free part to ``labelfree_rows``, logging ``labelfree_rankme``, ``_alignment``,
+    ``_uniformity``. Neither touches the training RNG or the weights (eval mode, forked RNG).
+    """
     if not (r.rt.is_main and r.monitor.due(epoch)):
         return
     step = epoch * r.plan.steps_per_epoch
-    res = r.monitor(r.net.encoder_q.backbone)
-    r.state.knn_rows.append({"epoch": epoch, "step": step, **res})
-    if r.tracking is not None:
-        r.tracking.log_metrics({f"monitor_{k}": v for k, v in res.items()}, step=step)
+    backbone = r.net.encoder_q.backbone
+    for part, rows, prefix in ((r.monitor.knn, r.state.knn_rows, "monitor_"),
+                               (r.monitor.labelfree, r.state.labelfree_rows, "labelfree_")):
+        if part is None:
+            continue
+        res = part(backbone)
+        rows.append({"epoch": epoch, "step": step, **res})
+        if r.tracking is not None:
+            r.tracking.log_metrics({f"{prefix}{k}": v for k, v in res.items()}, step=step)
 
 
 def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augment: AugmentParams,
@@ -315,7 +326,7 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
                        pretrain_set=pretrain_set, resume_key=resume_key)
         stop_at = r.plan.total_steps if max_steps is None else min(max_steps,
                                                                     r.plan.total_steps)
-        if r.state.step == 0 and not r.state.knn_rows:
+        if r.state.step == 0 and not (r.state.knn_rows or r.state.labelfree_rows):
             record_monitor(r, 0)  # the random-init encoder: the curve's starting point
         with stop_on_signals(r.stop), r.bar:
             try:
@@ -384,12 +395,7 @@ def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
                            small_crops=augment.small_crops),
         crop=(SeededRandomResizedCrop(spec.size, scale=(augment.crop_min_scale, 1.0))
               if spec.variable else None),
-        monitor=KnnMonitor(shards_dir, transform=build_eval_transform(spec.size, spec.mean,
-                                                                      spec.std),
-                           device=rt.device, n_train=opt.knn_monitor_train_images,
-                           n_test=opt.knn_monitor_test_images,
-                           every_epochs=opt.knn_every_epochs if opt.knn_every_epochs
-                           and _labelled(shards_dir) else 0),
+        monitor=_build_monitor(shards_dir, spec=spec, augment=augment, opt=opt, rt=rt),
         policy=CheckpointPolicy(opt.checkpoint_every_epochs, opt.checkpoint_every_steps,
                                 plan.total_steps, plan.steps_per_epoch),
         stop=StopFlag(),
@@ -436,6 +442,33 @@ def _finish(r: Run, model: ModelParams, encoder_path: Path, metrics_path: Path,
     if r.rt.world_size > 1:
         dist.barrier()
     return metrics
+
+
+def _build_monitor(shards_dir: Path | ShardURL, *, spec: Any, augment: AugmentParams,
+                   opt: PretrainParams, rt: Runtime) -> Monitor:
+    """The monitor of this run: kNN with labelled images, label-free numbers on pretraining ones.
+
+    Built on rank 0 only (the others never run it). The label-free sample is the first
+    ``pretrain.labelfree_images`` of the built ``pretrain`` split; without built pretraining
+    images (only shards read in place) the label-free part is off, with a log line.
+    """
+    if not rt.is_main or not opt.knn_every_epochs:
+        return Monitor(0)
+    knn = (KnnMonitor(shards_dir, transform=build_eval_transform(spec.size, spec.mean, spec.std),
+                      device=rt.device, n_train=opt.knn_monitor_train_images,
+                      n_test=opt.knn_monitor_test_images)
+           if _labelled(shards_dir) else None)
+    labelfree = None
+    if opt.labelfree_images:
+        if read_manifest(shards_dir / "pretrain")["num_samples"]:
+            labelfree = LabelFreeProbe(shards_dir / "pretrain", image_size=spec.size,
+                                       mean=spec.mean, std=spec.std, preset=augment.preset,
+                                       crop_min_scale=augment.crop_min_scale, device=rt.device,
+                                       n=opt.labelfree_images)
+        else:
+            log.info("label-free monitor off: no built pretraining images (only shards read in "
+                     "place)")
+    return Monitor(opt.knn_every_epochs, knn=knn, labelfree=labelfree)
 
 
 def _labelled(shards_dir: Path | ShardURL) -> bool:

@@ -17,10 +17,13 @@ import torch
 
 from pipeline.atomic import save_torch, write_atomic, write_json, write_metrics, write_tsv
 from pipeline.config import ModelParams
+from pipeline.evaluate.labelfree import METRICS as LABELFREE_METRICS
 from pipeline.moco.backbones import resolve_small_stem, resolve_stem_stride
 from pipeline.moco.model import MoCo
 from pipeline.train.checkpoint import TrainState
 from pipeline.train.logging import PLOT_COLUMNS
+
+LABELFREE_PLOT = "labelfree.tsv"  # beside plots/knn_monitor.tsv
 
 
 def encoder_meta(model: ModelParams, *, in_channels: int, image_size: int,
@@ -102,6 +105,9 @@ def final_metrics(state: TrainState, *, total_steps: int, epochs: int, wall_s: f
         out["knn_top1"] = state.knn_rows[-1]["knn_top1"]
         out["knn_top5"] = state.knn_rows[-1]["knn_top5"]
         out["knn_top1_init"] = state.knn_rows[0]["knn_top1"]
+    if state.labelfree_rows:  # the last monitor point: the end of training
+        out.update({k: state.labelfree_rows[-1][k] for k in LABELFREE_METRICS})
+        out.update({f"{k}_init": state.labelfree_rows[0][k] for k in LABELFREE_METRICS})
     return out
 
 
@@ -110,8 +116,9 @@ def export_outputs(net: MoCo, model: ModelParams, *, in_channels: int, image_siz
                    metrics_path: Path, plots_path: Path, knn_plots_path: Path) -> None:
     """Write the encoder (plain BN, no ``fc``; ``.pt`` and ``.safetensors``), head, metrics.
 
-    Also ``head.pt``, ``encoder.json`` and the curves. Every file is written atomically (temp
-    file + rename).
+    Also ``head.pt``, ``encoder.json`` and the curves: ``plots_path``, ``knn_plots_path`` and,
+    beside it, :data:`LABELFREE_PLOT` (the label-free monitor rows). Every file is written
+    atomically (temp file + rename).
     """
     backbone = net.export_backbone()
     meta = encoder_meta(model, in_channels=in_channels, image_size=image_size,
@@ -127,3 +134,5 @@ def export_outputs(net: MoCo, model: ModelParams, *, in_channels: int, image_siz
     write_metrics(metrics_path, metrics)
     write_tsv(plots_path, PLOT_COLUMNS, state.rows)
     write_tsv(knn_plots_path, ("epoch", "step", "knn_top1", "knn_top5"), state.knn_rows)
+    write_tsv(knn_plots_path.with_name(LABELFREE_PLOT), ("epoch", "step", *LABELFREE_METRICS),
+              state.labelfree_rows)

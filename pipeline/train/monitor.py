@@ -1,9 +1,15 @@
-"""The kNN monitor: weighted kNN top-1/top-5 of the query backbone during pretraining."""
+"""The monitor: what pretraining measures of the query backbone every few epochs.
+
+With labels, the weighted kNN top-1/top-5 (:class:`KnnMonitor`); with or without them, the
+label-free numbers (:class:`pipeline.evaluate.labelfree.LabelFreeProbe`: RankMe, alignment,
+uniformity). :class:`Monitor` holds the two and the cadence.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +19,7 @@ from torch import nn
 from pipeline.data.loader import eval_loader
 from pipeline.evaluate.features import extract_features
 from pipeline.evaluate.knn import knn_classify
+from pipeline.evaluate.labelfree import LabelFreeProbe
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +39,14 @@ class KnnMonitor:
         device: the training device.
         n_train: bank size.
         n_test: number of queries.
-        every_epochs: run after every this many epochs (0 = never).
         batch_size: feature-extraction batch size.
     """
 
     def __init__(self, shards_dir: Path, *, transform: Any, device: torch.device, n_train: int,
-                 n_test: int, every_epochs: int, batch_size: int = 512) -> None:
+                 n_test: int, batch_size: int = 512) -> None:
         self.shards_dir, self.transform, self.device = shards_dir, transform, device
-        self.n_train, self.n_test, self.every_epochs = n_train, n_test, every_epochs
+        self.n_train, self.n_test = n_train, n_test
         self.batch_size = batch_size
-
-    def due(self, epoch: int) -> bool:
-        """Whether the monitor runs at the end of ``epoch`` (epoch 0 = the random init)."""
-        return self.every_epochs > 0 and epoch % self.every_epochs == 0
 
     def _features(self, backbone: nn.Module, split: str, n: int) -> Any:
         loader = eval_loader(self.shards_dir / split, transform=self.transform,
@@ -67,3 +69,24 @@ class KnnMonitor:
         log.info("kNN monitor: top-1 %.2f%% top-5 %.2f%% (%.1fs)", out["knn_top1"],
                  out["knn_top5"], time.time() - t0)
         return out
+
+
+@dataclass
+class Monitor:
+    """The monitor's parts and cadence (``pretrain.knn_every_epochs``).
+
+    Attributes:
+        every_epochs: run after every this many epochs (0 = never); epoch 0 = the random init.
+        knn: the kNN part, None without labelled train and test images.
+        labelfree: the label-free part, None when ``pretrain.labelfree_images`` is 0 or no
+            built pretraining images exist.
+    """
+
+    every_epochs: int
+    knn: KnnMonitor | None = None
+    labelfree: LabelFreeProbe | None = None
+
+    def due(self, epoch: int) -> bool:
+        """Whether the monitor runs at the end of ``epoch``."""
+        return (self.every_epochs > 0 and epoch % self.every_epochs == 0
+                and (self.knn is not None or self.labelfree is not None))
