@@ -335,6 +335,14 @@ class LinearParams:
 
 
 @dataclass
+class LabelEfficiencyParams:
+    """The label-efficiency curve: probes fitted on a few labelled images per class."""
+
+    per_class: list[int] = field(default_factory=lambda: [1, 2, 5, 10, 25, 100])
+    draws: int = 5  # seeded draws per point (mean and spread)
+
+
+@dataclass
 class ReportParams:
     """Report figures."""
 
@@ -357,6 +365,7 @@ class Params:
     embed: EmbedParams = field(default_factory=EmbedParams)
     knn: KnnParams = field(default_factory=KnnParams)
     linear: LinearParams = field(default_factory=LinearParams)
+    label_efficiency: LabelEfficiencyParams = field(default_factory=LabelEfficiencyParams)
     report: ReportParams = field(default_factory=ReportParams)
 
 
@@ -667,6 +676,14 @@ def _validate_evaluation(p: Params) -> None:
     _pos("report.retrieval_neighbours", p.report.retrieval_neighbours)
 
 
+def _validate_label_efficiency(p: Params) -> None:
+    le = p.label_efficiency
+    _check(bool(le.per_class) and all(n > 0 for n in le.per_class)
+           and list(le.per_class) == sorted(set(le.per_class)), "label_efficiency.per_class",
+           "a non-empty list of increasing image counts per class, each >= 1", le.per_class)
+    _pos("label_efficiency.draws", le.draws)
+
+
 def validate(p: Params) -> Params:
     """Check every range and name constraint of a loaded :class:`Params`.
 
@@ -680,7 +697,7 @@ def validate(p: Params) -> Params:
         ParamsError: the first violated constraint, naming the dotted key.
     """
     for section in (_validate_mlflow, _validate_data, _validate_model, _validate_pretrain,
-                    _validate_evaluation):
+                    _validate_evaluation, _validate_label_efficiency):
         section(p)
     return p
 

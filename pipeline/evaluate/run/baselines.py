@@ -23,6 +23,30 @@ from pipeline.moco.backbones import build_backbone, resolve_small_stem, resolve_
 log = logging.getLogger(__name__)
 
 
+class Flatten(nn.Module):
+    """Raw pixels as features: ``(B, C, H, W)`` normalised images -> ``(B, C*H*W)``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Flatten every dimension but the batch."""
+        return x.flatten(1)
+
+
+def random_encoder(model: ModelParams, *, seed: int, image_size: int, in_channels: int,
+                   layer: int, pool_grid: int) -> nn.Module:
+    """The random-init encoder baseline: the backbone built after ``torch.manual_seed(seed)``.
+
+    Pooled as the MoCo features are (stage ``layer``, ``pool_grid`` cells per side); BN keeps
+    its initial running statistics. The same weights for every caller with the same params.
+    """
+    torch.manual_seed(seed)
+    small = resolve_small_stem(model.small_stem, image_size)
+    backbone = build_backbone(model.backbone, width=model.width, in_channels=in_channels,
+                              small_stem=small,
+                              stem_stride=resolve_stem_stride(model.stem_stride, small))
+    set_pool_grid(backbone, pool_grid, layer)
+    return backbone
+
+
 def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
               linear: LinearParams | None = None, batch_size: int = 512,
               pool_grid: int = 1, layer: int = 4) -> dict[str, float]:
@@ -49,18 +73,8 @@ def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
     size, channels, num_classes = spec.size, spec.channels, len(m["class_names"])
     tf = build_eval_transform(spec.size, spec.mean, spec.std)
     out: dict[str, float] = {}
-
-    class Flatten(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x.flatten(1)
-
-    torch.manual_seed(seed)
-    small = resolve_small_stem(model.small_stem, size)
-    random_bb = build_backbone(model.backbone, width=model.width, in_channels=channels,
-                               small_stem=small,
-                               stem_stride=resolve_stem_stride(model.stem_stride, small))
-    set_pool_grid(random_bb, pool_grid, layer)
-    random_bb.to(device)
+    random_bb = random_encoder(model, seed=seed, image_size=size, in_channels=channels,
+                               layer=layer, pool_grid=pool_grid).to(device)
     for name, net in (("raw_pixels", Flatten()), ("random_encoder", random_bb)):
         t0 = time.time()
         tr, te = (extract_features(net, eval_loader(shards_dir / s, transform=tf,

@@ -1,0 +1,41 @@
+"""DVC stage ``label_efficiency``: kNN and linear-probe top-1 from a few labels per class.
+
+MoCo features beside raw pixels and the random-init encoder, on the same seeded draws
+(:mod:`pipeline.evaluate.label_efficiency`); the answer to "how many images must I label?".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pipeline.cli import stage_entry  # first: light; installs the signal handlers
+
+if TYPE_CHECKING:
+    from pipeline.config import Params
+
+
+def run(p: Params) -> None:
+    from pathlib import Path
+
+    from pipeline.atomic import write_metrics
+    from pipeline.data.remote import shards_location
+    from pipeline.evaluate.run.label_efficiency import label_efficiency
+    from pipeline.tracking import stage_run
+
+    shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
+    with stage_run("label_efficiency", p, upstream=("embed", "pretrain")) as mlrun:
+        metrics = label_efficiency(
+            features_dir=Path("features"), shards_dir=shards, model=p.model, seed=p.seed,
+            linear=p.linear, per_class=p.label_efficiency.per_class,
+            draws=p.label_efficiency.draws, layer=p.embed.layer, pool_grid=p.embed.pool_grid,
+            batch_size=p.embed.batch_size)
+        write_metrics(Path("metrics/label_efficiency.json"), metrics)
+        curve = metrics["curve"]
+        mlrun.log_metrics({f"{kind}_{probe}_top1_{n}_per_class": point["mean"]
+                           for kind, probes in curve.items() for probe, points in probes.items()
+                           for n, point in points.items()})
+        mlrun.log_artifact("metrics/label_efficiency.json")
+
+
+if __name__ == "__main__":
+    stage_entry("label_efficiency", run)
