@@ -18,34 +18,45 @@ All three are computed on the backbone's globally pooled features (what a user g
 the first ``n`` of the built ``pretrain`` split in manifest order (itself a seeded shuffle of
 the source), resized and centre-cropped to the training side. The two views are the training
 augmentation's (:func:`pipeline.data.views.build_batch_view`) under a fixed seed, so the same
-encoder always gets the same numbers. :class:`LabelFreeProbe` runs them at every kNN-monitor
-point and at the end of pretraining, also without labels (``data.source: none``).
+encoder always gets the same numbers. :class:`pipeline.train.monitor.LabelFreeProbe` runs them
+at every monitor point and at the end of pretraining, also without labels (``data.source:
+none``).
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import time
-from collections.abc import Sequence
-from pathlib import Path
 
 import torch
-import torchvision.transforms as T
-from torch import Tensor, nn
+from torch import Tensor
 
-from pipeline.data.loader import eval_loader
-from pipeline.data.remote import ShardURL
-from pipeline.data.views import BatchTwoCrop, build_batch_view
 from pipeline.evaluate.normalize import l2_normalize
-
-log = logging.getLogger(__name__)
 
 RANKME_EPS = 1e-7  # Garrido et al. 2023, the epsilon added to each normalised singular value
 ALIGN_ALPHA = 2  # Wang & Isola 2020, the default exponent of the alignment loss
 UNIFORM_T = 2.0  # Wang & Isola 2020, the default temperature of the uniformity loss
-VIEW_SEED = 20200   # the fixed seed of the two views (any constant: the same views every time)
 METRICS = ("rankme", "alignment", "uniformity")
+
+# Does each number rank encoders as kNN top-1 does, on this project's own data? The Spearman
+# rho and the number of encoders of the correlation study (benchmarks/labelfree_correlation.py;
+# tests/evaluate/test_labelfree.py checks these against the file). A number is a quality signal
+# when rho has the expected sign and |rho| >= SIGNAL_MIN_RHO; otherwise it is a diagnostic.
+STUDY_FILE = "results/labelfree-correlation-2026-12-06.json"
+STUDY: dict[str, tuple[float, int]] = {}
+EXPECTED_SIGN = {"rankme": 1, "alignment": -1, "uniformity": -1}  # higher/lower = better
+SIGNAL_MIN_RHO = 0.7
+
+
+def study_rho(name: str) -> tuple[float | None, int]:
+    """``(Spearman rho with kNN top-1, encoders)`` of a number in :data:`STUDY` (None: not run)."""
+    rho, n = STUDY.get(name, (None, 0))
+    return rho, n
+
+
+def is_signal(name: str) -> bool:
+    """Whether the study found ``name`` ranking encoders as kNN top-1 does (see :data:`STUDY`)."""
+    rho, _ = study_rho(name)
+    return rho is not None and EXPECTED_SIGN[name] * rho >= SIGNAL_MIN_RHO
 
 
 def effective_rank(features: Tensor, eps: float = RANKME_EPS) -> float:
@@ -112,76 +123,3 @@ def uniformity(features: Tensor, t: float = UNIFORM_T) -> float:
     z = l2_normalize(features.double())
     sq = torch.pdist(z).pow(2)  # (N (N - 1) / 2,) squared distances of the pairs i < j
     return float(torch.logsumexp(-t * sq, dim=0) - math.log(sq.numel()))
-
-
-def uint8_transform(image_size: int) -> T.Compose:
-    """PIL image → ``(C, S, S)`` uint8: the evaluation resize and centre crop, no normalisation."""
-    return T.Compose([T.Resize(image_size), T.CenterCrop(image_size), T.PILToTensor()])
-
-
-class LabelFreeProbe:
-    """RankMe, alignment and uniformity of a backbone on a fixed sample of pretraining images.
-
-    Args:
-        split: the built ``pretrain`` split (its first ``n`` images in manifest order).
-        image_size: the training side S (images are resized and centre-cropped to it).
-        mean: per-channel normalisation mean (the training one).
-        std: per-channel normalisation std.
-        preset: ``augment.preset`` (the two views are the training augmentation's).
-        crop_min_scale: ``augment.crop_min_scale``.
-        device: where the backbone runs.
-        n: sample size (``pretrain.labelfree_images``); the split may hold fewer.
-        batch_size: forward batch size.
-
-    Raises:
-        ShardError: the split cannot be read.
-    """
-
-    def __init__(self, split: Path | ShardURL, *, image_size: int, mean: Sequence[float],
-                 std: Sequence[float], preset: str, crop_min_scale: float,
-                 device: torch.device, n: int, batch_size: int = 512) -> None:
-        loader = eval_loader(split, transform=uint8_transform(image_size), batch_size=512,
-                             max_images=n)
-        self.images = torch.cat([x for x, _, _ in loader])  # (N, C, S, S) uint8, CPU
-        self.views = BatchTwoCrop(build_batch_view(preset, image_size, mean, std,
-                                                   crop_min_scale, crop=True).to(device))
-        self.mean = torch.tensor(list(mean), device=device).view(1, -1, 1, 1)
-        self.std = torch.tensor(list(std), device=device).view(1, -1, 1, 1)
-        self.device, self.batch_size = device, batch_size
-
-    def __len__(self) -> int:
-        """N, the images in the sample."""
-        return self.images.shape[0]
-
-    @torch.no_grad()
-    def _embed(self, backbone: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
-        """``(plain, view 1, view 2)`` features, ``(N, D)`` float32 on CPU each."""
-        plain, v1, v2 = [], [], []
-        for i in range(0, len(self), self.batch_size):
-            x = self.images[i:i + self.batch_size].to(self.device)
-            q, k = self.views(x, VIEW_SEED + i)
-            plain.append(backbone((x.float() / 255 - self.mean) / self.std).float().cpu())
-            v1.append(backbone(q).float().cpu())
-            v2.append(backbone(k).float().cpu())
-        return torch.cat(plain), torch.cat(v1), torch.cat(v2)
-
-    def __call__(self, backbone: nn.Module) -> dict[str, float]:
-        """The three numbers of ``backbone`` as it is now (eval mode; its mode is restored).
-
-        Returns:
-            ``{"rankme", "alignment", "uniformity"}``.
-        """
-        t0 = time.time()
-        was = [(m, m.training) for m in backbone.modules()]
-        backbone.eval()
-        try:
-            plain, a, b = self._embed(backbone)
-        finally:
-            for m, training in was:
-                m.training = training
-        out = {"rankme": effective_rank(plain), "alignment": alignment(a, b),
-               "uniformity": uniformity(plain)}
-        log.info("label-free (%d images): RankMe %.1f of %d, alignment %.3f, uniformity %.3f "
-                 "(%.1fs)", len(self), out["rankme"], min(plain.shape), out["alignment"],
-                 out["uniformity"], time.time() - t0)
-        return out

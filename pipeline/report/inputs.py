@@ -9,7 +9,8 @@ except for the few shard images that the retrieval figure picks, which they load
 Inputs, all relative to the repo root::
 
     metrics/{pretrain,embed,baselines,knn,linear}.json   Metrics
-    plots/{pretrain,knn_monitor,linear}.tsv              columns of floats
+    metrics/label_efficiency.json                        the label-efficiency curve
+    plots/{pretrain,knn_monitor,labelfree,linear}.tsv    columns of floats
     eval/{knn,linear}_details.json                       EvalDetails
     features/{train,test}.pt                             Embeddings
     runs/<stage>.json                                    RunRecord
@@ -38,7 +39,8 @@ from pipeline.data.shards import ShardError, read_manifest
 
 log = logging.getLogger(__name__)
 
-TRACKED_STAGES = ("build_shards", "pretrain", "embed", "baselines", "knn", "linear")
+TRACKED_STAGES = ("build_shards", "pretrain", "embed", "baselines", "knn", "linear",
+                  "label_efficiency")
 METRICS_FILES = {  # metric-name prefix -> metrics file (relative to the repo root)
     "pretrain": "metrics/pretrain.json",
     "embed": "metrics/embed.json",
@@ -49,6 +51,7 @@ METRICS_FILES = {  # metric-name prefix -> metrics file (relative to the repo ro
 PLOT_FILES = {  # curve name -> TSV (relative to the repo root)
     "pretrain": "plots/pretrain.tsv",
     "knn_monitor": "plots/knn_monitor.tsv",
+    "labelfree": "plots/labelfree.tsv",
     "linear": "plots/linear.tsv",
 }
 EVALUATIONS = ("knn", "linear")  # eval/<name>_details.json
@@ -143,6 +146,7 @@ class RunOutputs:
             skipped).
         shards_dir: the shard directory (``<root>/<data.shards_dir>``); retrieval images are
             read from its ``train`` and ``test`` splits.
+        label_efficiency: ``metrics/label_efficiency.json`` (:func:`read_label_efficiency`).
     """
 
     metrics: Mapping[str, Metrics | None]
@@ -154,6 +158,7 @@ class RunOutputs:
     dvc_lock: list[LockRow] | None
     shards_dir: Path
     shards_are_url: bool = False
+    label_efficiency: Mapping[str, Any] | None = None
 
 
 def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
@@ -185,7 +190,30 @@ def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
         dvc_lock=read_dvc_lock(root / "dvc.lock"),
         shards_dir=root / shards_dir,
         shards_are_url=is_url(shards_dir),
+        label_efficiency=read_label_efficiency(root / "metrics/label_efficiency.json"),
     )
+
+
+def read_label_efficiency(path: Path) -> dict[str, Any] | None:
+    """``metrics/label_efficiency.json`` when its curve is whole, else None (with a log line).
+
+    Whole: ``curve[kind][probe][n]`` holds finite ``mean`` and ``std`` for every kind, both
+    probes and the same ``n`` everywhere.
+    """
+    data = read_json(path)
+    try:
+        curve = data["curve"]
+        ns = {tuple(points) for probes in curve.values() for points in probes.values()}
+        ok = len(ns) == 1 and all(
+            _finite(pt["mean"]) and _finite(pt["std"]) for probes in curve.values()
+            for probe in ("knn", "linear") for pt in probes[probe].values())
+    except (TypeError, KeyError, AttributeError):
+        ok = False
+    if not ok:
+        if data is not None:
+            log.warning("%s: not a whole label-efficiency curve; the report leaves it out", path)
+        return None
+    return data
 
 
 def _finite(v: Any) -> bool:

@@ -1,4 +1,4 @@
-"""Render a :class:`~pipeline.report.sections.Document` as HTML and as Markdown (Jinja2).
+"""Render a :class:`~pipeline.report.document.Document` as HTML and as Markdown (Jinja2).
 
 The look of the report lives in two templates, package data of ``pipeline.report``:
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jinja2
 
-from pipeline.report.sections import NOT_AVAILABLE, Document, FigureRef
+from pipeline.report.document import NOT_AVAILABLE, Document, FigureRef
 
 HTML_TEMPLATE = "report.html.j2"
 MARKDOWN_TEMPLATE = "report.md.j2"

@@ -1,83 +1,33 @@
 """Build the report's sections from :class:`~pipeline.report.inputs.RunOutputs`.
 
-A report is a :class:`Document`: a title, a subtitle and :class:`Section` s made of three kinds
-of blocks, :class:`Table` (cells already formatted as text), :class:`Paragraph` and
-:class:`FigureRef` (a PNG drawn into ``fig_dir`` by :mod:`pipeline.report.figures`). Nothing
-here knows HTML or Markdown: :mod:`pipeline.report.render` turns a document into both.
-
-A number that is missing from the inputs is shown as :data:`NOT_AVAILABLE`.
+A report is a :class:`~pipeline.report.document.Document` of sections
+(:mod:`pipeline.report.document`); the quality sections (no labels, few labels) are
+:mod:`pipeline.report.quality`'s. A number that is missing from the inputs is shown as
+:data:`~pipeline.report.document.NOT_AVAILABLE`.
 """
 
 from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
 
 from pipeline.config import Params
 from pipeline.report import figures as fg
+from pipeline.report.document import (
+    NOT_AVAILABLE,
+    Block,
+    Document,
+    FigureRef,
+    Paragraph,
+    Section,
+    Table,
+)
 from pipeline.report.inputs import Embeddings, Metrics, RunOutputs, load_shard_images
+from pipeline.report.quality import label_efficiency_section, labelfree_section
 from pipeline.report.references import PROTOCOL_NAMES, published_reference, reference_note
 
-NOT_AVAILABLE = "not available"
 COST_STAGES = ("pretrain", "embed", "baselines", "knn", "linear")
-
-
-# --------------------------------------------------------------------------- document model
-
-
-@dataclass
-class Table:
-    """A table: ``headers`` and rows of already-formatted cells."""
-
-    headers: list[str]
-    rows: list[list[str]]
-    kind: ClassVar[str] = "table"
-
-
-@dataclass
-class Paragraph:
-    """A paragraph of plain text, optionally ending with a link (``href``, shown as itself)."""
-
-    text: str
-    href: str = ""
-    kind: ClassVar[str] = "paragraph"
-
-
-@dataclass
-class FigureRef:
-    """A figure file (name inside ``figures/``) and its caption."""
-
-    name: str
-    caption: str
-    kind: ClassVar[str] = "figure"
-
-
-Block = Table | Paragraph | FigureRef
-
-
-@dataclass
-class Section:
-    """A titled section of the report."""
-
-    title: str
-    blocks: list[Block] = field(default_factory=list)
-
-    @property
-    def anchor(self) -> str:
-        """The HTML id of the section."""
-        return "".join(ch if ch.isalnum() else "-" for ch in self.title.lower()).strip("-")
-
-
-@dataclass
-class Document:
-    """The whole report: what the HTML and Markdown templates render."""
-
-    title: str
-    subtitle: str
-    sections: list[Section]
 
 
 def build_document(
@@ -100,7 +50,9 @@ def build_document(
         settings_section(params),
         results_section(params, m),
         pretrain_section(params, outputs, fig_dir),
+        labelfree_section(outputs, fig_dir),
         evaluation_section(outputs, fig_dir),
+        label_efficiency_section(outputs, fig_dir),
         embedding_section(params, outputs, fig_dir),
         cost_section(m),
         runs_section(outputs),

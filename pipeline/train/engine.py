@@ -36,7 +36,6 @@ from pipeline.data.views import (
     build_eval_transform,
 )
 from pipeline.data.workers import LoaderWorkerError, shut_down, worker_death
-from pipeline.evaluate.labelfree import LabelFreeProbe
 from pipeline.moco.model import MoCo, MocoOutput
 from pipeline.seeds import batch_seed
 from pipeline.signals import StopFlag, Terminated, signal_name, stop_on_signals
@@ -50,7 +49,7 @@ from pipeline.train.checkpoint import (
 )
 from pipeline.train.export import export_outputs, final_metrics
 from pipeline.train.logging import LogWindow, format_row
-from pipeline.train.monitor import KnnMonitor, Monitor
+from pipeline.train.monitor import KnnMonitor, LabelFreeProbe, Monitor
 from pipeline.train.plan import RunPlan, build_moco, plan_run
 from pipeline.train.runtime import (
     Precision,

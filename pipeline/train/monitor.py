@@ -9,21 +9,26 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+import torchvision.transforms as T
+from torch import Tensor, nn
 
 from pipeline.data.loader import eval_loader
+from pipeline.data.remote import ShardURL
+from pipeline.data.views import BatchTwoCrop, build_batch_view
 from pipeline.evaluate.features import extract_features
 from pipeline.evaluate.knn import knn_classify
-from pipeline.evaluate.labelfree import LabelFreeProbe
+from pipeline.evaluate.labelfree import alignment, effective_rank, uniformity
 
 log = logging.getLogger(__name__)
 
 MONITOR_K, MONITOR_T = 200, 0.1  # InstDisc / MoCo CIFAR-10 demo
+VIEW_SEED = 20200  # the fixed seed of the label-free views (any constant: the same every time)
 
 
 class KnnMonitor:
@@ -68,6 +73,79 @@ class KnnMonitor:
         out = {"knn_top1": float(res.top1), "knn_top5": float(res.top5)}
         log.info("kNN monitor: top-1 %.2f%% top-5 %.2f%% (%.1fs)", out["knn_top1"],
                  out["knn_top5"], time.time() - t0)
+        return out
+
+
+def uint8_transform(image_size: int) -> T.Compose:
+    """PIL image → ``(C, S, S)`` uint8: the evaluation resize and centre crop, no normalisation."""
+    return T.Compose([T.Resize(image_size), T.CenterCrop(image_size), T.PILToTensor()])
+
+
+class LabelFreeProbe:
+    """RankMe, alignment and uniformity of a backbone on a fixed sample of pretraining images.
+
+    Args:
+        split: the built ``pretrain`` split (its first ``n`` images in manifest order).
+        image_size: the training side S (images are resized and centre-cropped to it).
+        mean: per-channel normalisation mean (the training one).
+        std: per-channel normalisation std.
+        preset: ``augment.preset`` (the two views are the training augmentation's).
+        crop_min_scale: ``augment.crop_min_scale``.
+        device: where the backbone runs.
+        n: sample size (``pretrain.labelfree_images``); the split may hold fewer.
+        batch_size: forward batch size.
+
+    Raises:
+        ShardError: the split cannot be read.
+    """
+
+    def __init__(self, split: Path | ShardURL, *, image_size: int, mean: Sequence[float],
+                 std: Sequence[float], preset: str, crop_min_scale: float,
+                 device: torch.device, n: int, batch_size: int = 512) -> None:
+        loader = eval_loader(split, transform=uint8_transform(image_size), batch_size=512,
+                             max_images=n)
+        self.images = torch.cat([x for x, _, _ in loader])  # (N, C, S, S) uint8, CPU
+        self.views = BatchTwoCrop(build_batch_view(preset, image_size, mean, std,
+                                                   crop_min_scale, crop=True).to(device))
+        self.mean = torch.tensor(list(mean), device=device).view(1, -1, 1, 1)
+        self.std = torch.tensor(list(std), device=device).view(1, -1, 1, 1)
+        self.device, self.batch_size = device, batch_size
+
+    def __len__(self) -> int:
+        """N, the images in the sample."""
+        return self.images.shape[0]
+
+    @torch.no_grad()
+    def _embed(self, backbone: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
+        """``(plain, view 1, view 2)`` features, ``(N, D)`` float32 on CPU each."""
+        plain, v1, v2 = [], [], []
+        for i in range(0, len(self), self.batch_size):
+            x = self.images[i:i + self.batch_size].to(self.device)
+            q, k = self.views(x, VIEW_SEED + i)
+            plain.append(backbone((x.float() / 255 - self.mean) / self.std).float().cpu())
+            v1.append(backbone(q).float().cpu())
+            v2.append(backbone(k).float().cpu())
+        return torch.cat(plain), torch.cat(v1), torch.cat(v2)
+
+    def __call__(self, backbone: nn.Module) -> dict[str, float]:
+        """The three numbers of ``backbone`` as it is now (eval mode; its mode is restored).
+
+        Returns:
+            ``{"rankme", "alignment", "uniformity"}``.
+        """
+        t0 = time.time()
+        was = [(m, m.training) for m in backbone.modules()]
+        backbone.eval()
+        try:
+            plain, a, b = self._embed(backbone)
+        finally:
+            for m, training in was:
+                m.training = training
+        out = {"rankme": effective_rank(plain), "alignment": alignment(a, b),
+               "uniformity": uniformity(plain)}
+        log.info("label-free (%d images): RankMe %.1f of %d, alignment %.3f, uniformity %.3f "
+                 "(%.1fs)", len(self), out["rankme"], min(plain.shape), out["alignment"],
+                 out["uniformity"], time.time() - t0)
         return out
 
 

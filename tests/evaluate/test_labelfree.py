@@ -11,13 +11,9 @@ import pytest
 import torch
 from helpers import build_tiny_shards, run_pretrain
 
-from pipeline.evaluate.labelfree import (
-    LabelFreeProbe,
-    alignment,
-    effective_rank,
-    uniformity,
-)
+from pipeline.evaluate.labelfree import alignment, effective_rank, uniformity
 from pipeline.evaluate.run.embed import load_encoder
+from pipeline.train.monitor import LabelFreeProbe
 
 
 def test_effective_rank__equal_singular_values_give_their_count():

@@ -22,6 +22,12 @@ PRETRAIN = {
     "world_size": 1,
     "knn_top1": 66.5,
     "knn_top5": 98.0,
+    "rankme": 41.25,
+    "alignment": 0.375,
+    "uniformity": -2.5,
+    "rankme_init": 12.5,
+    "alignment_init": 0.125,
+    "uniformity_init": -0.25,
     "knn_top1_init": 40.25,
 }
 KNN = {
@@ -120,6 +126,24 @@ def write_shards(split_dir, keys, labels, per_shard, *, manifest):
         )
 
 
+def _points(means, std):
+    return {n: {"mean": m, "std": std, "min": m - std, "max": m + std}
+            for n, m in zip(("1", "10"), means)}
+
+
+# MoCo 60.5 vs raw pixels 40 at 10 labels per class (kNN), spreads 2 and 3: a margin of 20.5
+LABEL_EFFICIENCY = {
+    "draws": 3, "train_images": 60,
+    "curve": {
+        "moco": {"knn": _points([30.0, 60.5], 2.0), "linear": _points([35.0, 70.0], 2.0)},
+        "raw_pixels": {"knn": _points([25.0, 40.0], 3.0),
+                       "linear": _points([20.0, 45.0], 3.0)},
+        "random_encoder": {"knn": _points([20.0, 30.0], 1.0),
+                           "linear": _points([21.0, 33.0], 1.0)},
+    },
+}
+
+
 def features(n, seed):
     """(n, 8) features around 3 fixed class centres (shared by train and test), noise by seed."""
     centres = torch.randn(3, 8, generator=torch.Generator().manual_seed(123)) * 3
@@ -152,6 +176,11 @@ def make_run(root):
     (root / "plots/knn_monitor.tsv").write_text(
         "epoch\tstep\tknn_top1\tknn_top5\n0\t0\t40.25\t90\n1\t10\t55\t95\n2\t20\t66.5\t98\n"
     )
+    (root / "plots/labelfree.tsv").write_text(
+        "epoch\tstep\trankme\talignment\tuniformity\n0\t0\t12.5\t0.125\t-0.25\n"
+        "1\t10\t30\t0.25\t-2\n2\t20\t41.25\t0.375\t-2.5\n"
+    )
+    write_json(root / "metrics/label_efficiency.json", LABEL_EFFICIENCY)
     (root / "plots/linear.tsv").write_text(
         "epoch\tloss\ttrain_acc\tlr\tval_acc\n"
         + "".join(f"{e}\t{2 - e * 0.3}\t{50 + 5 * e}\t3.75\t{48 + 5 * e}\n" for e in range(1, 6))

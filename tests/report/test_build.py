@@ -17,6 +17,8 @@ FIGURES = {
     "queue_age",
     "throughput",
     "knn_monitor",
+    "labelfree",
+    "label_efficiency",
     "linear_curves",
     "confusion_knn",
     "confusion_linear",
@@ -48,7 +50,8 @@ def test_build_report__html_and_markdown_are_twins(full_report):
     html, md = report.html.read_text(), report.markdown.read_text()
     titles = re.findall(r"^## (.+)$", md, flags=re.M)
     assert re.findall(r"<h2>(.+?)</h2>", html) == titles
-    assert titles == ["Settings", "Results", "Pretraining", "Evaluation", "Embeddings",
+    assert titles == ["Settings", "Results", "Pretraining", "Quality without labels",
+                      "Evaluation", "Label efficiency", "Embeddings",
                       "Throughput and wall time", "MLflow runs", "DVC outputs"]
     md_rows = [ln for ln in md.splitlines() if ln.startswith("| ")]  # header rows included
     assert html.count("<tr>") == len(md_rows)
@@ -186,8 +189,8 @@ def test_build_report__hostile_inputs_shown_as_text(tmp_path):
     html = report.html.read_text()
     assert "<script" not in html and "onerror=" not in html.replace("onerror=&#34;", "")
     assert "&lt;img src=x onerror=&#34;alert(1)&#34;&gt;" in html
-    assert check_html(report.html) == []  # no image smuggled in: all 9 are the real figures
-    assert html.count("<img ") == 9
+    assert check_html(report.html) == []  # no image smuggled in: all 11 are the real figures
+    assert html.count("<img ") == 11
     md = report.markdown.read_text()
     runs = md_section(md, "MLflow runs")
     assert '| knn | &lt;img src=x onerror="alert(1)"> | &lt;b>7&lt;/b>\\|x |' in runs

@@ -27,16 +27,17 @@ def test_build_document__sections_and_figures(tmp_path):
     params = from_dict({**PARAMS, "report": {"tsne_points": 0, "retrieval_queries": 0}})
     doc = build_document(params, read_outputs(root, "data/shards"), fig_dir, "c0ffee")
     assert [s.title for s in doc.sections] == [
-        "Settings", "Results", "Pretraining", "Evaluation", "Embeddings",
-        "Throughput and wall time", "MLflow runs", "DVC outputs",
+        "Settings", "Results", "Pretraining", "Quality without labels", "Evaluation",
+        "Label efficiency", "Embeddings", "Throughput and wall time", "MLflow runs",
+        "DVC outputs",
     ]
     assert doc.title == "MoCo report: fashion_mnist / resnet18"
     assert doc.subtitle.endswith("git commit c0ffee.")
     refs = [b.name for s in doc.sections for b in s.blocks if isinstance(b, FigureRef)]
     assert sorted(refs) == sorted(p.name for p in fig_dir.iterdir())
-    assert len(refs) == 9  # all but t-SNE and retrieval
-    assert doc.sections[5].anchor == "throughput-and-wall-time"
-    assert doc.sections[4].blocks[0] == Paragraph(
+    assert len(refs) == 11  # all but t-SNE and retrieval
+    assert doc.sections[7].anchor == "throughput-and-wall-time"
+    assert doc.sections[6].blocks[0] == Paragraph(
         "t-SNE: skipped (report.tsne_points = 0, 24 test embeddings; at least 10 needed)."
     )
 

@@ -1,0 +1,187 @@
+"""What the report says about quality without labels and with few: two sections, two figures.
+
+* "Quality without labels": RankMe, alignment and uniformity (:mod:`pipeline.evaluate.
+  labelfree`) at the end of pretraining and per monitor epoch, each with one sentence on how to
+  read it. A number is called a quality signal only if the project's correlation study found
+  it ranking encoders as kNN top-1 does (:func:`pipeline.evaluate.labelfree.is_signal`);
+  otherwise it is shown as a diagnostic.
+* "Label efficiency": kNN and linear-probe top-1 from a few labelled images per class
+  (:mod:`pipeline.evaluate.label_efficiency`), MoCo beside raw pixels and the random encoder,
+  with the pipeline's whole-train-set numbers as the last point, and the margin MoCo has over
+  raw pixels at 10 labels per class, or the sentence saying it has none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.evaluate.labelfree import METRICS, STUDY_FILE, is_signal, study_rho
+from pipeline.report import figures as fg
+from pipeline.report.document import NOT_AVAILABLE, FigureRef, Paragraph, Section, Table
+from pipeline.report.inputs import Metrics, RunOutputs
+
+READING = {
+    "rankme": "RankMe is the effective number of feature directions the images use (at most "
+              "the feature dimension D): an encoder that collapses drives it toward 1, and "
+              "across self-supervised runs a higher one tends to go with higher accuracy "
+              "(Garrido et al. 2023).",
+    "alignment": "Alignment is the mean squared distance between the unit-length features of "
+                 "two augmented views of one image (0 = identical, 4 = opposite): lower means "
+                 "the encoder ignores the augmentations (Wang & Isola 2020).",
+    "uniformity": "Uniformity is log mean exp(-2 x squared distance) over pairs of different "
+                  "images on the unit sphere (0 = all on one point, down to about -4): lower "
+                  "means the images spread more evenly (Wang & Isola 2020).",
+}
+LABELS = {"rankme": "RankMe (effective rank)", "alignment": "alignment",
+          "uniformity": "uniformity"}
+KIND_NAMES = {"moco": "MoCo", "raw_pixels": "raw pixels", "random_encoder": "random encoder"}
+# the pipeline's whole-train-set numbers for each kind and probe: (metrics file, key)
+ALL_LABELS = {
+    ("moco", "knn"): ("knn", "top1"), ("moco", "linear"): ("linear", "top1"),
+    ("raw_pixels", "knn"): ("baselines", "raw_pixels_knn_tuned_top1"),
+    ("raw_pixels", "linear"): ("baselines", "raw_pixels_linear_top1"),
+    ("random_encoder", "knn"): ("baselines", "random_encoder_top1"),
+}
+MARGIN_AT = "10"  # labels per class at which the report states MoCo's margin over raw pixels
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return NOT_AVAILABLE if v is None else format(v, spec)
+
+
+def plot_labelfree(table: Mapping[str, np.ndarray], path: Path) -> Path:
+    """RankMe, alignment and uniformity per monitor epoch (epoch 0 = random init), 3 panels."""
+    fig, axes = fg._figure(10.5, 3.2, ncols=3)
+    x = np.asarray(table["epoch"], dtype=float)
+    for ax, name in zip(axes, METRICS):
+        ax.plot(x, table[name], marker="o", color="C0")
+        ax.set(xlabel="epoch", title=LABELS[name])
+        fg._integer_ticks(ax)
+        ax.grid(alpha=0.3)
+    return fg._save(fig, path)
+
+
+def _signal_sentence(name: str) -> str:
+    rho, n = study_rho(name)
+    if rho is None:
+        return "Not yet checked against accuracy on this project's data: a diagnostic."
+    verdict = ("a quality signal here" if is_signal(name)
+               else "a diagnostic only: it did not rank encoders as accuracy does here")
+    return (f"Across {n} encoders of this project's correlation study ({STUDY_FILE}) its "
+            f"Spearman correlation with kNN top-1 was {rho:+.2f}: {verdict}.")
+
+
+def labelfree_section(outputs: RunOutputs, fig_dir: Path) -> Section:
+    """Label-free numbers: table (init -> end), curves, one reading per number."""
+    pre = outputs.metrics.get("pretrain")
+    sec = Section("Quality without labels")
+    if pre is None or pre.get("rankme") is None:
+        sec.blocks.append(Paragraph(f"Label-free numbers: {NOT_AVAILABLE} (metrics/pretrain.json "
+                                    "has none: pretrain.labelfree_images 0, or an older run)."))
+        return sec
+    rows = [[LABELS[k], _fmt(pre.get(f"{k}_init"), ".3f"), _fmt(pre.get(k), ".3f"),
+             "quality signal" if is_signal(k) else "diagnostic"] for k in METRICS]
+    sec.blocks.append(Table(["number", "random init", "end of pretraining", "shown as"], rows))
+    table = outputs.plots.get("labelfree")
+    if table is not None and all(fg._has(table, k) for k in ("epoch", *METRICS)):
+        plot_labelfree(table, fig_dir / "labelfree.png")
+        sec.blocks.append(FigureRef("labelfree.png", "Label-free numbers at every monitor point "
+                                    "(pretrain.labelfree_images pretraining images, no labels; "
+                                    "epoch 0 = random init)."))
+    for k in METRICS:
+        sec.blocks.append(Paragraph(f"{READING[k]} {_signal_sentence(k)}"))
+    return sec
+
+
+def plot_label_efficiency(curve: Mapping[str, Any], alls: Mapping[tuple[str, str], float],
+                          all_per_class: float, path: Path) -> Path:
+    """Top-1 against labelled images per class (log x), mean +- std, one panel per probe.
+
+    Args:
+        curve: ``{kind: {probe: {str(n): {"mean", "std", ...}}}}`` (top-1 in percent).
+        alls: ``(kind, probe) -> top-1`` with every train label, drawn as a star.
+        all_per_class: where the stars go: train images / classes.
+        path: the PNG to write.
+    """
+    fig, axes = fg._figure(10.5, 3.8, ncols=2)
+    for ax, probe in zip(axes, ("knn", "linear")):
+        for i, (kind, probes) in enumerate(curve.items()):
+            points = probes[probe]
+            n = np.array([int(k) for k in points], dtype=float)
+            mean = np.array([points[k]["mean"] for k in points])
+            std = np.array([points[k]["std"] for k in points])
+            colour = f"C{i}"
+            ax.plot(n, mean, marker="o", color=colour, label=KIND_NAMES.get(kind, kind))
+            ax.fill_between(n, mean - std, mean + std, color=colour, alpha=0.2)
+            if (kind, probe) in alls:
+                ax.plot([all_per_class], [alls[(kind, probe)]], marker="*",
+                        markersize=11, color=colour, linestyle="none")
+        ax.set_xscale("log")
+        ax.set(xlabel="labelled images per class (star: all)", ylabel="top-1 (%)",
+               title="kNN" if probe == "knn" else "linear probe")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    return fg._save(fig, path)
+
+
+def _alls(m: Mapping[str, Metrics | None]) -> dict[tuple[str, str], float]:
+    out = {}
+    for key, (stage, name) in ALL_LABELS.items():
+        v = m.get(stage).get(name) if m.get(stage) is not None else None
+        if v is not None:
+            out[key] = v
+    return out
+
+
+def margin_sentence(curve: Mapping[str, Any]) -> str:
+    """What MoCo gains over raw pixels at :data:`MARGIN_AT` labels per class, per probe."""
+    parts, beats = [], []
+    for probe, name in (("knn", "kNN"), ("linear", "linear probe")):
+        moco = curve.get("moco", {}).get(probe, {}).get(MARGIN_AT)
+        raw = curve.get("raw_pixels", {}).get(probe, {}).get(MARGIN_AT)
+        if moco is None or raw is None:
+            continue
+        d = moco["mean"] - raw["mean"]
+        beats.append(d > moco["std"] + raw["std"])
+        parts.append(f"{name} {moco['mean']:.2f} % against {raw['mean']:.2f} % "
+                     f"({d:+.2f} points; spread over draws {moco['std']:.2f} and "
+                     f"{raw['std']:.2f})")
+    if not parts:
+        return f"No point at {MARGIN_AT} labels per class (label_efficiency.per_class)."
+    verdict = ("MoCo beats raw pixels by more than the spread of the draws" if all(beats)
+               else "MoCo does NOT beat raw pixels by more than the spread of the draws"
+               if not any(beats) else "MoCo beats raw pixels by more than the spread for one "
+               "probe only")
+    return (f"With {MARGIN_AT} labelled images per class: {'; '.join(parts)}. {verdict}.")
+
+
+def label_efficiency_section(outputs: RunOutputs, fig_dir: Path) -> Section:
+    """The label-efficiency curve and the margin at 10 labels per class."""
+    sec = Section("Label efficiency")
+    le = outputs.label_efficiency
+    if le is None:
+        sec.blocks.append(Paragraph(f"Label efficiency: {NOT_AVAILABLE} "
+                                    "(metrics/label_efficiency.json)."))
+        return sec
+    curve = le["curve"]
+    classes = len(outputs.test_class_names or []) or 1
+    plot_label_efficiency(curve, _alls(outputs.metrics),
+                          float(le.get("train_images", 0)) / classes,
+                          fig_dir / "label_efficiency.png")
+    sec.blocks.append(FigureRef(
+        "label_efficiency.png",
+        f"Top-1 on the whole test set from n labelled train images per class (mean and spread "
+        f"over {le.get('draws')} seeded draws, the same draws for every kind; kNN k=200 capped "
+        "at the bank, T=0.1; the linear probe of the linear params). Stars: the pipeline's "
+        "numbers with every train label (kNN with k and T chosen on held-out train images)."))
+    ns = list(next(iter(curve.values()))["knn"])
+    rows = [[KIND_NAMES.get(kind, kind), probe] + [
+        f"{probes[probe][n]['mean']:.2f} ± {probes[probe][n]['std']:.2f}" for n in ns]
+        for kind, probes in curve.items() for probe in ("knn", "linear")]
+    sec.blocks.append(Table(["features", "probe"] + [f"{n}/class" for n in ns], rows))
+    sec.blocks.append(Paragraph(margin_sentence(curve)))
+    return sec

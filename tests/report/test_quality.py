@@ -1,0 +1,51 @@
+"""The report's quality sections: label-free numbers and the label-efficiency margin."""
+
+from __future__ import annotations
+
+import copy
+
+from reporthelpers import LABEL_EFFICIENCY, make_run
+
+from pipeline.evaluate import labelfree
+from pipeline.report.document import FigureRef, Paragraph, Table
+from pipeline.report.inputs import read_outputs
+from pipeline.report.quality import label_efficiency_section, labelfree_section, margin_sentence
+
+
+def test_margin_sentence__beats_raw_pixels_by_more_than_the_spread():
+    # kNN 60.5 vs 40.0 (+20.5 > 2 + 3), linear 70.0 vs 45.0 (+25 > 2 + 3), by hand
+    text = margin_sentence(LABEL_EFFICIENCY["curve"])
+    assert text == (
+        "With 10 labelled images per class: kNN 60.50 % against 40.00 % (+20.50 points; "
+        "spread over draws 2.00 and 3.00); linear probe 70.00 % against 45.00 % (+25.00 points; "
+        "spread over draws 2.00 and 3.00). MoCo beats raw pixels by more than the spread of "
+        "the draws.")
+
+
+def test_margin_sentence__says_so_when_moco_does_not_beat_raw_pixels():
+    curve = copy.deepcopy(LABEL_EFFICIENCY["curve"])
+    curve["moco"]["knn"]["10"]["mean"] = 44.0  # +4 < 2 + 3
+    curve["moco"]["linear"]["10"]["mean"] = 40.0  # below
+    assert margin_sentence(curve).endswith(
+        "MoCo does NOT beat raw pixels by more than the spread of the draws.")
+
+
+def test_quality_sections__tables_figures_and_study_verdicts(tmp_path, monkeypatch):
+    root = make_run(tmp_path / "run")
+    out = read_outputs(root, "data/shards")
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    monkeypatch.setattr(labelfree, "STUDY", {"rankme": (0.81, 20), "alignment": (0.5, 20),
+                                             "uniformity": (-0.2, 20)})
+    sec = labelfree_section(out, figs)
+    table = next(b for b in sec.blocks if isinstance(b, Table))
+    assert table.rows[0] == ["RankMe (effective rank)", "12.500", "41.250", "quality signal"]
+    assert [r[3] for r in table.rows[1:]] == ["diagnostic", "diagnostic"]
+    texts = [b.text for b in sec.blocks if isinstance(b, Paragraph)]
+    assert "correlation with kNN top-1 was +0.81: a quality signal here" in texts[0]
+    assert "+0.50: a diagnostic only" in texts[1]
+    assert (figs / "labelfree.png").is_file()
+    le = label_efficiency_section(out, figs)
+    assert [b.name for b in le.blocks if isinstance(b, FigureRef)] == ["label_efficiency.png"]
+    rows = next(b for b in le.blocks if isinstance(b, Table)).rows
+    assert rows[0] == ["MoCo", "knn", "30.00 ± 2.00", "60.50 ± 2.00"]
