@@ -713,3 +713,46 @@ def test_index_params_folders__lists_the_files_the_build_reads_under_its_names(t
     write_json(FOLDERS, index)
     src, _ = open_data(params, seed=0)
     assert src.broken == 1 and src.splits() == {"pretrain": 7, "train": 7, "test": 2}
+
+
+def _png(colour) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_index__dotted_keys_counted_as_in_the_tar_index_and_loader_agree(tmp_path):
+    # Worked by hand. Members: a.b.c.jpg + a.b.c.json, a.b.d.jpg, 000000001.jpg + .json + .txt,
+    # x.y.jpg cut short, img.2024.05.png, only.meta.json. A key ends at the last dot (as
+    # img2dataset writes <key>.<ext>): 6 samples; a.b.c, a.b.d, 000000001 and img.2024.05
+    # decode (4), x.y (truncated) and only.meta (no image) are broken (2). WebDataset's
+    # first-dot rule would read 5 samples a, 000000001, x, img, only and 1 good (a's members
+    # b.c.jpg, b.d.jpg are no image member).
+    jpg = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(jpg, format="JPEG", quality=95)
+    good = jpg.getvalue()
+    path = tmp_path / "ext" / "00000.tar"
+    path.parent.mkdir()
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as t:
+        for name, data in [("a.b.c.jpg", good), ("a.b.c.json", b"{}"), ("a.b.d.jpg", good),
+                           ("000000001.jpg", good), ("000000001.json", b"{}"),
+                           ("000000001.txt", b"a caption"), ("x.y.jpg", good[:len(good) // 3]),
+                           ("img.2024.05.png", _png((0, 90, 0))), ("only.meta.json", b"{}")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    m, _ = index_shards(str(path.parent), split="pretrain", key="data.pretrain_shards",
+                        max_broken_fraction=0.5)
+    assert (m["num_samples"], m["num_broken"]) == (4, 2)
+    (entry,) = m["shards"]
+    assert [b["key"] for b in entry["broken"]] == ["x.y", "only.meta"]
+    assert entry["broken"][1]["why"] == "no image member (has json)"
+    # the loader reads the same 4 samples under the same keys, once each per epoch
+    no_labels(tmp_path / "sh")
+    joined = pretrain_manifest(tmp_path / "sh", write_index(tmp_path / "idx", m))
+    (images, keys), = list(train_loader("joined", batch_size=4, steps=1, epoch=0, seed=0,
+                                        manifest=joined))
+    assert sorted(keys) == ["000000001", "a.b.c", "a.b.d", "img.2024.05"]
+    assert images.shape == (4, 3, 16, 16)
+    # and verify-shards counts the same against the index
+    assert verify_shards(tmp_path / "idx")["num_samples"] == 4
