@@ -308,7 +308,8 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
         included; ``skipped``: the files skipped per reason
         (``appledouble``, ``hidden``, ``not_image``; only reasons that occur); and the sha256
         of the lines
-        ``<relative path> TAB <bytes> TAB <mtime in ns>`` in path order: an image added,
+        ``<relative path> TAB <bytes> TAB <mtime in ns>`` (``<relative path> TAB unreadable``
+        for a symlink to nothing) in path order: an image added,
         removed, renamed, rewritten or touched changes it. (A README added beside the images
         changes ``skipped``, and a broken download ``broken``: ``build_shards`` reruns,
         writes the same shards, and nothing after it reruns.)
@@ -321,12 +322,15 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
     else it stops ``dvc repro``, as a file in an unsupported mode always does. An unchanged
     folder costs the walk and the listing only.
 
+    A symlink to nothing with an image extension (a photo moved or a disk not mounted) is a
+    broken file like an empty one: listed under ``broken`` and left out within the budget
+    (its listing line says so, so the target appearing changes the digest).
+
     Raises:
-        SourceError: a folder is not a directory, holds no image, lists a file that cannot
-            be read (a dangling link) or is not a regular file (a FIFO), holds image files in
-            an unsupported mode, or more than
-            ``max_broken_fraction`` of its image files do not decode (header or pixels); one
-            line naming the key and the path(s).
+        SourceError: a folder is not a directory, holds no image, lists a file that is not a
+            regular file (a FIFO), holds image files in an unsupported mode, or more than
+            ``max_broken_fraction`` of its image files do not decode (header or pixels; a
+            symlink to nothing counts); one line naming the key and the path(s).
     """
     out: dict[str, dict[str, Any]] = {}
     for key, root in folders.items():
@@ -342,16 +346,18 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
                               f"the folder (skipped: {skipped or 'nothing'})")
         digest, total = hashlib.sha256(), 0
         for path in paths:
+            rel = os.path.relpath(path, top)
             try:
                 st = os.stat(path)
-            except OSError as e:  # a dangling symlink, or removed while listed
-                raise SourceError(f"{key}: {path}: cannot be read ({e.strerror}; a broken "
-                                  "link?)") from None
+            except OSError:  # a dangling symlink (or removed while listed): a broken file,
+                # listed as such, so that the target appearing changes the listing
+                digest.update(f"{rel}\tunreadable\n".encode("utf-8", "surrogateescape"))
+                continue
             if not stat.S_ISREG(st.st_mode):  # opening a FIFO would wait for a writer
                 raise SourceError(f"{key}: {path}: not a regular file (a FIFO, socket or "
                                   "device)")
             total += st.st_size
-            digest.update(f"{os.path.relpath(path, top)}\t{st.st_size}\t{st.st_mtime_ns}\n"
+            digest.update(f"{rel}\t{st.st_size}\t{st.st_mtime_ns}\n"
                           .encode("utf-8", "surrogateescape"))
         last = (previous or {}).get(key)
         unchanged = isinstance(last, dict) and (

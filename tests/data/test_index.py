@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import pickle
 import tarfile
@@ -324,7 +325,7 @@ def test_index_folders__listing_digest_counts_and_skips(tmp_path):
     assert index_folders({"k": str(root)})["k"]["listing_sha256"] != added["listing_sha256"]
 
 
-def test_index_folders__missing_empty_or_dangling_named_in_one_line(tmp_path):
+def test_index_folders__missing_or_empty_named_in_one_line(tmp_path):
     from pipeline.data.index import index_folders
     from pipeline.data.sources import SourceError
 
@@ -339,12 +340,49 @@ def test_index_folders__missing_empty_or_dangling_named_in_one_line(tmp_path):
     assert str(e.value) == (
         f"data.unlabelled_root = '{empty}': no images (.jpg, .jpeg, .png, .webp, .bmp, .tif, "
         ".tiff) in the folder (skipped: {'not_image': 1})")
-    Image.new("L", (4, 4)).save(empty / "ok.png")
-    (empty / "gone.png").symlink_to(tmp_path / "deleted.png")
+
+
+def test_index_folders__dangling_symlink_is_a_broken_file_like_an_empty_one(tmp_path, caplog):
+    # gone.png points nowhere, empty.png holds no byte: both are broken files, counted against
+    # data.max_broken_fraction, listed by name and left out by the build; over the budget both
+    # are named in the one error line
+    from pipeline.data.index import index_folders
+    from pipeline.data.sources import SourceError
+
+    root = tmp_path / "photos"
+    root.mkdir()
+    for i in range(4):
+        Image.new("L", (4, 4), 40 * i).save(root / f"ok{i}.png")
+    (root / "gone.png").symlink_to(tmp_path / "deleted.png")
+    (root / "empty.png").write_bytes(b"")
     with pytest.raises(SourceError) as e:
-        index_folders({"data.root": str(empty)})
-    assert str(e.value) == (f"data.root: {empty / 'gone.png'}: cannot be read (No such file or "
-                            "directory; a broken link?)")
+        index_folders({"data.unlabelled_root": str(root)}, max_broken_fraction=0.2)
+    assert str(e.value) == (
+        f"data.unlabelled_root = '{root}': 2 unreadable image(s): {root / 'empty.png'} "
+        f"(UnidentifiedImageError); {root / 'gone.png'} (a symlink to nothing: "
+        f"{tmp_path / 'deleted.png'}); 2 of 6 images broken = 33.33 % > "
+        "data.max_broken_fraction 0.2 (fix or remove them, or raise it)")
+    caplog.set_level(logging.WARNING)
+    got = index_folders({"data.unlabelled_root": str(root)}, max_broken_fraction=0.4)
+    entry = got["data.unlabelled_root"]
+    assert entry["broken"] == ["empty.png", "gone.png"] and entry["images"] == 6
+    assert entry["bytes"] == sum((root / f"ok{i}.png").stat().st_size for i in range(4))
+    assert (f"data.unlabelled_root: skipping a broken image: {root / 'gone.png'} (a symlink to "
+            f"nothing: {tmp_path / 'deleted.png'})") in caplog.messages
+    # the listing names the link as unreadable: the target appearing changes the digest and
+    # the file is read (and found good) again
+    h = hashlib.sha256()
+    for name in ("empty.png", "gone.png", "ok0.png", "ok1.png", "ok2.png", "ok3.png"):
+        if name == "gone.png":
+            h.update(b"gone.png\tunreadable\n")
+        else:
+            st = (root / name).stat()
+            h.update(f"{name}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+    assert entry["listing_sha256"] == h.hexdigest()
+    Image.new("L", (4, 4)).save(tmp_path / "deleted.png")
+    again = index_folders({"data.unlabelled_root": str(root)}, got, max_broken_fraction=0.4)
+    assert again["data.unlabelled_root"]["broken"] == ["empty.png"]
+    assert again["data.unlabelled_root"]["listing_sha256"] != entry["listing_sha256"]
 
 
 def test_index_folders__unreadable_or_unsupported_image_named_in_one_line(tmp_path):
@@ -756,3 +794,32 @@ def test_index__dotted_keys_counted_as_in_the_tar_index_and_loader_agree(tmp_pat
     assert images.shape == (4, 3, 16, 16)
     # and verify-shards counts the same against the index
     assert verify_shards(tmp_path / "idx")["num_samples"] == 4
+
+
+def test_dangling_symlink__left_out_by_the_build_tree_and_imagefolder(tmp_path):
+    # within the budget the index lists the link as broken and the build leaves it out:
+    # the tree keeps its 3 good images, the imagefolder its 4 (2 per class)
+    from pipeline.data.index import index_folders
+    from pipeline.data.sources import ImageFolderSource, UnlabelledTree
+
+    tree = tmp_path / "photos"
+    tree.mkdir()
+    for i in range(3):
+        Image.new("L", (4, 4), 50 * i).save(tree / f"p{i}.png")
+    (tree / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    folder = tmp_path / "labelled"
+    for c in ("cat", "dog"):
+        (folder / c).mkdir(parents=True)
+        for i in range(2):
+            Image.new("L", (4, 4), 30 * i).save(folder / c / f"{i}.png")
+    (folder / "dog" / "moved.png").symlink_to(tmp_path / "elsewhere.png")
+    got = index_folders({"data.unlabelled_root": str(tree), "data.root": str(folder)},
+                        max_broken_fraction=0.25)
+    assert got["data.unlabelled_root"]["broken"] == ["gone.jpg"]
+    assert got["data.root"]["broken"] == ["dog/moved.png"]
+    kept = UnlabelledTree(tree, exclude=got["data.unlabelled_root"]["broken"])
+    assert (len(kept), kept.broken) == (3, 1)
+    src = ImageFolderSource(folder, test_fraction=0.25,
+                            exclude=frozenset(got["data.root"]["broken"]))
+    # 2 images per class: int(2 x 0.25 + 0.5) = 1 test image each
+    assert (src.count("train"), src.count("test"), src.broken) == (2, 2, 1)

@@ -336,11 +336,16 @@ def read_images(paths: Iterable[str], *, decode: bool = False) -> ImageScan:
             header (``index_shards`` does, before ``build_shards`` deletes the shards).
 
     Returns:
-        The :class:`ImageScan`; nothing is raised for a bad file. A file that cannot be
-        stat'ed or is not a regular file (a FIFO, which would block the read) is a bad file.
+        The :class:`ImageScan`; nothing is raised for a bad file. A symlink to nothing (its
+        reason names the target), a file that cannot be stat'ed or one that is not a regular
+        file (a FIFO, which would block the read) is a bad file.
     """
     scan = ImageScan()
     for path in paths:
+        if os.path.islink(path) and not os.path.exists(path):
+            scan.bad[path] = (f"{shown_path(path)} (a symlink to nothing: "
+                              f"{shown_path(os.readlink(path))})")
+            continue
         try:
             if not stat.S_ISREG(os.stat(path).st_mode):  # opening a FIFO waits for a writer
                 scan.bad[path] = f"{shown_path(path)} (not a regular file)"
