@@ -12,7 +12,8 @@ reads (``data.unlabelled_root``; ``data.root`` of an ``imagefolder`` source) int
 ``data/index/folders.json`` (:func:`pipeline.data.index.index_folders`), so an image added to a
 folder rebuilds the shards and a missing folder, or a new image that does not decode (a bad
 header, or a file cut short past a good one), stops ``dvc repro`` before they are deleted (the
-images are decoded again only when a listing changed).
+images are decoded again only when a listing changed). The labels of a ``webdataset`` labelled
+set are read as the build reads them and refused here when the build would refuse them.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def run(p: Params) -> None:
     manifests, fresh, changed = index_sets(
         {"pretrain": (p.data.pretrain_shards, "data.pretrain_shards"),
          "labelled": (p.data.root if p.data.source == "webdataset" else "", "data.root")},
-        max_broken_fraction=p.data.max_broken_fraction)
+        max_broken_fraction=p.data.max_broken_fraction,
+        label_fields={"labelled": p.data.label_field})
     summary = {s: {"shards": len(m["shards"]), "images": m["num_samples"],
                    "broken_skipped": m["num_broken"]} for s, m in manifests.items()}
     runs_file = Path("runs/index_shards.json")

@@ -51,7 +51,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipeline.atomic import read_json
-from pipeline.data.external import expand_shards, image_member, open_image, shard_stat
+from pipeline.data.external import (
+    expand_shards,
+    image_member,
+    open_image,
+    sample_label,
+    shard_stat,
+)
 from pipeline.data.remote import RemoteError, ShardURL, is_url
 from pipeline.data.shards import (
     CHANNELS,
@@ -75,6 +81,7 @@ from pipeline.data.sources.imagefolder import (
 )
 from pipeline.data.sources.modes import image_kind, to_mode
 from pipeline.data.sources.unlabelled import describe_skipped, walk_images
+from pipeline.data.sources.webdataset import check_labels, label_summary
 
 if TYPE_CHECKING:
     from pipeline.config import DataParams
@@ -100,9 +107,19 @@ def empty_manifest(split: str) -> dict[str, Any]:
             "label_counts": {}, "build": {}, "shards": []}
 
 
-def _read_shard(url: str) -> dict[str, Any]:
-    """Stream one shard: sha256, bytes, decodable samples, broken keys, pixel statistics."""
+def _read_shard(url: str, label_field: str | None = None) -> dict[str, Any]:
+    """Stream one shard: sha256, bytes, decodable samples, broken keys, pixel statistics.
+
+    With ``label_field`` (the labelled set) also the labels of the decodable samples
+    (:func:`pipeline.data.sources.webdataset.label_summary`, read by
+    :func:`pipeline.data.external.sample_label` as the build reads them), under ``labels``.
+
+    Raises:
+        ShardError: the shard cannot be read, or (with ``label_field``) a label the build
+            would refuse; names the shard and the sample.
+    """
     digest: dict[str, Any] = {}
+    labels: list[tuple[str, int | str | None]] = []
     local = not is_url(url)
     records: Iterator[dict[str, Any]] = iter_shard(url) if local else iter_shard(url,
                                                                              digest=digest)
@@ -131,13 +148,21 @@ def _read_shard(url: str) -> dict[str, Any]:
         pix_sq += hist @ _VALUES**2
         n_pix += int(hist[0].sum())
         good += 1
+        if label_field is not None:
+            try:
+                labels.append((key, sample_label(record, label_field)))
+            except ValueError as e:
+                raise ShardError(f"{url}: {e}") from None
     if local:
         digest.update(bytes=Path(url).stat().st_size, sha256=sha256_file(url))
     (w, h), = sizes if len(sizes) == 1 else [(None, None)]
-    return {"url": url, "layout": LAYOUT_WEBDATASET, "num_samples": good,
-            "bytes": digest["bytes"], "sha256": digest["sha256"], "broken": broken,
-            "grey": grey, "image_wh": [w, h] if w is not None else None, "pixels": n_pix,
-            "pixel_sum": [int(x) for x in pix_sum], "pixel_sq": [int(x) for x in pix_sq]}
+    entry = {"url": url, "layout": LAYOUT_WEBDATASET, "num_samples": good,
+             "bytes": digest["bytes"], "sha256": digest["sha256"], "broken": broken,
+             "grey": grey, "image_wh": [w, h] if w is not None else None, "pixels": n_pix,
+             "pixel_sum": [int(x) for x in pix_sum], "pixel_sq": [int(x) for x in pix_sq]}
+    if label_field is not None:
+        entry["labels"] = label_summary(labels, url, label_field)
+    return entry
 
 
 def check_broken_budget(entries: list[dict[str, Any]], max_fraction: float, key: str) -> None:
@@ -161,8 +186,8 @@ def check_broken_budget(entries: list[dict[str, Any]], max_fraction: float, key:
         f"({100 * max_fraction:g} %)")
 
 
-def _assemble(entries: list[dict[str, Any]], *, split: str,
-              max_fraction: float) -> dict[str, Any]:
+def _assemble(entries: list[dict[str, Any]], *, split: str, max_fraction: float,
+              label_field: str | None = None) -> dict[str, Any]:
     """The set's manifest from its shard entries (statistics summed exactly).
 
     The spec is not in it: the same shards spelled another way (a directory, a glob, braces)
@@ -188,13 +213,15 @@ def _assemble(entries: list[dict[str, Any]], *, split: str,
             "num_broken": sum(len(s["broken"]) for s in entries), "class_names": [],
             "mode": mode, "mean": _round6(mean), "std": _round6(std),
             "pixel_mean": _round6(mean), "pixel_std": _round6(std), "image_shape": shape,
-            "label_counts": {}, "build": {"max_broken_fraction": max_fraction},
+            "label_counts": {}, "build": {"max_broken_fraction": max_fraction,
+                                          **({"label_field": label_field} if label_field else {})},
             "shards": entries}
 
 
 def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
                  previous: dict[str, Any] | None = None,
-                 validators: dict[str, dict[str, Any]] | None = None
+                 validators: dict[str, dict[str, Any]] | None = None,
+                 label_field: str | None = None
                  ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Index one shard set, re-reading only the shards that changed since ``previous``.
 
@@ -205,13 +232,22 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
         max_broken_fraction: ``data.max_broken_fraction``.
         previous: the last manifest of this set (its entries are reused when unchanged).
         validators: the last ``{location: {"bytes", "validator"}}``.
+        label_field: ``data.label_field`` for a labelled set (``data.source: webdataset``):
+            every entry then holds its samples' labels, read as the build reads them, and the
+            set's labels are checked here, before ``build_shards`` deletes the shards
+            (:func:`pipeline.data.sources.webdataset.check_labels`); None for the pretraining
+            shards, whose labels are never read. Entries of a ``previous`` index made with
+            another ``label_field`` are read again.
 
     Returns:
         ``(manifest, validators)`` of the set as it is now.
 
     Raises:
         ShardError: a malformed spec or one naming no shard, a shard that cannot be listed,
-            asked for its size or read, or too many broken samples (one line).
+            asked for its size or read, too many broken samples, or (with ``label_field``) a
+            label the build would refuse: not an integer or string, below -1, integers and
+            strings mixed, or none at all (one line naming the shard, the sample and
+            ``data.label_field``).
     """
     if not spec.strip():
         return empty_manifest(split), {}
@@ -223,7 +259,9 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
         raise ShardError(str(e)) from None
     # keyed by URL, not by spec: the same shards spelled another way (a directory, a glob,
     # braces) are the same URLs, and their size and validator say whether they changed
-    old = {s["url"]: s for s in (previous or {}).get("shards", []) if "url" in s}
+    same_labels = (previous or {}).get("build", {}).get("label_field") == label_field
+    old = {s["url"]: s for s in (previous or {}).get("shards", []) if "url" in s
+           and same_labels}
     entries, fresh = [], {}
     for url, (nbytes, detector) in zip(urls, stats):
         last, seen = old.get(url), (validators or {}).get(url)
@@ -232,7 +270,7 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
             entries.append(last)
         else:
             t = time.monotonic()
-            entry = _read_shard(url)
+            entry = _read_shard(url, label_field)
             log.info("index %s: %s: %d samples, %d broken (%.1fs)", split, url,
                      entry["num_samples"], len(entry["broken"]), time.monotonic() - t)
             if entry["bytes"] != nbytes:  # changed while being read: read again next time
@@ -240,7 +278,10 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
             entries.append(entry)
         fresh[url] = {"bytes": nbytes, "validator": detector}
     check_broken_budget(entries, max_broken_fraction, key)
-    manifest = _assemble(entries, split=split, max_fraction=max_broken_fraction)
+    if label_field is not None:
+        check_labels(entries, spec, label_field)
+    manifest = _assemble(entries, split=split, max_fraction=max_broken_fraction,
+                         label_field=label_field)
     reread = sum(1 for e, u in zip(entries, urls) if e is not old.get(u))
     log.info("index %s: %d shards (%d read, %d unchanged), %d images, %d broken skipped "
              "(%.1fs)", split, len(entries), reread, len(entries) - reread,
@@ -248,7 +289,8 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
     return manifest, fresh
 
 
-def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float
+def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float,
+               label_fields: Mapping[str, str] | None = None
                ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], bool]:
     """Index every shard set against its last manifest (:func:`index_shards` on each).
 
@@ -256,6 +298,8 @@ def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float
         sets: ``{split: (spec, key)}``: each set's shard spec ("" = none) and the param it
             comes from, e.g. ``{"pretrain": (p.data.pretrain_shards, "data.pretrain_shards")}``.
         max_broken_fraction: ``data.max_broken_fraction``.
+        label_fields: ``{split: data.label_field}`` of the labelled sets (their labels are
+            read and checked: :func:`index_shards`' ``label_field``).
 
     Returns:
         ``(manifests, validators, changed)``: ``{split: manifest}``, the change detectors of
@@ -272,7 +316,8 @@ def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float
         previous = read_previous(split)
         manifests[split], found = index_shards(
             spec, split=split, key=key, max_broken_fraction=max_broken_fraction,
-            previous=previous, validators=validators)
+            previous=previous, validators=validators,
+            label_field=(label_fields or {}).get(split))
         fresh.update(found)
         changed |= (json.dumps(previous, sort_keys=True)
                     != json.dumps(manifests[split], sort_keys=True))

@@ -121,7 +121,8 @@ def test_index__unchanged_shards_not_read_again_changed_ones_are(tmp_path, monke
     first, v1 = index_shards(spec, split="pretrain", key="k", max_broken_fraction=0)
     reads = []
     real = index_mod._read_shard
-    monkeypatch.setattr(index_mod, "_read_shard", lambda url: reads.append(url) or real(url))
+    monkeypatch.setattr(index_mod, "_read_shard",
+                        lambda url, *a: reads.append(url) or real(url, *a))
     again, v2 = index_shards(spec, split="pretrain", key="k", max_broken_fraction=0,
                              previous=first, validators=v1)
     assert reads == [] and again == first and v2 == v1
@@ -144,7 +145,8 @@ def test_index__a_shard_added_to_the_directory_is_read_the_others_kept(tmp_path,
                              max_broken_fraction=0)
     reads = []
     real = index_mod._read_shard
-    monkeypatch.setattr(index_mod, "_read_shard", lambda url: reads.append(url) or real(url))
+    monkeypatch.setattr(index_mod, "_read_shard",
+                        lambda url, *a: reads.append(url) or real(url, *a))
     (added,) = img2dataset_shards(tmp_path / "ext", shards=1, per_shard=3, start=2)
     now, _ = index_shards(str(tmp_path / "ext"), split="pretrain", key="k",
                           max_broken_fraction=0, previous=first, validators=v1)
@@ -169,7 +171,8 @@ def test_index_sets__changed_only_when_a_manifest_on_disk_differs(tmp_path, monk
     write_json(VALIDATORS, fresh)
     reads = []
     real = index_mod._read_shard
-    monkeypatch.setattr(index_mod, "_read_shard", lambda url: reads.append(url) or real(url))
+    monkeypatch.setattr(index_mod, "_read_shard",
+                        lambda url, *a: reads.append(url) or real(url, *a))
     again, fresh2, changed2 = index_sets(sets, max_broken_fraction=0)
     assert not changed2 and reads == [] and again == manifests and fresh2 == fresh
     img2dataset_shards(tmp_path / "ext", shards=1, per_shard=7, start=1, seed=5)  # rewrite one

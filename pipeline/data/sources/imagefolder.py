@@ -577,8 +577,17 @@ def split_per_class(items: Files, num_classes: int, test_fraction: float,
     out: dict[str, Files] = {"train": [], "test": []}
     for members in by_class:
         members.sort()
-        n_test = int(len(members) * test_fraction + 0.5)
+        n_test = held_out(len(members), test_fraction)
         perm = rng.permutation(len(members))
         out["test"] += [members[i] for i in perm[:n_test]]
         out["train"] += [members[i] for i in perm[n_test:]]
     return out
+
+
+def held_out(n: int, test_fraction: float) -> int:
+    """Test images of a class of ``n``: ``int(n * test_fraction + 0.5)`` (:func:`split_per_class`).
+
+    The index counts the splits with it before the build makes them (a class of 10 at 0.25
+    holds out 3).
+    """
+    return int(n * test_fraction + 0.5)
