@@ -45,6 +45,7 @@ import os
 import stat
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,9 +80,9 @@ from pipeline.data.sources.imagefolder import (
     scan_folder,
     split_files,
 )
-from pipeline.data.sources.modes import image_kind, to_mode
+from pipeline.data.sources.modes import folder_mode, image_kind, to_mode
 from pipeline.data.sources.unlabelled import describe_skipped, walk_images
-from pipeline.data.sources.webdataset import check_labels, label_summary
+from pipeline.data.sources.webdataset import check_labels, label_summary, split_sizes
 
 if TYPE_CHECKING:
     from pipeline.config import DataParams
@@ -345,9 +346,11 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
             scan_folder`, the files its build reads); the other folders are walked whole.
 
     Returns:
-        ``{key: {"root", "images", "bytes", "skipped", "listing_sha256"}}`` and, when some
-        files do not decode within the budget, ``"broken"``: their paths relative to the
-        folder, which ``build_shards`` leaves out (:func:`broken_in_folder`). ``images`` and
+        ``{key: {"root", "images", "bytes", "skipped", "listing_sha256", "mode"}}`` and, when
+        some files do not decode within the budget, ``"broken"``: their paths relative to the
+        folder, which ``build_shards`` leaves out (:func:`broken_in_folder`). ``mode``: ``L``
+        when every good image is grey, else ``RGB`` (the folder rule the build applies to
+        their headers; kept from ``previous`` while the listing is unchanged). ``images`` and
         ``bytes`` count the image files (``listings``, else
         :func:`pipeline.data.sources.unlabelled.walk_images`: any nesting), broken ones
         included; ``skipped``: the files skipped per reason
@@ -405,16 +408,18 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
             digest.update(f"{rel}\t{st.st_size}\t{st.st_mtime_ns}\n"
                           .encode("utf-8", "surrogateescape"))
         last = (previous or {}).get(key)
-        unchanged = isinstance(last, dict) and (
+        unchanged = isinstance(last, dict) and last.get("mode") in CHANNELS and (
             (last.get("root"), last.get("listing_sha256")) == (root, digest.hexdigest()))
         broken = list(last.get("broken", [])) if unchanged else []
         if unchanged and not over_budget(len(broken), len(paths), max_broken_fraction):
             log.info("index %s %s: listing unchanged since the last index, images not read "
                      "again", key, root)
+            mode = last["mode"]
         else:  # here, before build_shards deletes the shards, not in the build
-            broken = _decode_check(key, root, top, paths, max_broken_fraction)
+            broken, mode = _decode_check(key, root, top, paths, max_broken_fraction)
         out[key] = {"root": root, "images": len(paths), "bytes": total, "skipped": skipped,
-                    "listing_sha256": digest.hexdigest(), **({"broken": broken} if broken else {})}
+                    "listing_sha256": digest.hexdigest(), "mode": mode,
+                    **({"broken": broken} if broken else {})}
         left_out = f"; {len(broken)} broken, left out by the build" if broken else ""
         log.info("index %s %s: %d images (%d bytes), skipped %s%s", key, root, len(paths),
                  total, describe_skipped(skipped), left_out)
@@ -422,8 +427,12 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
 
 
 def _decode_check(key: str, root: str, top: Path, paths: list[str],
-                  max_fraction: float) -> list[str]:
-    """Decode every image of a folder; the broken files' paths relative to ``top``.
+                  max_fraction: float) -> tuple[list[str], str]:
+    """Decode every image of a folder: the broken files' paths relative to ``top``, the mode.
+
+    The mode is that of the good files by the folder rule
+    (:func:`pipeline.data.sources.modes.folder_mode`): ``L`` when all are grey, else ``RGB``,
+    as the build decides it from their headers.
 
     Raises:
         SourceError: a file in an unsupported mode, or more than ``max_fraction`` of
@@ -441,7 +450,7 @@ def _decode_check(key: str, root: str, top: Path, paths: list[str],
     if scan.bad:
         log.warning("%s: %d of %d images skipped as broken (data.max_broken_fraction %g)",
                     key, len(scan.bad), len(paths), max_fraction)
-    return sorted(os.path.relpath(p, top) for p in scan.bad)
+    return sorted(os.path.relpath(p, top) for p in scan.bad), folder_mode(scan.kinds)
 
 
 def over_budget(n_broken: int, total: int, max_fraction: float) -> bool:
@@ -489,7 +498,8 @@ def index_params_folders(data: DataParams) -> dict[str, dict[str, Any]]:
     last index: :data:`FOLDERS` (:func:`read_previous_folders`). An ``imagefolder`` root is
     listed as its build reads it (:func:`pipeline.data.sources.imagefolder.scan_folder`: the
     class folders only, each file under the build's name), and its layout is checked without
-    its broken files (:func:`pipeline.data.sources.imagefolder.split_files`).
+    its broken files (:func:`pipeline.data.sources.imagefolder.split_files`); its entry also
+    gives ``train_images``, the size of the build's train (and labelled pretrain) split.
 
     Raises:
         SourceError: as :func:`index_folders`; or a class layout the build would refuse
@@ -503,9 +513,105 @@ def index_params_folders(data: DataParams) -> dict[str, dict[str, Any]]:
                           max_broken_fraction=data.max_broken_fraction,
                           listings={"data.root": (scan.paths, scan.skipped)} if scan else None)
     if scan is not None:
-        split_files(scan, data.test_fraction, 0,
-                    exclude=frozenset(index["data.root"].get("broken", [])))
+        _, files, _ = split_files(scan, data.test_fraction, 0,
+                                  exclude=frozenset(index["data.root"].get("broken", [])))
+        index["data.root"]["train_images"] = len(files["train"])
     return index
+
+
+@dataclass(frozen=True)
+class PretrainPlan:
+    """The pretraining set as the params and the index fix it, before ``build_shards`` runs.
+
+    Attributes:
+        images: N, the number of pretraining images the build and the index will give.
+        images_from: its parts, for messages (``3 in data.unlabelled_root /data/photos``).
+        mode: ``L`` or ``RGB``, the mode the pretraining images are trained in.
+        mode_from: what decides it, for messages.
+    """
+
+    images: int
+    images_from: str
+    mode: str
+    mode_from: str
+
+
+def plan_pretraining(data: DataParams, *, folders: Mapping[str, dict[str, Any]],
+                     manifests: Mapping[str, dict[str, Any]]) -> PretrainPlan:
+    """The size and mode of the pretraining set, from the params and the index alone.
+
+    ``index_shards`` refuses with it what the data refutes (``moco.K >= N``, a colour
+    ``augment.preset`` on grey images) before ``build_shards`` deletes the shards; ``check_data``
+    checks the built manifests again (:func:`pipeline.config.check_against_data`).
+
+    N is the built part, capped by ``data.max_pretrain_images`` (the build writes exactly
+    ``min(cap, n)``), plus the indexed ``data.pretrain_shards``. The built part is the labelled
+    source's pretrain split when ``data.pretrain_labelled`` (a fixed-size source's
+    :data:`pipeline.config.PRETRAIN_IMAGES`; an imagefolder's train split, ``train_images`` of
+    its folder index; a webdataset set's train split plus its unlabelled samples,
+    :func:`pipeline.data.sources.webdataset.split_sizes`) and the tree's images minus its
+    broken ones.
+
+    The mode follows :func:`pretrain_manifest` (the evaluation data's decides) and the folder
+    rule of :class:`pipeline.data.sources.unlabelled.PretrainMix`: with labelled images,
+    ``L`` when they and the tree are all grey, else ``RGB``; without, the tree's; with
+    neither, the indexed shards' own.
+
+    Args:
+        data: the data params.
+        folders: :func:`index_params_folders` (each entry's ``mode``, ``images``,
+            ``broken``; ``data.root``'s ``train_images``).
+        manifests: :func:`index_sets` (``pretrain``, and ``labelled`` with label summaries
+            for a ``webdataset`` source).
+
+    Raises:
+        SourceError: a webdataset split left empty
+            (:func:`pipeline.data.sources.webdataset.split_sizes`).
+    """
+    from pipeline.config import PRETRAIN_IMAGES, SOURCE_MODES
+
+    source = str(data.source)
+    if source == "imagefolder":
+        entry = folders["data.root"]
+        labelled, label_mode = int(entry["train_images"]), entry["mode"]
+        named = f"data.source imagefolder, data.root {data.root}"
+    elif source == "webdataset":
+        index = manifests["labelled"]
+        labelled = split_sizes(index, data.test_fraction, data.root)["pretrain"]
+        label_mode, named = index["mode"], f"data.source webdataset, data.root {data.root}"
+    elif source == "none":
+        labelled, label_mode, named = 0, None, ""
+    else:
+        labelled = PRETRAIN_IMAGES[data.source]
+        label_mode, named = SOURCE_MODES[data.source], f"data.source {source}"
+    parts, built = [], 0
+    if data.pretrain_labelled and labelled:
+        parts.append(f"{labelled} of {named}")
+        built += labelled
+    tree = folders.get("data.unlabelled_root") if data.unlabelled_root else None
+    if tree is not None:
+        n_broken = len(tree.get("broken", []))
+        left = f" ({n_broken} broken left out)" if n_broken else ""
+        parts.append(f"{tree['images'] - n_broken} in data.unlabelled_root {tree['root']}{left}")
+        built += tree["images"] - n_broken
+    cap = data.max_pretrain_images
+    if cap and built > cap:
+        parts = [f"data.max_pretrain_images {cap} of {' + '.join(parts)}"]
+        built = cap
+    ext = manifests["pretrain"]
+    if ext["num_samples"]:
+        parts.append(f"{ext['num_samples']} in data.pretrain_shards ({len(ext['shards'])} "
+                     "shards)")
+    if label_mode is not None:
+        kinds = {label_mode} | ({tree["mode"]} if tree is not None else set())
+        mode = folder_mode(kinds)
+        mode_from = named + (f" and data.unlabelled_root {tree['root']}" if tree else "")
+    elif tree is not None:
+        mode, mode_from = tree["mode"], f"data.unlabelled_root {tree['root']}"
+    else:
+        mode, mode_from = ext["mode"], "data.pretrain_shards, no labelled or folder images"
+    return PretrainPlan(built + ext["num_samples"], " + ".join(parts) or "none", mode,
+                        mode_from)
 
 
 def pretrain_manifest(shards_dir: Path | ShardURL, index_dir: Path | None = None, *,
