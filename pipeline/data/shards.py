@@ -303,6 +303,8 @@ def _iter_url_shard(url: str, expect: tuple[int, str] | None,
                 last = record
             while stream.read(1 << 20):  # tar end padding: hash every byte
                 pass
+        except ShardError:  # keys read two ways (group_samples): already one line
+            raise
         except RemoteError as e:
             raise ShardError(str(e)) from None
         except Exception as e:  # noqa: BLE001 (tarfile errors, wrapped by webdataset)

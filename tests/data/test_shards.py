@@ -422,6 +422,17 @@ def test_iter_shard__a_key_that_is_another_plus_a_dotted_part_is_refused(tmp_pat
     path = _tar(tmp_path / "t.tar", [("k.seg.png", b"p"), ("m.jpg", b"j"), ("k.jpg", b"j")])
     with pytest.raises(ShardError, match="sample keys 'k' and 'k.seg' read two ways"):
         list(iter_shard(path))
+    # read from a URL, the same line (not "unreadable shard")
+    from helpers import FaultServer
+
+    server = FaultServer(tmp_path)
+    try:
+        with pytest.raises(ShardError) as e:
+            list(iter_shard(f"{server.url}/t.tar"))
+    finally:
+        server.close()
+    assert str(e.value).startswith(f"{server.url}/t.tar: sample keys 'k' and 'k.seg' read two "
+                                   "ways: WebDataset ends a key at the first dot")
     # keys with dots that are no other key's prefix are fine: a.b.c and a.b.d
     path = _tar(tmp_path / "u.tar", [("a.b.c.jpg", b"1"), ("a.b.c.json", b"2"),
                                      ("a.b.d.jpg", b"3")])
