@@ -16,10 +16,13 @@ import re
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+if TYPE_CHECKING:
+    from pipeline.data.index import PretrainPlan
 
 
 class Choice(str, Enum):
@@ -585,7 +588,7 @@ def check_preset_mode(preset: str, mode: str, where: str) -> str | None:
     return None
 
 
-def check_before_build(p: Params, plan: Any) -> None:
+def check_before_build(p: Params, plan: PretrainPlan) -> None:
     """Refuse, in ``index_shards``, the params that the indexed data refutes.
 
     Args:
@@ -618,14 +621,14 @@ def check_against_data(p: Params, pretrain_set: dict[str, Any], split: object) -
       (:func:`check_preset_mode`): the pretraining set takes the evaluation data's mode
       (:func:`pipeline.data.index.pretrain_manifest`), so grey labelled images make RGB shards
       read in place grey too.
-
-    ``index_shards`` refuses both already, before ``build_shards``, from the index and the
-    params (:func:`pipeline.data.index.plan_pretraining`); this is the second line, on the
-    manifests as built.
     * An ``embed.pool_grid`` the images cannot fill: :func:`validate` bounds it when the params
       fix the image side; an ``imagefolder`` built at ``data.image_size`` 0 keeps its images'
       own size, which only the manifest knows. (Shards of whole images, ``data.max_side``, vary
       in size: left to ``embed``.)
+
+    ``index_shards`` refuses the first two already, before ``build_shards``, from the index and
+    the params (:func:`check_before_build`); here they are the second line, on the manifests as
+    built.
 
     Args:
         p: the validated params.
