@@ -10,15 +10,19 @@ scales live in ``configs/`` as whole params files.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+if TYPE_CHECKING:
+    from pipeline.data.index import PretrainPlan
 
 
 class Choice(str, Enum):
@@ -156,7 +160,12 @@ NATIVE_SIDE = {DataSource.fashion_mnist: 28, DataSource.cifar10: 32, DataSource.
 # unlabeled), so check_params can bound moco.K before any work.
 PRETRAIN_IMAGES = {DataSource.fashion_mnist: 60000, DataSource.cifar10: 50000,
                    DataSource.cifar100: 50000, DataSource.stl10: 105000}
+# Image mode of the fixed-size sources (their Source classes' ``mode``; tests/test_config.py
+# checks the two agree), so check_params can match augment.preset to grey images.
+SOURCE_MODES = {DataSource.fashion_mnist: "L", DataSource.cifar10: "RGB",
+                DataSource.cifar100: "RGB", DataSource.stl10: "RGB"}
 FORBIDDEN_KEYS = ("size", "nfiles")  # DVC's run cache ignores params with these names
+log = logging.getLogger(__name__)
 
 
 class ParamsError(ValueError):
@@ -476,6 +485,9 @@ def _validate_data(p: Params) -> None:
     _check(bool(p.data.shards_dir), "data.shards_dir", "a non-empty path or URL",
            p.data.shards_dir)
     _validate_own_images(p.data)
+    if SOURCE_MODES.get(p.data.source) == "L" and not p.data.unlabelled_root:
+        # grey labelled images fix grey pretraining (an unlabelled tree may add colour)
+        check_preset_mode(p.augment.preset, "L", f"data.source {p.data.source}")
     _check(0 < p.augment.crop_min_scale <= 1, "augment.crop_min_scale", "0 < x <= 1",
            p.augment.crop_min_scale)
     a = p.augment
@@ -504,6 +516,8 @@ def _validate_own_images(d: DataParams) -> None:
     _check(d.source != DataSource.webdataset or bool(d.root), "data.root",
            "the labelled shards (a directory, glob or URL) when data.source is webdataset",
            d.root)
+    _check(d.source != DataSource.imagefolder or bool(d.root), "data.root",
+           "the image directory (class sub-folders) when data.source is imagefolder", d.root)
     _check(bool(d.label_field.strip()), "data.label_field",
            "cls (the .cls member) or the name of a .json field", d.label_field)
     _check(0 <= d.max_broken_fraction < 1, "data.max_broken_fraction", "0 <= x < 1",
@@ -551,6 +565,59 @@ def check_queue_size(K: int, n_images: int, where: str) -> None:  # noqa: N803 (
            "or add images", K)
 
 
+def check_preset_mode(preset: str, mode: str, where: str) -> str | None:
+    """Match ``augment.preset`` to the pretraining images' channels.
+
+    A colour preset (``v1``, ``v2``, ``v2_small``) needs 3 channels: its saturation and hue
+    jitter and random grayscale have nothing to act on in a grey image, so it is refused.
+    ``v2_grey`` on colour images runs (grey images stored as RGB are a real case) but leaves
+    out every colour op, so a warning says what the views will lack.
+
+    Args:
+        preset: ``augment.preset``.
+        mode: the pretraining images' mode, ``L`` or ``RGB`` (the evaluation data's:
+            :func:`pipeline.data.index.pretrain_manifest`).
+        where: what decides the mode, for the messages.
+
+    Returns:
+        The warning line for ``v2_grey`` on ``RGB`` images, else None.
+
+    Raises:
+        ParamsError: a colour preset on ``L`` images; names ``augment.preset`` and ``where``.
+    """
+    colour = AugPreset(preset).needs_colour
+    _check(mode != "L" or not colour, "augment.preset",
+           f"v2_grey: the pretraining images are 1-channel (mode L, {where}; the evaluation "
+           "data's mode decides), and a colour preset's jitter needs 3 channels", str(preset))
+    if mode == "RGB" and not colour:
+        return (f"augment.preset v2_grey on 3-channel pretraining images (mode RGB, {where}): "
+                "the views get brightness and contrast jitter only, no saturation, hue or "
+                "random grayscale, so both views of an image keep its colours and the encoder "
+                "can match them by colour alone; v2 (v2_small below 64 px) adds them; keep "
+                "v2_grey for grey images stored as RGB")
+    return None
+
+
+def check_before_build(p: Params, plan: PretrainPlan) -> None:
+    """Refuse, in ``index_shards``, the params that the indexed data refutes.
+
+    Args:
+        p: the validated params.
+        plan: the pretraining set as the index sees it
+            (:class:`pipeline.data.index.PretrainPlan`: ``images``, ``images_from``, ``mode``,
+            ``mode_from``).
+
+    Raises:
+        ParamsError: ``moco.K`` at least the pretraining images (:func:`check_queue_size`), or
+            a colour preset on grey ones (:func:`check_preset_mode`); one line naming the key,
+            the folder(s) and shards counted.
+    """
+    check_queue_size(p.moco.K, plan.images, f"{plan.images_from}; counted by index_shards")
+    warning = check_preset_mode(p.augment.preset, plan.mode, plan.mode_from)
+    if warning:
+        log.warning("%s", warning)
+
+
 def check_against_data(p: Params, pretrain_set: dict[str, Any], split: object) -> None:
     """Refuse, before any training, the params that only the pretraining set can refute.
 
@@ -560,13 +627,18 @@ def check_against_data(p: Params, pretrain_set: dict[str, Any], split: object) -
     * ``moco.K`` at least the number of pretraining images (moco#146): :func:`validate` already
       refuses it when the params fix the count (:func:`pretrain_images_bound`); with an
       unlabelled tree, an imagefolder or shards read in place only the manifest knows it.
-    * A colour ``augment.preset`` (``v1``, ``v2``, ``v2_small``) on 1-channel images: the
-      pretraining set takes the evaluation data's mode (:func:`pipeline.data.index.
-      pretrain_manifest`), so grey labelled images make RGB shards read in place grey too.
+    * A colour ``augment.preset`` (``v1``, ``v2``, ``v2_small``) on 1-channel images
+      (:func:`check_preset_mode`): the pretraining set takes the evaluation data's mode
+      (:func:`pipeline.data.index.pretrain_manifest`), so grey labelled images make RGB shards
+      read in place grey too.
     * An ``embed.pool_grid`` the images cannot fill: :func:`validate` bounds it when the params
       fix the image side; an ``imagefolder`` built at ``data.image_size`` 0 keeps its images'
       own size, which only the manifest knows. (Shards of whole images, ``data.max_side``, vary
       in size: left to ``embed``.)
+
+    ``index_shards`` refuses the first two already, before ``build_shards``, from the index and
+    the params (:func:`check_before_build`); here they are the second line, on the manifests as
+    built.
 
     Args:
         p: the validated params.
@@ -585,11 +657,8 @@ def check_against_data(p: Params, pretrain_set: dict[str, Any], split: object) -
     if tree:
         where += f"; {tree['images']} of them from data.unlabelled_root {tree['root']}"
     check_queue_size(p.moco.K, int(pretrain_set["num_samples"]), where)
-    mode = pretrain_set.get("mode", "RGB")
-    _check(mode != "L" or not AugPreset(p.augment.preset).needs_colour, "augment.preset",
-           f"v2_grey: the pretraining images are 1-channel (mode L, {where}; the evaluation "
-           "data's mode decides), and a colour preset's jitter needs 3 channels",
-           str(p.augment.preset))
+    # the v2_grey-on-RGB warning is index_shards' to give (once per `dvc repro`)
+    check_preset_mode(p.augment.preset, pretrain_set.get("mode", "RGB"), where)
     if p.embed.pool_grid <= 1 or image_side(p):
         return
     shape = pretrain_set.get("image_shape")  # (C, H, W); None = mixed sizes

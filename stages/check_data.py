@@ -8,6 +8,11 @@ would come after DVC had deleted pretrain's outputs; this stage runs between ``b
 content-stable stamp (the same bytes whenever the check passes) that ``pretrain`` and ``embed``
 depend on, so a refusal stops ``dvc repro`` before either is touched, and a pass reruns nothing.
 Like ``check_params`` it logs no MLflow run (it produces nothing to track).
+
+``index_shards`` refuses ``moco.K`` and a colour ``augment.preset`` on grey images already, from
+the index and the params, before ``build_shards`` deletes the shards
+(:func:`pipeline.config.check_before_build`); this stage is the second line, on the manifests
+as built.
 """
 
 from __future__ import annotations

@@ -12,7 +12,14 @@ reads (``data.unlabelled_root``; ``data.root`` of an ``imagefolder`` source) int
 ``data/index/folders.json`` (:func:`pipeline.data.index.index_folders`), so an image added to a
 folder rebuilds the shards and a missing folder, or a new image that does not decode (a bad
 header, or a file cut short past a good one), stops ``dvc repro`` before they are deleted (the
-images are decoded again only when a listing changed).
+images are decoded again only when a listing changed). The labels of a ``webdataset`` labelled
+set are read as the build reads them and refused here when the build would refuse them.
+
+Before writing anything it also refuses what the indexed data refutes in the params, while
+every output of every stage is as it was (DVC deletes ``build_shards``' outputs next):
+``moco.K`` at least the number of pretraining images, and a colour ``augment.preset`` on grey
+ones (:func:`pipeline.data.index.plan_pretraining`, :func:`pipeline.config.check_before_build`);
+``v2_grey`` on colour images is logged as a warning.
 """
 
 from __future__ import annotations
@@ -32,12 +39,14 @@ def run(p: Params) -> None:
     from pathlib import Path
 
     from pipeline.atomic import write_json
+    from pipeline.config import check_before_build
     from pipeline.data.index import (
         FOLDERS,
         VALIDATORS,
         index_location,
         index_params_folders,
         index_sets,
+        plan_pretraining,
     )
     from pipeline.data.shards import MANIFEST_NAME
     from pipeline.tracking import stage_run
@@ -46,7 +55,10 @@ def run(p: Params) -> None:
     manifests, fresh, changed = index_sets(
         {"pretrain": (p.data.pretrain_shards, "data.pretrain_shards"),
          "labelled": (p.data.root if p.data.source == "webdataset" else "", "data.root")},
-        max_broken_fraction=p.data.max_broken_fraction)
+        max_broken_fraction=p.data.max_broken_fraction,
+        label_fields={"labelled": p.data.label_field})
+    # what the data refutes, refused before anything is written (and before build_shards)
+    check_before_build(p, plan_pretraining(p.data, folders=folders, manifests=manifests))
     summary = {s: {"shards": len(m["shards"]), "images": m["num_samples"],
                    "broken_skipped": m["num_broken"]} for s, m in manifests.items()}
     runs_file = Path("runs/index_shards.json")

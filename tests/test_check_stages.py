@@ -21,6 +21,7 @@ from pipeline.config import ParamsError, check_against_data, from_dict
 from pipeline.data.build import empty_split
 
 ROOT = Path(__file__).resolve().parents[1]
+FOLDER = {"data": {"source": "imagefolder", "root": "data/raw/images"}}
 
 
 def _manifest(mode: str, n: int = 500) -> dict:
@@ -30,7 +31,9 @@ def _manifest(mode: str, n: int = 500) -> dict:
 
 @pytest.mark.parametrize("preset", ["v1", "v2", "v2_small"])
 def test_check_against_data__colour_preset_on_grey_images_refused(preset):
-    p = from_dict({**TINY, "augment": {"preset": preset}})
+    # an imagefolder: only its images say grey or colour (fashion_mnist is refused by the
+    # params alone, tests/test_config.py)
+    p = from_dict({**TINY, **FOLDER, "augment": {"preset": preset}})
     with pytest.raises(ParamsError) as e:
         check_against_data(p, _manifest("L"), "data/shards/pretrain")
     assert e.value.key == "augment.preset"
@@ -43,7 +46,7 @@ def test_check_against_data__colour_preset_on_grey_images_refused(preset):
 @pytest.mark.parametrize(("preset", "mode"), [("v2", "RGB"), ("v1", "RGB"), ("v2_grey", "L"),
                                               ("v2_grey", "RGB")])
 def test_check_against_data__preset_that_fits_the_channels_passes(preset, mode):
-    p = from_dict({**TINY, "augment": {"preset": preset}})
+    p = from_dict({**TINY, **FOLDER, "augment": {"preset": preset}})
     check_against_data(p, _manifest(mode), "data/shards/pretrain")  # no error
 
 

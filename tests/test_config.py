@@ -367,6 +367,41 @@ def test_validate__unknown_count__queue_left_to_the_pretrain_stage(data):
     assert from_dict({"data": data, "moco": {"K": 10**6}}).moco.K == 10**6
 
 
+def test_source_modes__equal_the_source_classes_mode():
+    # check_params matches augment.preset to these; the readers own the modes
+    from pipeline.config import SOURCE_MODES, DataSource
+    from pipeline.data.sources import CifarSource, FashionMnistSource, Stl10Source
+
+    assert SOURCE_MODES == {DataSource.fashion_mnist: FashionMnistSource.mode,
+                            DataSource.cifar10: CifarSource.mode,
+                            DataSource.cifar100: CifarSource.mode,
+                            DataSource.stl10: Stl10Source.mode}
+    assert FashionMnistSource.mode == "L" and CifarSource.mode == Stl10Source.mode == "RGB"
+
+
+@pytest.mark.parametrize("preset", ["v1", "v2", "v2_small"])
+def test_validate__colour_preset_on_grey_fashion_mnist_refused_by_the_params(preset):
+    with pytest.raises(ParamsError) as e:
+        from_dict({"augment": {"preset": preset}})
+    assert e.value.key == "augment.preset"
+    assert str(e.value) == (
+        f"params: 'augment.preset' = '{preset}' is invalid; allowed: v2_grey: the pretraining "
+        "images are 1-channel (mode L, data.source fashion_mnist; the evaluation data's mode "
+        "decides), and a colour preset's jitter needs 3 channels")
+    # an unlabelled tree may hold colour images (index_shards decides); colour sources pass,
+    # v2_grey on them is index_shards' warning, not a refusal
+    from_dict({"data": {"unlabelled_root": "photos"}, "augment": {"preset": preset}})
+    from_dict({"data": {"source": "cifar10"}, "augment": {"preset": preset}})
+    from_dict({"data": {"source": "cifar10"}, "augment": {"preset": "v2_grey"}})
+
+
+def test_validate__imagefolder_needs_its_root():
+    with pytest.raises(ParamsError) as e:
+        from_dict({"data": {"source": "imagefolder"}})
+    assert str(e.value) == ("params: 'data.root' = '' is invalid; allowed: the image directory "
+                            "(class sub-folders) when data.source is imagefolder")
+
+
 def test_validate__own_images_params_accepted():
     p = from_dict({"data": {"source": "none", "unlabelled_root": "photos", "max_side": 64,
                             "image_size": 32}})

@@ -115,6 +115,9 @@ COMMANDS = {
     "cp configs/fashion-mnist-unlabelled.yaml params.yaml": Ran(
         "tests/e2e/test_fmnist_tree.py", '(ROOT / "configs/fashion-mnist-unlabelled.yaml")',
         "loaded, shrunk to a tiny model and 300/200 labels, written as params.yaml"),
+    "touch data/raw/photos/IMG_0042.jpg": Ran(
+        "tests/e2e/test_refusals.py", 'sh(["touch", str(photo)], dst, env)',
+        "on a photo of the test's folder, rewritten with the same size and mtime"),
     "python stages/pretrain.py --params params-remote.yaml": Ran(
         "tests/train/test_url_multinode.py", '[sys.executable, str(ROOT / "stages/pretrain.py"), '
         '"--params",', "a params file whose data.shards_dir is an http URL"),

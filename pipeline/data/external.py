@@ -177,36 +177,44 @@ def image_member(record: dict[str, Any]) -> bytes | None:
 def sample_label(record: dict[str, Any], field: str) -> int | str | None:
     """A raw sample's label: the ``.cls`` member (``field == "cls"``) or ``.json[field]``.
 
+    The one reading of a label: the index (before ``build_shards``) and the build both call it.
+
     Returns:
-        An int (``.cls`` text, or a JSON integer), a str (a JSON string), or None when the
-        sample has no such member or field (an unlabelled sample).
+        An int ``>= -1`` (``.cls`` text, or a JSON integer; ``-1`` = unlabelled), a str (a JSON
+        string), or None when the sample has no such member or field (an unlabelled sample).
 
     Raises:
         ValueError: the member is there but not an integer / the JSON does not parse / the
-            field is neither an integer nor a string (names the key).
+            field is neither an integer nor a string / an integer below -1; one line naming
+            the sample's key and ``data.label_field``.
     """
     where = f"sample '{record.get('__key__')}'"
+    param = f"data.label_field {field!r}"
     if field == LABEL_MEMBER:
         name = _member(record, (LABEL_MEMBER,))
         if name is None:
             return None
         try:
-            return int(record[name].decode("ascii").strip())
+            value: int | str = int(record[name].decode("ascii").strip())
         except (UnicodeDecodeError, ValueError):
-            raise ValueError(f"{where}: .cls is not an integer") from None
-    name = _member(record, ("json",))
-    if name is None:
-        return None
-    try:
-        meta = json.loads(record[name].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{where}: .json does not parse ({e})") from None
-    value = meta.get(field) if isinstance(meta, dict) else None
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"{where}: .json field {field!r} is {value!r}, not an integer or a "
-                         "string")
+            raise ValueError(f"{where}: .cls is not an integer ({param})") from None
+    else:
+        name = _member(record, ("json",))
+        if name is None:
+            return None
+        try:
+            meta = json.loads(record[name].decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{where}: .json does not parse ({e}; {param})") from None
+        found = meta.get(field) if isinstance(meta, dict) else None
+        if found is None:
+            return None
+        if isinstance(found, bool) or not isinstance(found, int | str):
+            raise ValueError(f"{where}: .json field {field!r} is {found!r}, not an integer or "
+                             f"a string ({param})")
+        value = found
+    if isinstance(value, int) and value < -1:
+        raise ValueError(f"{where}: label {value} is below -1 (-1 = unlabelled; {param})")
     return value
 
 

@@ -45,13 +45,20 @@ import os
 import stat
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipeline.atomic import read_json
-from pipeline.data.external import expand_shards, image_member, open_image, shard_stat
+from pipeline.data.external import (
+    expand_shards,
+    image_member,
+    open_image,
+    sample_label,
+    shard_stat,
+)
 from pipeline.data.remote import RemoteError, ShardURL, is_url
 from pipeline.data.shards import (
     CHANNELS,
@@ -73,8 +80,9 @@ from pipeline.data.sources.imagefolder import (
     scan_folder,
     split_files,
 )
-from pipeline.data.sources.modes import image_kind, to_mode
+from pipeline.data.sources.modes import folder_mode, image_kind, to_mode
 from pipeline.data.sources.unlabelled import describe_skipped, walk_images
+from pipeline.data.sources.webdataset import check_labels, label_summary, split_sizes
 
 if TYPE_CHECKING:
     from pipeline.config import DataParams
@@ -100,9 +108,19 @@ def empty_manifest(split: str) -> dict[str, Any]:
             "label_counts": {}, "build": {}, "shards": []}
 
 
-def _read_shard(url: str) -> dict[str, Any]:
-    """Stream one shard: sha256, bytes, decodable samples, broken keys, pixel statistics."""
+def _read_shard(url: str, label_field: str | None = None) -> dict[str, Any]:
+    """Stream one shard: sha256, bytes, decodable samples, broken keys, pixel statistics.
+
+    With ``label_field`` (the labelled set) also the labels of the decodable samples
+    (:func:`pipeline.data.sources.webdataset.label_summary`, read by
+    :func:`pipeline.data.external.sample_label` as the build reads them), under ``labels``.
+
+    Raises:
+        ShardError: the shard cannot be read, or (with ``label_field``) a label the build
+            would refuse; names the shard and the sample.
+    """
     digest: dict[str, Any] = {}
+    labels: list[tuple[str, int | str | None]] = []
     local = not is_url(url)
     records: Iterator[dict[str, Any]] = iter_shard(url) if local else iter_shard(url,
                                                                              digest=digest)
@@ -131,13 +149,21 @@ def _read_shard(url: str) -> dict[str, Any]:
         pix_sq += hist @ _VALUES**2
         n_pix += int(hist[0].sum())
         good += 1
+        if label_field is not None:
+            try:
+                labels.append((key, sample_label(record, label_field)))
+            except ValueError as e:
+                raise ShardError(f"{url}: {e}") from None
     if local:
         digest.update(bytes=Path(url).stat().st_size, sha256=sha256_file(url))
     (w, h), = sizes if len(sizes) == 1 else [(None, None)]
-    return {"url": url, "layout": LAYOUT_WEBDATASET, "num_samples": good,
-            "bytes": digest["bytes"], "sha256": digest["sha256"], "broken": broken,
-            "grey": grey, "image_wh": [w, h] if w is not None else None, "pixels": n_pix,
-            "pixel_sum": [int(x) for x in pix_sum], "pixel_sq": [int(x) for x in pix_sq]}
+    entry = {"url": url, "layout": LAYOUT_WEBDATASET, "num_samples": good,
+             "bytes": digest["bytes"], "sha256": digest["sha256"], "broken": broken,
+             "grey": grey, "image_wh": [w, h] if w is not None else None, "pixels": n_pix,
+             "pixel_sum": [int(x) for x in pix_sum], "pixel_sq": [int(x) for x in pix_sq]}
+    if label_field is not None:
+        entry["labels"] = label_summary(labels, url, label_field)
+    return entry
 
 
 def check_broken_budget(entries: list[dict[str, Any]], max_fraction: float, key: str) -> None:
@@ -161,8 +187,8 @@ def check_broken_budget(entries: list[dict[str, Any]], max_fraction: float, key:
         f"({100 * max_fraction:g} %)")
 
 
-def _assemble(entries: list[dict[str, Any]], *, split: str,
-              max_fraction: float) -> dict[str, Any]:
+def _assemble(entries: list[dict[str, Any]], *, split: str, max_fraction: float,
+              label_field: str | None = None) -> dict[str, Any]:
     """The set's manifest from its shard entries (statistics summed exactly).
 
     The spec is not in it: the same shards spelled another way (a directory, a glob, braces)
@@ -188,13 +214,15 @@ def _assemble(entries: list[dict[str, Any]], *, split: str,
             "num_broken": sum(len(s["broken"]) for s in entries), "class_names": [],
             "mode": mode, "mean": _round6(mean), "std": _round6(std),
             "pixel_mean": _round6(mean), "pixel_std": _round6(std), "image_shape": shape,
-            "label_counts": {}, "build": {"max_broken_fraction": max_fraction},
+            "label_counts": {}, "build": {"max_broken_fraction": max_fraction,
+                                          **({"label_field": label_field} if label_field else {})},
             "shards": entries}
 
 
 def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
                  previous: dict[str, Any] | None = None,
-                 validators: dict[str, dict[str, Any]] | None = None
+                 validators: dict[str, dict[str, Any]] | None = None,
+                 label_field: str | None = None
                  ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Index one shard set, re-reading only the shards that changed since ``previous``.
 
@@ -205,13 +233,22 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
         max_broken_fraction: ``data.max_broken_fraction``.
         previous: the last manifest of this set (its entries are reused when unchanged).
         validators: the last ``{location: {"bytes", "validator"}}``.
+        label_field: ``data.label_field`` for a labelled set (``data.source: webdataset``):
+            every entry then holds its samples' labels, read as the build reads them, and the
+            set's labels are checked here, before ``build_shards`` deletes the shards
+            (:func:`pipeline.data.sources.webdataset.check_labels`); None for the pretraining
+            shards, whose labels are never read. Entries of a ``previous`` index made with
+            another ``label_field`` are read again.
 
     Returns:
         ``(manifest, validators)`` of the set as it is now.
 
     Raises:
         ShardError: a malformed spec or one naming no shard, a shard that cannot be listed,
-            asked for its size or read, or too many broken samples (one line).
+            asked for its size or read, too many broken samples, or (with ``label_field``) a
+            label the build would refuse: not an integer or string, below -1, integers and
+            strings mixed, or none at all (one line naming the shard, the sample and
+            ``data.label_field``).
     """
     if not spec.strip():
         return empty_manifest(split), {}
@@ -223,7 +260,9 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
         raise ShardError(str(e)) from None
     # keyed by URL, not by spec: the same shards spelled another way (a directory, a glob,
     # braces) are the same URLs, and their size and validator say whether they changed
-    old = {s["url"]: s for s in (previous or {}).get("shards", []) if "url" in s}
+    same_labels = (previous or {}).get("build", {}).get("label_field") == label_field
+    old = {s["url"]: s for s in (previous or {}).get("shards", []) if "url" in s
+           and same_labels}
     entries, fresh = [], {}
     for url, (nbytes, detector) in zip(urls, stats):
         last, seen = old.get(url), (validators or {}).get(url)
@@ -232,7 +271,7 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
             entries.append(last)
         else:
             t = time.monotonic()
-            entry = _read_shard(url)
+            entry = _read_shard(url, label_field)
             log.info("index %s: %s: %d samples, %d broken (%.1fs)", split, url,
                      entry["num_samples"], len(entry["broken"]), time.monotonic() - t)
             if entry["bytes"] != nbytes:  # changed while being read: read again next time
@@ -240,7 +279,10 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
             entries.append(entry)
         fresh[url] = {"bytes": nbytes, "validator": detector}
     check_broken_budget(entries, max_broken_fraction, key)
-    manifest = _assemble(entries, split=split, max_fraction=max_broken_fraction)
+    if label_field is not None:
+        check_labels(entries, spec, label_field)
+    manifest = _assemble(entries, split=split, max_fraction=max_broken_fraction,
+                         label_field=label_field)
     reread = sum(1 for e, u in zip(entries, urls) if e is not old.get(u))
     log.info("index %s: %d shards (%d read, %d unchanged), %d images, %d broken skipped "
              "(%.1fs)", split, len(entries), reread, len(entries) - reread,
@@ -248,7 +290,8 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
     return manifest, fresh
 
 
-def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float
+def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float,
+               label_fields: Mapping[str, str] | None = None
                ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], bool]:
     """Index every shard set against its last manifest (:func:`index_shards` on each).
 
@@ -256,6 +299,8 @@ def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float
         sets: ``{split: (spec, key)}``: each set's shard spec ("" = none) and the param it
             comes from, e.g. ``{"pretrain": (p.data.pretrain_shards, "data.pretrain_shards")}``.
         max_broken_fraction: ``data.max_broken_fraction``.
+        label_fields: ``{split: data.label_field}`` of the labelled sets (their labels are
+            read and checked: :func:`index_shards`' ``label_field``).
 
     Returns:
         ``(manifests, validators, changed)``: ``{split: manifest}``, the change detectors of
@@ -272,7 +317,8 @@ def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float
         previous = read_previous(split)
         manifests[split], found = index_shards(
             spec, split=split, key=key, max_broken_fraction=max_broken_fraction,
-            previous=previous, validators=validators)
+            previous=previous, validators=validators,
+            label_field=(label_fields or {}).get(split))
         fresh.update(found)
         changed |= (json.dumps(previous, sort_keys=True)
                     != json.dumps(manifests[split], sort_keys=True))
@@ -300,15 +346,18 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
             scan_folder`, the files its build reads); the other folders are walked whole.
 
     Returns:
-        ``{key: {"root", "images", "bytes", "skipped", "listing_sha256"}}`` and, when some
-        files do not decode within the budget, ``"broken"``: their paths relative to the
-        folder, which ``build_shards`` leaves out (:func:`broken_in_folder`). ``images`` and
+        ``{key: {"root", "images", "bytes", "skipped", "listing_sha256", "mode"}}`` and, when
+        some files do not decode within the budget, ``"broken"``: their paths relative to the
+        folder, which ``build_shards`` leaves out (:func:`broken_in_folder`). ``mode``: ``L``
+        when every good image is grey, else ``RGB`` (the folder rule the build applies to
+        their headers; kept from ``previous`` while the listing is unchanged). ``images`` and
         ``bytes`` count the image files (``listings``, else
         :func:`pipeline.data.sources.unlabelled.walk_images`: any nesting), broken ones
         included; ``skipped``: the files skipped per reason
         (``appledouble``, ``hidden``, ``not_image``; only reasons that occur); and the sha256
         of the lines
-        ``<relative path> TAB <bytes> TAB <mtime in ns>`` in path order: an image added,
+        ``<relative path> TAB <bytes> TAB <mtime in ns>`` (``<relative path> TAB unreadable``
+        for a symlink to nothing) in path order: an image added,
         removed, renamed, rewritten or touched changes it. (A README added beside the images
         changes ``skipped``, and a broken download ``broken``: ``build_shards`` reruns,
         writes the same shards, and nothing after it reruns.)
@@ -321,12 +370,15 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
     else it stops ``dvc repro``, as a file in an unsupported mode always does. An unchanged
     folder costs the walk and the listing only.
 
+    A symlink to nothing with an image extension (a photo moved or a disk not mounted) is a
+    broken file like an empty one: listed under ``broken`` and left out within the budget
+    (its listing line says so, so the target appearing changes the digest).
+
     Raises:
-        SourceError: a folder is not a directory, holds no image, lists a file that cannot
-            be read (a dangling link) or is not a regular file (a FIFO), holds image files in
-            an unsupported mode, or more than
-            ``max_broken_fraction`` of its image files do not decode (header or pixels); one
-            line naming the key and the path(s).
+        SourceError: a folder is not a directory, holds no image, lists a file that is not a
+            regular file (a FIFO), holds image files in an unsupported mode, or more than
+            ``max_broken_fraction`` of its image files do not decode (header or pixels; a
+            symlink to nothing counts); one line naming the key and the path(s).
     """
     out: dict[str, dict[str, Any]] = {}
     for key, root in folders.items():
@@ -342,28 +394,32 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
                               f"the folder (skipped: {skipped or 'nothing'})")
         digest, total = hashlib.sha256(), 0
         for path in paths:
+            rel = os.path.relpath(path, top)
             try:
                 st = os.stat(path)
-            except OSError as e:  # a dangling symlink, or removed while listed
-                raise SourceError(f"{key}: {path}: cannot be read ({e.strerror}; a broken "
-                                  "link?)") from None
+            except OSError:  # a dangling symlink (or removed while listed): a broken file,
+                # listed as such, so that the target appearing changes the listing
+                digest.update(f"{rel}\tunreadable\n".encode("utf-8", "surrogateescape"))
+                continue
             if not stat.S_ISREG(st.st_mode):  # opening a FIFO would wait for a writer
                 raise SourceError(f"{key}: {path}: not a regular file (a FIFO, socket or "
                                   "device)")
             total += st.st_size
-            digest.update(f"{os.path.relpath(path, top)}\t{st.st_size}\t{st.st_mtime_ns}\n"
+            digest.update(f"{rel}\t{st.st_size}\t{st.st_mtime_ns}\n"
                           .encode("utf-8", "surrogateescape"))
         last = (previous or {}).get(key)
-        unchanged = isinstance(last, dict) and (
+        unchanged = isinstance(last, dict) and last.get("mode") in CHANNELS and (
             (last.get("root"), last.get("listing_sha256")) == (root, digest.hexdigest()))
         broken = list(last.get("broken", [])) if unchanged else []
         if unchanged and not over_budget(len(broken), len(paths), max_broken_fraction):
             log.info("index %s %s: listing unchanged since the last index, images not read "
                      "again", key, root)
+            mode = last["mode"]
         else:  # here, before build_shards deletes the shards, not in the build
-            broken = _decode_check(key, root, top, paths, max_broken_fraction)
+            broken, mode = _decode_check(key, root, top, paths, max_broken_fraction)
         out[key] = {"root": root, "images": len(paths), "bytes": total, "skipped": skipped,
-                    "listing_sha256": digest.hexdigest(), **({"broken": broken} if broken else {})}
+                    "listing_sha256": digest.hexdigest(), "mode": mode,
+                    **({"broken": broken} if broken else {})}
         left_out = f"; {len(broken)} broken, left out by the build" if broken else ""
         log.info("index %s %s: %d images (%d bytes), skipped %s%s", key, root, len(paths),
                  total, describe_skipped(skipped), left_out)
@@ -371,8 +427,12 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
 
 
 def _decode_check(key: str, root: str, top: Path, paths: list[str],
-                  max_fraction: float) -> list[str]:
-    """Decode every image of a folder; the broken files' paths relative to ``top``.
+                  max_fraction: float) -> tuple[list[str], str]:
+    """Decode every image of a folder: the broken files' paths relative to ``top``, the mode.
+
+    The mode is that of the good files by the folder rule
+    (:func:`pipeline.data.sources.modes.folder_mode`): ``L`` when all are grey, else ``RGB``,
+    as the build decides it from their headers.
 
     Raises:
         SourceError: a file in an unsupported mode, or more than ``max_fraction`` of
@@ -390,7 +450,7 @@ def _decode_check(key: str, root: str, top: Path, paths: list[str],
     if scan.bad:
         log.warning("%s: %d of %d images skipped as broken (data.max_broken_fraction %g)",
                     key, len(scan.bad), len(paths), max_fraction)
-    return sorted(os.path.relpath(p, top) for p in scan.bad)
+    return sorted(os.path.relpath(p, top) for p in scan.bad), folder_mode(scan.kinds)
 
 
 def over_budget(n_broken: int, total: int, max_fraction: float) -> bool:
@@ -438,7 +498,8 @@ def index_params_folders(data: DataParams) -> dict[str, dict[str, Any]]:
     last index: :data:`FOLDERS` (:func:`read_previous_folders`). An ``imagefolder`` root is
     listed as its build reads it (:func:`pipeline.data.sources.imagefolder.scan_folder`: the
     class folders only, each file under the build's name), and its layout is checked without
-    its broken files (:func:`pipeline.data.sources.imagefolder.split_files`).
+    its broken files (:func:`pipeline.data.sources.imagefolder.split_files`); its entry also
+    gives ``train_images``, the size of the build's train (and labelled pretrain) split.
 
     Raises:
         SourceError: as :func:`index_folders`; or a class layout the build would refuse
@@ -452,9 +513,105 @@ def index_params_folders(data: DataParams) -> dict[str, dict[str, Any]]:
                           max_broken_fraction=data.max_broken_fraction,
                           listings={"data.root": (scan.paths, scan.skipped)} if scan else None)
     if scan is not None:
-        split_files(scan, data.test_fraction, 0,
-                    exclude=frozenset(index["data.root"].get("broken", [])))
+        _, files, _ = split_files(scan, data.test_fraction, 0,
+                                  exclude=frozenset(index["data.root"].get("broken", [])))
+        index["data.root"]["train_images"] = len(files["train"])
     return index
+
+
+@dataclass(frozen=True)
+class PretrainPlan:
+    """The pretraining set as the params and the index fix it, before ``build_shards`` runs.
+
+    Attributes:
+        images: N, the number of pretraining images the build and the index will give.
+        images_from: its parts, for messages (``3 in data.unlabelled_root /data/photos``).
+        mode: ``L`` or ``RGB``, the mode the pretraining images are trained in.
+        mode_from: what decides it, for messages.
+    """
+
+    images: int
+    images_from: str
+    mode: str
+    mode_from: str
+
+
+def plan_pretraining(data: DataParams, *, folders: Mapping[str, dict[str, Any]],
+                     manifests: Mapping[str, dict[str, Any]]) -> PretrainPlan:
+    """The size and mode of the pretraining set, from the params and the index alone.
+
+    ``index_shards`` refuses with it what the data refutes (``moco.K >= N``, a colour
+    ``augment.preset`` on grey images) before ``build_shards`` deletes the shards; ``check_data``
+    checks the built manifests again (:func:`pipeline.config.check_against_data`).
+
+    N is the built part, capped by ``data.max_pretrain_images`` (the build writes exactly
+    ``min(cap, n)``), plus the indexed ``data.pretrain_shards``. The built part is the labelled
+    source's pretrain split when ``data.pretrain_labelled`` (a fixed-size source's
+    :data:`pipeline.config.PRETRAIN_IMAGES`; an imagefolder's train split, ``train_images`` of
+    its folder index; a webdataset set's train split plus its unlabelled samples,
+    :func:`pipeline.data.sources.webdataset.split_sizes`) and the tree's images minus its
+    broken ones.
+
+    The mode follows :func:`pretrain_manifest` (the evaluation data's decides) and the folder
+    rule of :class:`pipeline.data.sources.unlabelled.PretrainMix`: with labelled images,
+    ``L`` when they and the tree are all grey, else ``RGB``; without, the tree's; with
+    neither, the indexed shards' own.
+
+    Args:
+        data: the data params.
+        folders: :func:`index_params_folders` (each entry's ``mode``, ``images``,
+            ``broken``; ``data.root``'s ``train_images``).
+        manifests: :func:`index_sets` (``pretrain``, and ``labelled`` with label summaries
+            for a ``webdataset`` source).
+
+    Raises:
+        SourceError: a webdataset split left empty
+            (:func:`pipeline.data.sources.webdataset.split_sizes`).
+    """
+    from pipeline.config import PRETRAIN_IMAGES, SOURCE_MODES
+
+    source = str(data.source)
+    if source == "imagefolder":
+        entry = folders["data.root"]
+        labelled, label_mode = int(entry["train_images"]), entry["mode"]
+        named = f"data.source imagefolder, data.root {data.root}"
+    elif source == "webdataset":
+        index = manifests["labelled"]
+        labelled = split_sizes(index, data.test_fraction, data.root)["pretrain"]
+        label_mode, named = index["mode"], f"data.source webdataset, data.root {data.root}"
+    elif source == "none":
+        labelled, label_mode, named = 0, None, ""
+    else:
+        labelled = PRETRAIN_IMAGES[data.source]
+        label_mode, named = SOURCE_MODES[data.source], f"data.source {source}"
+    parts, built = [], 0
+    if data.pretrain_labelled and labelled:
+        parts.append(f"{labelled} of {named}")
+        built += labelled
+    tree = folders.get("data.unlabelled_root") if data.unlabelled_root else None
+    if tree is not None:
+        n_broken = len(tree.get("broken", []))
+        left = f" ({n_broken} broken left out)" if n_broken else ""
+        parts.append(f"{tree['images'] - n_broken} in data.unlabelled_root {tree['root']}{left}")
+        built += tree["images"] - n_broken
+    cap = data.max_pretrain_images
+    if cap and built > cap:
+        parts = [f"data.max_pretrain_images {cap} of {' + '.join(parts)}"]
+        built = cap
+    ext = manifests["pretrain"]
+    if ext["num_samples"]:
+        parts.append(f"{ext['num_samples']} in data.pretrain_shards ({len(ext['shards'])} "
+                     "shards)")
+    if label_mode is not None:
+        kinds = {label_mode} | ({tree["mode"]} if tree is not None else set())
+        mode = folder_mode(kinds)
+        mode_from = named + (f" and data.unlabelled_root {tree['root']}" if tree else "")
+    elif tree is not None:
+        mode, mode_from = tree["mode"], f"data.unlabelled_root {tree['root']}"
+    else:
+        mode, mode_from = ext["mode"], "data.pretrain_shards, no labelled or folder images"
+    return PretrainPlan(built + ext["num_samples"], " + ".join(parts) or "none", mode,
+                        mode_from)
 
 
 def pretrain_manifest(shards_dir: Path | ShardURL, index_dir: Path | None = None, *,

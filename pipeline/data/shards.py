@@ -20,7 +20,7 @@ import hashlib
 import io
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,17 +211,82 @@ def iter_shard(path: str | Path | ShardURL, *, expect: tuple[int, str] | None = 
         yield from _iter_url_shard(str(path), expect, digest)
         return
     try:
-        import webdataset as wds  # here: importing it imports torch (seconds), needless for
-        # the manifests alone (the index stage with nothing to index, verify-shards' listing)
+        # here: importing webdataset imports torch (seconds), needless for the manifests alone
+        # (the index stage with nothing to index, verify-shards' listing)
+        from webdataset.tariterators import tar_file_expander, url_opener
 
-        yield from wds.tarfile_samples([{"url": str(path)}])
+        files = tar_file_expander(url_opener([{"url": str(path)}]))
+        yield from group_samples(files, str(path))
+    except ShardError:
+        raise
     except Exception as e:  # tarfile / gopen errors
         raise ShardError(f"{path}: unreadable shard ({type(e).__name__}: {e})") from None
 
 
+def member_key(name: str) -> tuple[str | None, str | None]:
+    """A tar member name as ``(sample key, extension)``: the key ends at the LAST dot.
+
+    img2dataset writes ``<key>.<ext>`` with one-part extensions, and a key may hold dots
+    (``photo.2024.jpg`` is sample ``photo.2024``). WebDataset's own rule
+    (``webdataset.tariterators.base_plus_ext``) ends the key at the FIRST dot of the base
+    name instead, which merges ``a.b.c.jpg``, ``a.b.c.json`` and ``a.b.d.jpg`` into one sample
+    ``a`` whose members ``b.c.jpg``, ``b.d.jpg`` are no image. Both rules agree on names with
+    one dot (our own shards: :data:`KEY_RE` has none; img2dataset's numeric keys). A name
+    with two readings in one shard (``k.jpg`` beside ``k.seg.png``) is refused by
+    :func:`group_samples`. Every reader (index, build, loaders, verify) splits names here.
+
+    Returns:
+        ``(key, extension)``; ``(None, None)`` for a name without an extension or whose base
+        name starts with a dot (skipped, as WebDataset skips them).
+    """
+    head, sep, base = name.rpartition("/")
+    stem, dot, ext = base.rpartition(".")
+    if not dot or not stem or stem.startswith(".") or not ext:
+        return None, None
+    return head + sep + stem, ext
+
+
+def group_samples(files: Iterable[dict[str, Any]], where: str) -> Iterator[dict[str, Any]]:
+    """WebDataset's member grouping with :func:`member_key`, refusing ambiguous names.
+
+    Args:
+        files: ``{"fname", "data", "__url__"}`` per tar member, in tar order
+            (``webdataset.tariterators.tar_file_expander``).
+        where: the shard, for messages.
+
+    Yields:
+        Raw samples ``{"__key__", "__url__", ext: bytes}``.
+
+    Raises:
+        ShardError: a key that is another key of the shard plus a dotted part (``k`` and
+            ``k.seg`` from ``k.jpg`` and ``k.seg.png``): WebDataset would read ``seg.png`` as
+            a member of sample ``k``, :func:`member_key` a sample of its own; naming both keys.
+    """
+    from webdataset.tariterators import group_by_keys
+
+    keys: set[str] = set()
+    parents: dict[str, str] = {}  # "k" -> "k.seg": keys one dotted part longer
+    for record in group_by_keys(files, keys=member_key):
+        key = record["__key__"]
+        parent = key.rpartition(".")[0] if "." in key.rpartition("/")[2] else None
+        clash = (parent, key) if parent in keys else (key, parents.get(key)) if (
+            key in parents) else None
+        if clash is not None:
+            short, long = clash
+            raise ShardError(
+                f"{where}: sample keys {short!r} and {long!r} read two ways: WebDataset ends a "
+                f"key at the first dot (member '{long}.<ext>' of sample {short!r}), "
+                "img2dataset's layout, read here, at the last (two samples); rename the "
+                "members so that no key is another key plus a dotted part")
+        keys.add(key)
+        if parent is not None:
+            parents.setdefault(parent, key)
+        yield record
+
+
 def _iter_url_shard(url: str, expect: tuple[int, str] | None,
                     digest: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
-    from webdataset.tariterators import group_by_keys, tar_file_expander
+    from webdataset.tariterators import tar_file_expander
 
     try:
         raw = open_stream(url)
@@ -231,12 +296,15 @@ def _iter_url_shard(url: str, expect: tuple[int, str] | None,
     # shard cut inside its last sample reads as a valid tar whose last sample lacks members
     with raw, io.BufferedReader(raw, buffer_size=1 << 20) as stream:
         try:
-            for record in group_by_keys(tar_file_expander([{"url": url, "stream": stream}])):
+            for record in group_samples(tar_file_expander([{"url": url, "stream": stream}]),
+                                        url):
                 if last is not None:
                     yield last
                 last = record
             while stream.read(1 << 20):  # tar end padding: hash every byte
                 pass
+        except ShardError:  # keys read two ways (group_samples): already one line
+            raise
         except RemoteError as e:
             raise ShardError(str(e)) from None
         except Exception as e:  # noqa: BLE001 (tarfile errors, wrapped by webdataset)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import pickle
 import tarfile
@@ -120,7 +121,8 @@ def test_index__unchanged_shards_not_read_again_changed_ones_are(tmp_path, monke
     first, v1 = index_shards(spec, split="pretrain", key="k", max_broken_fraction=0)
     reads = []
     real = index_mod._read_shard
-    monkeypatch.setattr(index_mod, "_read_shard", lambda url: reads.append(url) or real(url))
+    monkeypatch.setattr(index_mod, "_read_shard",
+                        lambda url, *a: reads.append(url) or real(url, *a))
     again, v2 = index_shards(spec, split="pretrain", key="k", max_broken_fraction=0,
                              previous=first, validators=v1)
     assert reads == [] and again == first and v2 == v1
@@ -143,7 +145,8 @@ def test_index__a_shard_added_to_the_directory_is_read_the_others_kept(tmp_path,
                              max_broken_fraction=0)
     reads = []
     real = index_mod._read_shard
-    monkeypatch.setattr(index_mod, "_read_shard", lambda url: reads.append(url) or real(url))
+    monkeypatch.setattr(index_mod, "_read_shard",
+                        lambda url, *a: reads.append(url) or real(url, *a))
     (added,) = img2dataset_shards(tmp_path / "ext", shards=1, per_shard=3, start=2)
     now, _ = index_shards(str(tmp_path / "ext"), split="pretrain", key="k",
                           max_broken_fraction=0, previous=first, validators=v1)
@@ -168,7 +171,8 @@ def test_index_sets__changed_only_when_a_manifest_on_disk_differs(tmp_path, monk
     write_json(VALIDATORS, fresh)
     reads = []
     real = index_mod._read_shard
-    monkeypatch.setattr(index_mod, "_read_shard", lambda url: reads.append(url) or real(url))
+    monkeypatch.setattr(index_mod, "_read_shard",
+                        lambda url, *a: reads.append(url) or real(url, *a))
     again, fresh2, changed2 = index_sets(sets, max_broken_fraction=0)
     assert not changed2 and reads == [] and again == manifests and fresh2 == fresh
     img2dataset_shards(tmp_path / "ext", shards=1, per_shard=7, start=1, seed=5)  # rewrite one
@@ -308,7 +312,8 @@ def test_index_folders__listing_digest_counts_and_skips(tmp_path):
         "root": str(root), "images": 2,
         "bytes": sum((root / n).stat().st_size for n in names),
         "skipped": {"appledouble": 1, "hidden": 1, "not_image": 1},
-        "listing_sha256": _listing_by_hand(root, names)}}
+        "listing_sha256": _listing_by_hand(root, names),
+        "mode": "RGB"}}  # y.jpg is colour: the folder rule makes the whole folder RGB
     # junk (skipped: 1 hidden, 1 AppleDouble, 1 not an image) changes nothing; an added image,
     # a rewritten one or a touched one change the digest
     (root / "notes.json").write_text("{}")
@@ -324,7 +329,7 @@ def test_index_folders__listing_digest_counts_and_skips(tmp_path):
     assert index_folders({"k": str(root)})["k"]["listing_sha256"] != added["listing_sha256"]
 
 
-def test_index_folders__missing_empty_or_dangling_named_in_one_line(tmp_path):
+def test_index_folders__missing_or_empty_named_in_one_line(tmp_path):
     from pipeline.data.index import index_folders
     from pipeline.data.sources import SourceError
 
@@ -339,12 +344,49 @@ def test_index_folders__missing_empty_or_dangling_named_in_one_line(tmp_path):
     assert str(e.value) == (
         f"data.unlabelled_root = '{empty}': no images (.jpg, .jpeg, .png, .webp, .bmp, .tif, "
         ".tiff) in the folder (skipped: {'not_image': 1})")
-    Image.new("L", (4, 4)).save(empty / "ok.png")
-    (empty / "gone.png").symlink_to(tmp_path / "deleted.png")
+
+
+def test_index_folders__dangling_symlink_is_a_broken_file_like_an_empty_one(tmp_path, caplog):
+    # gone.png points nowhere, empty.png holds no byte: both are broken files, counted against
+    # data.max_broken_fraction, listed by name and left out by the build; over the budget both
+    # are named in the one error line
+    from pipeline.data.index import index_folders
+    from pipeline.data.sources import SourceError
+
+    root = tmp_path / "photos"
+    root.mkdir()
+    for i in range(4):
+        Image.new("L", (4, 4), 40 * i).save(root / f"ok{i}.png")
+    (root / "gone.png").symlink_to(tmp_path / "deleted.png")
+    (root / "empty.png").write_bytes(b"")
     with pytest.raises(SourceError) as e:
-        index_folders({"data.root": str(empty)})
-    assert str(e.value) == (f"data.root: {empty / 'gone.png'}: cannot be read (No such file or "
-                            "directory; a broken link?)")
+        index_folders({"data.unlabelled_root": str(root)}, max_broken_fraction=0.2)
+    assert str(e.value) == (
+        f"data.unlabelled_root = '{root}': 2 unreadable image(s): {root / 'empty.png'} "
+        f"(UnidentifiedImageError); {root / 'gone.png'} (a symlink to nothing: "
+        f"{tmp_path / 'deleted.png'}); 2 of 6 images broken = 33.33 % > "
+        "data.max_broken_fraction 0.2 (fix or remove them, or raise it)")
+    caplog.set_level(logging.WARNING)
+    got = index_folders({"data.unlabelled_root": str(root)}, max_broken_fraction=0.4)
+    entry = got["data.unlabelled_root"]
+    assert entry["broken"] == ["empty.png", "gone.png"] and entry["images"] == 6
+    assert entry["bytes"] == sum((root / f"ok{i}.png").stat().st_size for i in range(4))
+    assert (f"data.unlabelled_root: skipping a broken image: {root / 'gone.png'} (a symlink to "
+            f"nothing: {tmp_path / 'deleted.png'})") in caplog.messages
+    # the listing names the link as unreadable: the target appearing changes the digest and
+    # the file is read (and found good) again
+    h = hashlib.sha256()
+    for name in ("empty.png", "gone.png", "ok0.png", "ok1.png", "ok2.png", "ok3.png"):
+        if name == "gone.png":
+            h.update(b"gone.png\tunreadable\n")
+        else:
+            st = (root / name).stat()
+            h.update(f"{name}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+    assert entry["listing_sha256"] == h.hexdigest()
+    Image.new("L", (4, 4)).save(tmp_path / "deleted.png")
+    again = index_folders({"data.unlabelled_root": str(root)}, got, max_broken_fraction=0.4)
+    assert again["data.unlabelled_root"]["broken"] == ["empty.png"]
+    assert again["data.unlabelled_root"]["listing_sha256"] != entry["listing_sha256"]
 
 
 def test_index_folders__unreadable_or_unsupported_image_named_in_one_line(tmp_path):
@@ -713,3 +755,206 @@ def test_index_params_folders__lists_the_files_the_build_reads_under_its_names(t
     write_json(FOLDERS, index)
     src, _ = open_data(params, seed=0)
     assert src.broken == 1 and src.splits() == {"pretrain": 7, "train": 7, "test": 2}
+
+
+def _png(colour) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_index__dotted_keys_counted_as_in_the_tar_index_and_loader_agree(tmp_path):
+    # Worked by hand. Members: a.b.c.jpg + a.b.c.json, a.b.d.jpg, 000000001.jpg + .json + .txt,
+    # x.y.jpg cut short, img.2024.05.png, only.meta.json. A key ends at the last dot (as
+    # img2dataset writes <key>.<ext>): 6 samples; a.b.c, a.b.d, 000000001 and img.2024.05
+    # decode (4), x.y (truncated) and only.meta (no image) are broken (2). WebDataset's
+    # first-dot rule would read 5 samples a, 000000001, x, img, only and 1 good (a's members
+    # b.c.jpg, b.d.jpg are no image member).
+    jpg = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(jpg, format="JPEG", quality=95)
+    good = jpg.getvalue()
+    path = tmp_path / "ext" / "00000.tar"
+    path.parent.mkdir()
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as t:
+        for name, data in [("a.b.c.jpg", good), ("a.b.c.json", b"{}"), ("a.b.d.jpg", good),
+                           ("000000001.jpg", good), ("000000001.json", b"{}"),
+                           ("000000001.txt", b"a caption"), ("x.y.jpg", good[:len(good) // 3]),
+                           ("img.2024.05.png", _png((0, 90, 0))), ("only.meta.json", b"{}")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    m, _ = index_shards(str(path.parent), split="pretrain", key="data.pretrain_shards",
+                        max_broken_fraction=0.5)
+    assert (m["num_samples"], m["num_broken"]) == (4, 2)
+    (entry,) = m["shards"]
+    assert [b["key"] for b in entry["broken"]] == ["x.y", "only.meta"]
+    assert entry["broken"][1]["why"] == "no image member (has json)"
+    # the loader reads the same 4 samples under the same keys, once each per epoch
+    no_labels(tmp_path / "sh")
+    joined = pretrain_manifest(tmp_path / "sh", write_index(tmp_path / "idx", m))
+    (images, keys), = list(train_loader("joined", batch_size=4, steps=1, epoch=0, seed=0,
+                                        manifest=joined))
+    assert sorted(keys) == ["000000001", "a.b.c", "a.b.d", "img.2024.05"]
+    assert images.shape == (4, 3, 16, 16)
+    # and verify-shards counts the same against the index
+    assert verify_shards(tmp_path / "idx")["num_samples"] == 4
+
+
+def test_dangling_symlink__left_out_by_the_build_tree_and_imagefolder(tmp_path):
+    # within the budget the index lists the link as broken and the build leaves it out:
+    # the tree keeps its 3 good images, the imagefolder its 4 (2 per class)
+    from pipeline.data.index import index_folders
+    from pipeline.data.sources import ImageFolderSource, UnlabelledTree
+
+    tree = tmp_path / "photos"
+    tree.mkdir()
+    for i in range(3):
+        Image.new("L", (4, 4), 50 * i).save(tree / f"p{i}.png")
+    (tree / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    folder = tmp_path / "labelled"
+    for c in ("cat", "dog"):
+        (folder / c).mkdir(parents=True)
+        for i in range(2):
+            Image.new("L", (4, 4), 30 * i).save(folder / c / f"{i}.png")
+    (folder / "dog" / "moved.png").symlink_to(tmp_path / "elsewhere.png")
+    got = index_folders({"data.unlabelled_root": str(tree), "data.root": str(folder)},
+                        max_broken_fraction=0.25)
+    assert got["data.unlabelled_root"]["broken"] == ["gone.jpg"]
+    assert got["data.root"]["broken"] == ["dog/moved.png"]
+    kept = UnlabelledTree(tree, exclude=got["data.unlabelled_root"]["broken"])
+    assert (len(kept), kept.broken) == (3, 1)
+    src = ImageFolderSource(folder, test_fraction=0.25,
+                            exclude=frozenset(got["data.root"]["broken"]))
+    # 2 images per class: int(2 x 0.25 + 0.5) = 1 test image each
+    assert (src.count("train"), src.count("test"), src.broken) == (2, 2, 1)
+
+
+# --- the pretraining set before build_shards: its size against moco.K, its mode -----------
+
+
+def _folder(root, images, mode, broken=(), **more):
+    return {"root": root, "images": images, "mode": mode, "bytes": 0, "skipped": {},
+            "listing_sha256": "", **({"broken": list(broken)} if broken else {}), **more}
+
+
+def _ext(n, mode="RGB", shards=2):
+    from pipeline.data.index import empty_manifest
+
+    return {**empty_manifest("pretrain"), "num_samples": n, "mode": mode,
+            "shards": [{}] * shards if n else []}
+
+
+EMPTY = {"pretrain": _ext(0), "labelled": _ext(0)}
+
+
+@pytest.mark.parametrize(("data", "folders", "manifests", "want"), [
+    # 3 photos and no labelled images: N = 3, the photos decide the mode
+    ({"source": "none", "unlabelled_root": "/p"},
+     {"data.unlabelled_root": _folder("/p", 3, "RGB")}, EMPTY,
+     (3, "3 in data.unlabelled_root /p", "RGB", "data.unlabelled_root /p")),
+    # the labelled part left out (pretrain_labelled false), 1 of 4 photos broken; the grey
+    # evaluation images and RGB photos make RGB
+    ({"source": "imagefolder", "root": "/l", "unlabelled_root": "/p",
+      "pretrain_labelled": False},
+     {"data.root": _folder("/l", 60, "L", train_images=40),
+      "data.unlabelled_root": _folder("/p", 4, "RGB", broken=["x.jpg"])}, EMPTY,
+     (3, "3 in data.unlabelled_root /p (1 broken left out)", "RGB",
+      "data.source imagefolder, data.root /l and data.unlabelled_root /p")),
+    # Fashion-MNIST's 60,000 + a grey tree, capped at 1000, + 200 in shards read in place: the
+    # RGB shards take the evaluation data's mode, L
+    ({"unlabelled_root": "/p", "max_pretrain_images": 1000, "pretrain_shards": "/s"},
+     {"data.unlabelled_root": _folder("/p", 50, "L")},
+     {"pretrain": _ext(200, "RGB", 4), "labelled": _ext(0)},
+     (1200, "data.max_pretrain_images 1000 of 60000 of data.source fashion_mnist + 50 in "
+      "data.unlabelled_root /p + 200 in data.pretrain_shards (4 shards)", "L",
+      "data.source fashion_mnist and data.unlabelled_root /p")),
+    # shards alone: their own mode
+    ({"source": "none", "pretrain_shards": "/s"}, {}, {"pretrain": _ext(30, "L", 1),
+                                                       "labelled": _ext(0)},
+     (30, "30 in data.pretrain_shards (1 shards)", "L",
+      "data.pretrain_shards, no labelled or folder images")),
+])
+def test_plan_pretraining__images_and_mode_by_hand(data, folders, manifests, want):
+    from pipeline.config import from_dict
+    from pipeline.data.index import plan_pretraining
+
+    p = from_dict({"data": data, "moco": {"K": 2}, "pretrain": {"batch_size": 2}})
+    plan = plan_pretraining(p.data, folders=folders, manifests=manifests)
+    assert (plan.images, plan.images_from, plan.mode, plan.mode_from) == want
+
+
+def test_plan_pretraining__webdataset_train_split_and_unlabelled(tmp_path):
+    # 10 samples of 4 classes (i % 4: 3, 3, 2, 2) via .cls, 2 without: at test_fraction 0.25
+    # int(3 x 0.25 + 0.5) = 1 and int(2 x 0.25 + 0.5) = 1 test each, so train 10 - 4 = 6,
+    # pretrain = train + the 2 unlabelled = 8; grey images: mode L
+    from pipeline.config import from_dict
+    from pipeline.data.index import plan_pretraining
+
+    (path,) = img2dataset_shards(tmp_path / "lab", shards=1, per_shard=12, cls=(0,),
+                                 colour=False)
+    with tarfile.open(path) as t:
+        members = [(m, t.extractfile(m).read()) for m in t.getmembers()]
+    with tarfile.open(path, "w") as t:
+        for m, data in members:
+            if m.name not in ("000000010.cls", "000000011.cls"):
+                t.addfile(m, io.BytesIO(data))
+    m, _ = index_shards(str(path.parent), split="labelled", key="data.root",
+                        max_broken_fraction=0, label_field="cls")
+    p = from_dict({"data": {"source": "webdataset", "root": str(path.parent),
+                            "test_fraction": 0.25}})
+    plan = plan_pretraining(p.data, folders={}, manifests={"pretrain": _ext(0), "labelled": m})
+    assert (plan.images, plan.mode) == (8, "L")
+    assert plan.images_from == f"8 of data.source webdataset, data.root {path.parent}"
+
+
+def test_check_before_build__queue_and_preset_named_in_one_line(caplog):
+    from pipeline.config import ParamsError, check_before_build, from_dict
+    from pipeline.data.index import PretrainPlan
+
+    p = from_dict({"data": {"source": "none", "unlabelled_root": "/p"},
+                   "moco": {"K": 4096}, "augment": {"preset": "v2"}})
+    photos = PretrainPlan(3, "3 in data.unlabelled_root /p", "L", "data.unlabelled_root /p")
+    with pytest.raises(ParamsError) as e:
+        check_before_build(p, photos)
+    assert str(e.value) == (
+        "params: 'moco.K' = 4096 is invalid; allowed: < 3, the number of pretraining images "
+        "(3 in data.unlabelled_root /p; counted by index_shards): a queue of K >= N keys holds "
+        "keys of the very images in the batch as negatives (moco#146); lower moco.K or add "
+        "images")
+    p.moco.K = 2
+    with pytest.raises(ParamsError) as e:
+        check_before_build(p, photos)
+    assert str(e.value) == (
+        "params: 'augment.preset' = 'v2' is invalid; allowed: v2_grey: the pretraining images "
+        "are 1-channel (mode L, data.unlabelled_root /p; the evaluation data's mode decides), "
+        "and a colour preset's jitter needs 3 channels")
+    check_before_build(p, PretrainPlan(3, "", "RGB", "data.unlabelled_root /p"))  # passes
+    p.augment.preset = "v2_grey"
+    caplog.set_level(logging.WARNING)
+    check_before_build(p, PretrainPlan(3, "", "RGB", "data.unlabelled_root /p"))
+    assert caplog.messages == [
+        "augment.preset v2_grey on 3-channel pretraining images (mode RGB, "
+        "data.unlabelled_root /p): the views get brightness and contrast jitter only, no "
+        "saturation, hue or random grayscale, so both views of an image keep its colours and "
+        "the encoder can match them by colour alone; v2 (v2_small below 64 px) adds them; keep "
+        "v2_grey for grey images stored as RGB"]
+
+
+def test_index_params_folders__mode_and_train_split_of_an_imagefolder(tmp_path, monkeypatch):
+    # 2 classes of 5 grey images + 1 colour one in a tree: the folder is L, the tree RGB;
+    # int(5 x 0.2 + 0.5) = 1 test image per class, so 8 train images
+    from pipeline.config import from_dict
+    from pipeline.data.index import index_params_folders
+
+    monkeypatch.chdir(tmp_path)  # no last index here
+    for c in ("a", "b"):
+        (tmp_path / "lab" / c).mkdir(parents=True)
+        for i in range(5):
+            Image.new("L", (4, 4), 20 * i).save(tmp_path / "lab" / c / f"{i}.png")
+    (tmp_path / "tree").mkdir()
+    Image.new("RGB", (4, 4), (9, 90, 0)).save(tmp_path / "tree" / "x.png")
+    p = from_dict({"data": {"source": "imagefolder", "root": str(tmp_path / "lab"),
+                            "unlabelled_root": str(tmp_path / "tree"), "test_fraction": 0.2}})
+    got = index_params_folders(p.data)
+    assert got["data.root"]["mode"] == "L" and got["data.root"]["train_images"] == 8
+    assert got["data.unlabelled_root"]["mode"] == "RGB"

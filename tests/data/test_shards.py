@@ -375,3 +375,66 @@ def test_build_all__cap_that_drops_the_folder_says_so(tmp_path: Path, caplog):
     caplog.clear()
     build_all(DataParams(**{**vars(params), "max_pretrain_images": 0}), seed=0, progress=False)
     assert "pretrain: all 1 images of data.unlabelled_root are in the split" in caplog.text
+
+
+# --- sample keys of tar members ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "want"), [
+    ("000000001.jpg", ("000000001", "jpg")),  # img2dataset: both rules agree
+    ("a.b.c.jpg", ("a.b.c", "jpg")),  # WebDataset's own rule: ("a", "b.c.jpg")
+    ("photo.2024.05.JSON", ("photo.2024.05", "JSON")),  # group_by_keys lower-cases the ext
+    ("dir.v1/x.png", ("dir.v1/x", "png")),  # a dot in a folder is no separator
+    ("dir/.hidden.jpg", (None, None)),  # skipped, as WebDataset skips it
+    ("README", (None, None)),
+    ("trailing.", (None, None)),
+])
+def test_member_key__key_ends_at_the_last_dot(name, want):
+    from pipeline.data.shards import member_key
+
+    assert member_key(name) == want
+
+
+def _tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as t:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_iter_shard__a_key_that_is_another_plus_a_dotted_part_is_refused(tmp_path: Path):
+    # k.jpg beside k.seg.png: WebDataset reads one sample k (extensions jpg, seg.png), the
+    # last-dot rule two samples k and k.seg; neither reading is safe to guess
+    from pipeline.data.shards import iter_shard
+
+    path = _tar(tmp_path / "s.tar", [("k.jpg", b"j"), ("k.seg.png", b"p"), ("m.jpg", b"j")])
+    with pytest.raises(ShardError) as e:
+        list(iter_shard(path))
+    assert str(e.value) == (
+        f"{path}: sample keys 'k' and 'k.seg' read two ways: WebDataset ends a key at the first "
+        "dot (member 'k.seg.<ext>' of sample 'k'), img2dataset's layout, read here, at the "
+        "last (two samples); rename the members so that no key is another key plus a dotted "
+        "part")
+    # in the other order too, and apart from each other
+    path = _tar(tmp_path / "t.tar", [("k.seg.png", b"p"), ("m.jpg", b"j"), ("k.jpg", b"j")])
+    with pytest.raises(ShardError, match="sample keys 'k' and 'k.seg' read two ways"):
+        list(iter_shard(path))
+    # read from a URL, the same line (not "unreadable shard")
+    from helpers import FaultServer
+
+    server = FaultServer(tmp_path)
+    try:
+        with pytest.raises(ShardError) as e:
+            list(iter_shard(f"{server.url}/t.tar"))
+    finally:
+        server.close()
+    assert str(e.value).startswith(f"{server.url}/t.tar: sample keys 'k' and 'k.seg' read two "
+                                   "ways: WebDataset ends a key at the first dot")
+    # keys with dots that are no other key's prefix are fine: a.b.c and a.b.d
+    path = _tar(tmp_path / "u.tar", [("a.b.c.jpg", b"1"), ("a.b.c.json", b"2"),
+                                     ("a.b.d.jpg", b"3")])
+    assert [(r["__key__"], sorted(k for k in r if not k.startswith("__")))
+            for r in iter_shard(path)] == [("a.b.c", ["jpg", "json"]), ("a.b.d", ["jpg"])]

@@ -126,11 +126,12 @@ def test_unlabelled__second_repro_runs_only_the_index(repo):
     assert ran(out(sh(["dvc", "repro"], dst, env))) == ["index_shards"]
 
 
-def test_unlabelled__queue_longer_than_the_tree_is_refused_before_pretrain_loses_anything(repo):
-    # check_params cannot count an unlabelled tree; check_data reads the built manifest (340
-    # images) and refuses K = 340 before DVC deletes any of pretrain's or embed's outputs
+def test_unlabelled__queue_longer_than_the_tree_is_refused_before_the_build(repo):
+    # check_params cannot count an unlabelled tree; index_shards counts it (40 labelled train
+    # images + 300 in the tree) and refuses K = 340 before DVC deletes the shards or any of
+    # pretrain's or embed's outputs
     dst, env, _ = repo
-    kept = ["models", "features", "metrics", "plots"]
+    kept = ["data", "models", "features", "metrics", "plots"]
     before = {d: file_digests(dst / d) for d in kept}
     good = (dst / "params.yaml").read_text()
     tree = yaml.safe_load(good)
@@ -142,13 +143,14 @@ def test_unlabelled__queue_longer_than_the_tree_is_refused_before_pretrain_loses
         (dst / "params.yaml").write_text(good)
     text = out(res)
     assert res.returncode != 0 and "Traceback" not in text
-    assert ran(text) == ["check_params", "index_shards", "check_data"], text[-3000:]
+    assert ran(text) == ["check_params", "index_shards"], text[-3000:]
     errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
     assert errors == [
         "error: params.yaml: 'moco.K' = 340 is invalid; allowed: < 340, the number of pretraining "
-        f"images (data/shards/pretrain; 300 of them from data.unlabelled_root "
-        f"{dst.parent / 'photos'}): a queue of K >= N keys holds keys of the very images in the "
-        "batch as negatives (moco#146); lower moco.K or add images"], text[-3000:]
+        f"images (40 of data.source imagefolder, data.root {dst.parent / 'labelled'} + 300 in "
+        f"data.unlabelled_root {dst.parent / 'photos'}; counted by index_shards): a queue of "
+        "K >= N keys holds keys of the very images in the batch as negatives (moco#146); lower "
+        "moco.K or add images"], text[-3000:]
     assert {d: file_digests(dst / d) for d in kept} == before
     # K back at its value: only check_params (params.yaml changed again, its stamp did not) and
     # the index run

@@ -336,11 +336,16 @@ def read_images(paths: Iterable[str], *, decode: bool = False) -> ImageScan:
             header (``index_shards`` does, before ``build_shards`` deletes the shards).
 
     Returns:
-        The :class:`ImageScan`; nothing is raised for a bad file. A file that cannot be
-        stat'ed or is not a regular file (a FIFO, which would block the read) is a bad file.
+        The :class:`ImageScan`; nothing is raised for a bad file. A symlink to nothing (its
+        reason names the target), a file that cannot be stat'ed or one that is not a regular
+        file (a FIFO, which would block the read) is a bad file.
     """
     scan = ImageScan()
     for path in paths:
+        if os.path.islink(path) and not os.path.exists(path):
+            scan.bad[path] = (f"{shown_path(path)} (a symlink to nothing: "
+                              f"{shown_path(os.readlink(path))})")
+            continue
         try:
             if not stat.S_ISREG(os.stat(path).st_mode):  # opening a FIFO waits for a writer
                 scan.bad[path] = f"{shown_path(path)} (not a regular file)"
@@ -572,8 +577,17 @@ def split_per_class(items: Files, num_classes: int, test_fraction: float,
     out: dict[str, Files] = {"train": [], "test": []}
     for members in by_class:
         members.sort()
-        n_test = int(len(members) * test_fraction + 0.5)
+        n_test = held_out(len(members), test_fraction)
         perm = rng.permutation(len(members))
         out["test"] += [members[i] for i in perm[:n_test]]
         out["train"] += [members[i] for i in perm[n_test:]]
     return out
+
+
+def held_out(n: int, test_fraction: float) -> int:
+    """Test images of a class of ``n``: ``int(n * test_fraction + 0.5)`` (:func:`split_per_class`).
+
+    The index counts the splits with it before the build makes them (a class of 10 at 0.25
+    holds out 3).
+    """
+    return int(n * test_fraction + 0.5)

@@ -30,7 +30,7 @@ from pipeline.data.external import expand_shards, image_member, open_image, samp
 from pipeline.data.remote import RemoteError
 from pipeline.data.shards import ShardError, iter_shard, sha256_file, shard_location
 from pipeline.data.sources.base import Sample, Source, SourceError, UnreadableImage
-from pipeline.data.sources.imagefolder import sanitize_key, split_per_class
+from pipeline.data.sources.imagefolder import held_out, sanitize_key, split_per_class
 from pipeline.data.sources.modes import ModeError, to_mode
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ class WebDatasetSource(Source):
         if index is None or [s.get("url") for s in index["shards"]] != _urls(spec):
             try:
                 index, _ = index_shards(spec, split="labelled", key="data.root",
-                                        max_broken_fraction=max_broken_fraction)
+                                        max_broken_fraction=max_broken_fraction,
+                                        label_field=label_field)
             except ShardError as e:
                 raise SourceError(str(e)) from None
         self.mode = index["mode"]
@@ -135,7 +136,11 @@ def _urls(spec: str) -> list[str] | None:
 
 
 def _class_names(raw: list[int | str | None], spec: str) -> tuple[tuple[str, ...], list[int]]:
-    """Class names and integer labels (-1 = unlabelled) from the raw labels."""
+    """Class names and integer labels (-1 = unlabelled) from the raw labels.
+
+    The index refused mixed kinds already (:func:`check_labels`, naming the shards and keys);
+    this is the build's second line.
+    """
     ints = [y for y in raw if isinstance(y, int)]
     strs = [y for y in raw if isinstance(y, str)]
     if ints and strs:
@@ -144,8 +149,109 @@ def _class_names(raw: list[int | str | None], spec: str) -> tuple[tuple[str, ...
         names = tuple(sorted(set(strs)))
         pos = {n: i for i, n in enumerate(names)}
         return names, [pos[y] if isinstance(y, str) else -1 for y in raw]
-    bad = sorted({y for y in ints if y < -1})
-    if bad:
-        raise SourceError(f"data.root = {spec!r}: labels {bad[:5]} below -1 (-1 = unlabelled)")
     top = max(ints, default=-1)
     return tuple(str(c) for c in range(top + 1)), [y if isinstance(y, int) else -1 for y in raw]
+
+
+# --- the labels as the index sees them, before build_shards ----------------------------------
+
+
+def _kind(label: int | str) -> str:
+    return "str" if isinstance(label, str) else "int"
+
+
+def label_summary(labels: list[tuple[str, int | str | None]], where: str,
+                  field: str) -> dict[str, Any]:
+    """One shard's labels (its decodable samples' :func:`~pipeline.data.external.sample_label`).
+
+    Args:
+        labels: ``(key, label)`` per sample, in shard order.
+        where: the shard, for messages.
+        field: ``data.label_field``.
+
+    Returns:
+        The index entry's ``labels``: ``{"kind": "int" | "str" | None, "counts": {class:
+        samples}, "unlabelled": samples, "first": [key, label] | None}``: the class of an
+        integer label is its decimal text (``-1`` and a missing label count as unlabelled),
+        ``first`` the first labelled sample (messages name it).
+
+    Raises:
+        ShardError: integer and string labels in the shard; names both samples.
+    """
+    counts: dict[str, int] = {}
+    first: dict[str, tuple[str, int | str]] = {}
+    unlabelled = 0
+    for key, label in labels:
+        if label is None or label == -1:
+            unlabelled += 1
+            continue
+        first.setdefault(_kind(label), (key, label))
+        counts[str(label)] = counts.get(str(label), 0) + 1
+    if len(first) == 2:
+        (ki, vi), (ks, vs) = first["int"], first["str"]
+        raise ShardError(f"{where}: labels are integers and strings mixed: sample {ki!r} has "
+                         f"{vi!r}, sample {ks!r} {vs!r} (data.label_field {field!r})")
+    (kind, hit), = first.items() if first else [(None, None)]
+    return {"kind": kind, "counts": dict(sorted(counts.items())), "unlabelled": unlabelled,
+            "first": list(hit) if hit else None}
+
+
+def check_labels(entries: list[dict[str, Any]], spec: str, field: str) -> None:
+    """Refuse the labels of a shard set that the build would refuse, naming shards and keys.
+
+    Args:
+        entries: the set's index entries, each with ``labels`` (:func:`label_summary`).
+        spec: ``data.root``.
+        field: ``data.label_field``.
+
+    Raises:
+        ShardError: integer labels in one shard and string labels in another (names both
+            shards and a sample of each), or no labelled sample at all.
+    """
+    seen: dict[str, dict[str, Any]] = {}
+    for entry in entries:
+        kind = entry["labels"]["kind"]
+        if kind is not None:
+            seen.setdefault(kind, entry)
+    if len(seen) == 2:
+        (ki, vi), (ks, vs) = (seen[k]["labels"]["first"] for k in ("int", "str"))
+        raise ShardError(f"{seen['int']['url']}: sample {ki!r} has {vi!r}, "
+                         f"{seen['str']['url']}: sample {ks!r} {vs!r}: labels are integers and "
+                         f"strings mixed (data.label_field {field!r})")
+    if not seen:
+        raise ShardError(f"data.root = {spec!r}: no labelled sample (data.label_field "
+                         f"{field!r}); data.source none pretrains without labels")
+
+
+def split_sizes(manifest: dict[str, Any], test_fraction: float, spec: str) -> dict[str, int]:
+    """The sizes of the splits the build makes from an indexed labelled set.
+
+    Per class ``held_out(n, test_fraction)`` test samples
+    (:func:`~pipeline.data.sources.imagefolder.split_per_class`), the rest train; ``pretrain``
+    is ``train`` plus the unlabelled samples (:class:`WebDatasetSource`).
+
+    Args:
+        manifest: the index of ``data.root`` with label summaries (``index_shards`` with
+            ``label_field``).
+        test_fraction: ``data.test_fraction``.
+        spec: ``data.root``, for messages.
+
+    Returns:
+        ``{"train", "test", "pretrain"}`` sample counts.
+
+    Raises:
+        SourceError: a split left empty (the build's message).
+    """
+    counts: dict[str, int] = {}
+    unlabelled = 0
+    for entry in manifest["shards"]:
+        unlabelled += entry["labels"]["unlabelled"]
+        for name, n in entry["labels"]["counts"].items():
+            counts[name] = counts.get(name, 0) + n
+    test = sum(held_out(n, test_fraction) for n in counts.values())
+    sizes = {"train": sum(counts.values()) - test, "test": test}
+    for name, n in sizes.items():
+        if not n:
+            raise SourceError(f"data.root = {spec!r}: data.test_fraction={test_fraction} "
+                              f"leaves the {name} split empty")
+    return {**sizes, "pretrain": sizes["train"] + unlabelled}

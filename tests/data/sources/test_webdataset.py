@@ -13,6 +13,7 @@ from PIL import Image
 
 from pipeline.data.index import index_shards
 from pipeline.data.sources import SourceError, open_source
+from pipeline.data.sources.webdataset import split_sizes
 
 
 def test_webdataset_source__cls_labels_split_per_class(tmp_path):
@@ -74,3 +75,113 @@ def test_webdataset_source__uses_the_stage_index_and_its_broken_keys(tmp_path):
     assert src.count("train") + src.count("test") == 19
     with pytest.raises(SourceError, match="0.1 %"):  # the budget, when it indexes itself
         open_source("webdataset", spec, max_broken_fraction=0.001)
+
+
+# --- the labels as index_shards reads them, before build_shards ------------------------------
+
+
+def labelled_tar(path, samples):
+    """A shard of 8 px grey PNGs; ``samples`` = ``[(key, {ext: bytes})]`` beside each image."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as t:
+        for key, extra in samples:
+            buf = io.BytesIO()
+            Image.new("L", (8, 8), len(key) * 20).save(buf, format="PNG")
+            for ext, data in (("png", buf.getvalue()), *extra.items()):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+    return path
+
+
+def cls(y):
+    return {"cls": str(y).encode()}
+
+
+def js(**fields):
+    return {"json": json.dumps(fields).encode()}
+
+
+def test_sample_label__below_minus_one_names_the_key_and_the_param():
+    from pipeline.data.external import sample_label
+
+    with pytest.raises(ValueError) as e:
+        sample_label({"__key__": "k7", "cls": b"-5"}, "cls")
+    assert str(e.value) == ("sample 'k7': label -5 is below -1 (-1 = unlabelled; "
+                            "data.label_field 'cls')")
+    with pytest.raises(ValueError, match=r"sample 'k': label -2 is below -1 .*'y'\)"):
+        sample_label({"__key__": "k", "json": b'{"y": -2}'}, "y")
+    assert sample_label({"__key__": "k", "cls": b"-1"}, "cls") == -1  # unlabelled
+
+
+def test_index_labels__summary_per_shard_by_hand(tmp_path):
+    # shard 0: classes 0, 0, 2 and one sample without .cls; shard 1: class 1 and a -1
+    labelled_tar(tmp_path / "lab" / "00000.tar",
+                 [("a0", cls(0)), ("a1", cls(0)), ("a2", {}), ("a3", cls(2))])
+    labelled_tar(tmp_path / "lab" / "00001.tar", [("b0", cls(-1)), ("b1", cls(1))])
+    m, _ = index_shards(str(tmp_path / "lab"), split="labelled", key="data.root",
+                        max_broken_fraction=0, label_field="cls")
+    assert [s["labels"] for s in m["shards"]] == [
+        {"kind": "int", "counts": {"0": 2, "2": 1}, "unlabelled": 1, "first": ["a0", 0]},
+        {"kind": "int", "counts": {"1": 1}, "unlabelled": 1, "first": ["b1", 1]}]
+    assert m["build"]["label_field"] == "cls"
+    # classes 0..2 with 2, 1, 1 samples at test_fraction 0.5: int(n/2 + 0.5) = 1, 1, 1 test
+    assert split_sizes(m, 0.5, "lab") == {"train": 1, "test": 3, "pretrain": 3}
+    src = open_source("webdataset", str(tmp_path / "lab"), test_fraction=0.5, index=m)
+    assert (src.count("train"), src.count("test"), src.count("pretrain")) == (1, 3, 3)
+    with pytest.raises(SourceError) as e:
+        split_sizes(m, 0.2, "lab")  # int(n x 0.2 + 0.5) = 0 for n <= 2
+    assert str(e.value) == ("data.root = 'lab': data.test_fraction=0.2 leaves the test split "
+                            "empty")
+
+
+@pytest.mark.parametrize(("shards", "field", "want"), [
+    # a .cls below -1: the shard, the key, the value and the param
+    ([[("a0", cls(1)), ("a1", cls(-5))]], "cls",
+     "{0}: sample 'a1': label -5 is below -1 (-1 = unlabelled; data.label_field 'cls')"),
+    # a label that is no integer nor string
+    ([[("a0", js(y=1.5))]], "y",
+     "{0}: sample 'a0': .json field 'y' is 1.5, not an integer or a string (data.label_field "
+     "'y')"),
+    ([[("a0", cls("cat"))]], "cls",
+     "{0}: sample 'a0': .cls is not an integer (data.label_field 'cls')"),
+    # integers and strings in one shard, then in two
+    ([[("a0", js(y=3)), ("a1", js(y="cat"))]], "y",
+     "{0}: labels are integers and strings mixed: sample 'a0' has 3, sample 'a1' 'cat' "
+     "(data.label_field 'y')"),
+    ([[("a0", js(y=3))], [("b0", js()), ("b1", js(y="cat"))]], "y",
+     "{0}: sample 'a0' has 3, {1}: sample 'b1' 'cat': labels are integers and strings mixed "
+     "(data.label_field 'y')"),
+    # no label at all
+    ([[("a0", js(z=1))]], "y",
+     "data.root = '{dir}': no labelled sample (data.label_field 'y'); data.source none "
+     "pretrains without labels"),
+])
+def test_index_labels__what_the_build_refuses_named_in_one_line(tmp_path, shards, field, want):
+    from pipeline.data.shards import ShardError
+
+    paths = [labelled_tar(tmp_path / "lab" / f"{i:05d}.tar", s) for i, s in enumerate(shards)]
+    with pytest.raises(ShardError) as e:
+        index_shards(str(tmp_path / "lab"), split="labelled", key="data.root",
+                     max_broken_fraction=0, label_field=field)
+    assert str(e.value) == want.format(*paths, dir=tmp_path / "lab")
+
+
+def test_index_labels__another_label_field_reads_every_shard_again(tmp_path, monkeypatch):
+    import pipeline.data.index as index_mod
+
+    labelled_tar(tmp_path / "lab" / "00000.tar", [("a0", {**cls(1), **js(name="dog")})])
+    spec = str(tmp_path / "lab")
+    m, val = index_shards(spec, split="labelled", key="data.root", max_broken_fraction=0,
+                          label_field="cls")
+    reads = []
+    real = index_mod._read_shard
+    monkeypatch.setattr(index_mod, "_read_shard",
+                        lambda url, *a: reads.append(url) or real(url, *a))
+    same, _ = index_shards(spec, split="labelled", key="data.root", max_broken_fraction=0,
+                           label_field="cls", previous=m, validators=val)
+    assert reads == [] and same == m
+    other, _ = index_shards(spec, split="labelled", key="data.root", max_broken_fraction=0,
+                            label_field="name", previous=m, validators=val)
+    assert reads == [str(tmp_path / "lab" / "00000.tar")]
+    assert other["shards"][0]["labels"]["counts"] == {"dog": 1}
