@@ -345,7 +345,7 @@ def test_rerun_set__matches_the_e2e_tests():
     # the sets tests/e2e/test_pipeline.py measured with `dvc exp run`
     assert rerun_set(["knn.k"]) == {"check_params", "index_shards", "knn", "report"}
     assert rerun_set(["pretrain.lr"]) == {"check_params", "index_shards", "pretrain", "embed",
-                                          "knn", "linear", "report"}
+                                          "knn", "linear", "label_efficiency", "report"}
 
 
 # --- README tables ---------------------------------------------------------------------------

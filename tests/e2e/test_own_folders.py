@@ -23,7 +23,7 @@ from pipeline.data.shards import iter_shard, read_manifest
 
 pytestmark = pytest.mark.slow
 STAGES = ["check_params", "index_shards", "build_shards", "check_data", "pretrain", "check_eval",
-          "embed", "baselines", "knn", "linear", "report"]
+          "embed", "baselines", "knn", "linear", "label_efficiency", "report"]
 
 
 def unlabelled_tree(root, n=300, seed=0):
