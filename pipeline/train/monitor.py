@@ -22,12 +22,11 @@ from pipeline.data.loader import eval_loader
 from pipeline.data.remote import ShardURL
 from pipeline.data.views import BatchTwoCrop, build_batch_view
 from pipeline.evaluate.features import extract_features
-from pipeline.evaluate.knn import knn_classify
+from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, knn_classify
 from pipeline.evaluate.labelfree import alignment, effective_rank, uniformity
 
 log = logging.getLogger(__name__)
 
-MONITOR_K, MONITOR_T = 200, 0.1  # InstDisc / MoCo CIFAR-10 demo
 VIEW_SEED = 20200  # the fixed seed of the label-free views (any constant: the same every time)
 
 
@@ -69,7 +68,7 @@ class KnnMonitor:
         test = self._features(backbone, "test", self.n_test)
         res = knn_classify(train.features.to(self.device), train.labels.to(self.device),
                            test.features.to(self.device), test.labels.to(self.device),
-                           k=MONITOR_K, T=MONITOR_T)
+                           k=DEFAULT_K, T=DEFAULT_T)  # the InstDisc protocol
         out = {"knn_top1": float(res.top1), "knn_top5": float(res.top5)}
         log.info("kNN monitor: top-1 %.2f%% top-5 %.2f%% (%.1fs)", out["knn_top1"],
                  out["knn_top5"], time.time() - t0)
