@@ -64,6 +64,45 @@ class TrackingError(RuntimeError):
     """The tracking server or database cannot be used."""
 
 
+ERROR_SUMMARY_CHARS = 300
+
+
+def error_summary(e: BaseException, limit: int = ERROR_SUMMARY_CHARS) -> str:
+    """``<Type>: <what failed>`` on one line, never a raw SQL statement.
+
+    SQLAlchemy's errors, and MLflow's exceptions wrapping them, carry the statement, its
+    parameters and a help link on later lines (``[SQL: INSERT INTO ...]``: one warning about a
+    failed tag was 1,087 characters of it). The database driver's own error (``.orig`` of the
+    SQLAlchemy error in the exception chain, e.g. ``IntegrityError: FOREIGN KEY constraint
+    failed``) says what failed; for any other exception, the first line of its message.
+
+    Args:
+        e: the exception.
+        limit: at most this many characters (cut with ``...``).
+
+    Returns:
+        E.g. ``MlflowException: IntegrityError: FOREIGN KEY constraint failed``.
+    """
+    orig, cur, seen = None, e, set()
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(getattr(cur, "orig", None), BaseException):
+            orig = cur.orig
+            break
+        cur = cur.__cause__ or cur.__context__
+    what = _first_line(orig if orig is not None else e)
+    text = f"{type(e).__name__}: " + (f"{type(orig).__name__}: {what}" if orig is not None
+                                       else what)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of an exception's message that is not SQLAlchemy's autoflush note."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith("(raised as a result of")] or lines
+    return lines[0] if lines else "(no message)"
+
+
 def repo_root() -> Path:
     """The pipeline's root: ``DVC_ROOT``, else the git top level, else the current directory."""
     env = os.environ.get("DVC_ROOT")
@@ -424,7 +463,8 @@ def open_experiment(uri: str, name: str, root: Path) -> str:
         raise
     except Exception as e:  # noqa: BLE001 - any backend failure is fatal at start
         raise (_newer_schema_error(uri, e)
-               or TrackingError(f"cannot use MLflow experiment '{name}' at {uri}: {e}")) from e
+               or TrackingError(f"cannot use MLflow experiment '{name}' at {uri}: "
+                               f"{error_summary(e)}")) from e
 
 
 def _newer_schema_error(uri: str, e: Exception) -> TrackingError | None:
@@ -624,7 +664,8 @@ def _reopenable(uri: str, run_id: str, experiment_id: str, stage: str) -> Any | 
     try:
         r = MlflowClient(tracking_uri=uri).get_run(run_id)
     except Exception as e:  # noqa: BLE001 - e.g. the checkpoint came from another database
-        log.info("checkpoint's MLflow run %s not found (%s): starting a new run", run_id, e)
+        log.info("checkpoint's MLflow run %s not found (%s): starting a new run", run_id,
+                 error_summary(e))
         return None
     if (r.info.experiment_id != experiment_id or r.data.tags.get("stage") != stage
             or r.info.lifecycle_stage != "active" or r.info.status not in ("KILLED", "FAILED")):
@@ -674,7 +715,7 @@ def _end_active(status: str, tags: dict[str, str]) -> None:
                 mlflow.set_tags(tags)
             mlflow.end_run(status)
     except Exception as e:  # noqa: BLE001 - the original error matters more
-        log.warning("could not mark the MLflow run %s: %s", status, e)
+        log.warning("could not mark the MLflow run %s: %s", status, error_summary(e))
 
 
 def _late_kill(uri: str, run_id: str, signum: int) -> None:
@@ -688,4 +729,4 @@ def _late_kill(uri: str, run_id: str, signum: int) -> None:
                        "FINISHED")
         client.set_terminated(run_id, "KILLED")
     except Exception as e:  # noqa: BLE001 - report and still exit non-zero
-        log.warning("could not mark MLflow run %s KILLED: %s", run_id, e)
+        log.warning("could not mark MLflow run %s KILLED: %s", run_id, error_summary(e))

@@ -15,6 +15,7 @@ from pipeline.config import from_dict
 from pipeline.tracking import (
     TrackingError,
     check_reachable,
+    error_summary,
     experiment_ui_url,
     find_experiment_id,
     loggable_params,
@@ -363,3 +364,30 @@ def test_experiment_ui_url__this_repos_experiment__nothing_created(db, tmp_path,
     assert find_experiment_id(db, "mine", tmp_path) == eid
     assert experiment_ui_url(db, tmp_path / "params.yaml") == (
         f"http://127.0.0.1:5000/#/experiments/{eid}/runs?workflowType=machine_learning")
+
+
+# --- warnings are one line, never raw SQL (#47) ----------------------------------------------
+
+
+def test_error_summary__real_sqlalchemy_failure__driver_error_first_line_only(tmp_path):
+    import sqlite3
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    c = MlflowClient(uri)
+    c.create_registered_model("m")
+    con = sqlite3.connect(tmp_path / "mlflow.db")
+    con.execute("CREATE TRIGGER frozen BEFORE INSERT ON registered_model_tags "
+                "BEGIN SELECT RAISE(ABORT, 'tags are frozen'); END")
+    con.commit()
+    con.close()
+    with pytest.raises(Exception) as info:
+        c.set_registered_model_tag("m", "k", "v")
+    assert "[SQL: INSERT INTO registered_model_tags" in str(info.value)  # what MLflow says
+    assert error_summary(info.value) == "MlflowException: IntegrityError: tags are frozen"
+
+
+def test_error_summary__plain_exception__type_and_first_line_cut_to_limit():
+    assert error_summary(OSError("disk full\nmore detail")) == "OSError: disk full"
+    assert error_summary(ValueError("")) == "ValueError: (no message)"
+    long = error_summary(RuntimeError("x" * 500), limit=40)
+    assert long == "RuntimeError: " + "x" * 23 + "..." and len(long) == 40
