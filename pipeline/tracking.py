@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -122,18 +123,82 @@ def tracking_uri() -> str:
 
 
 def git_state(cwd: Path | None = None) -> dict[str, str]:
-    """Commit hash and dirty flag of the working tree (``unknown`` outside git)."""
+    """Commit hash and dirty flag of the working tree (``unknown`` outside git).
+
+    Dirty means a tracked file differs from the commit: code, params, docs, anything but what
+    the pipeline writes itself (:func:`pipeline_outputs`: the stages' ``outs``, ``metrics`` and
+    ``plots`` and ``dvc.lock``). Without that exception every run of a clean clone would be
+    dirty, its git-tracked metrics and plots being rewritten by the run. Untracked files do
+    not count.
+    """
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
-                              timeout=30, cwd=cwd).stdout.strip()
+                              timeout=30, cwd=cwd).stdout
 
     try:
-        commit = git("rev-parse", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        commit = git("rev-parse", "HEAD").strip()
+        top = Path(git("rev-parse", "--show-toplevel").strip())
+        status = git("status", "--porcelain=v1", "-z", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return {"git.commit": "unknown", "git.dirty": "unknown"}
+    outputs = pipeline_outputs(str(Path(cwd or Path.cwd()).resolve()), str(top.resolve()))
+    dirty = any(not any(p == o or p.startswith(o + "/") for o in outputs)
+                for p in _changed_paths(status))
     return {"git.commit": commit, "git.dirty": str(dirty).lower()}
+
+
+def _changed_paths(porcelain_z: str) -> list[str]:
+    """Paths of ``git status --porcelain=v1 -z`` (both sides of a rename or copy)."""
+    fields, paths, i = porcelain_z.split("\0"), [], 0
+    while i < len(fields):
+        entry = fields[i]
+        i += 1
+        if len(entry) < 4:
+            continue
+        paths.append(entry[3:])
+        if entry[0] in "RC":  # "R  new\0old": the old path is the next field
+            paths.append(fields[i])
+            i += 1
+    return paths
+
+
+@functools.lru_cache(maxsize=8)
+def pipeline_outputs(cwd: str, git_top: str) -> tuple[str, ...]:
+    """What the DVC pipeline writes, as paths relative to ``git_top`` (``/``-separated).
+
+    Read with DVC's own API (the way ``dvc repro`` reads them, ``${...}`` interpolated from
+    ``params.yaml``): every stage's ``outs``, ``metrics`` and ``plots`` in every ``dvc.yaml``
+    of the DVC repo around ``cwd``, and the ``dvc.lock`` beside each ``dvc.yaml``.
+
+    Args:
+        cwd: a directory inside the DVC repo (absolute).
+        git_top: the git work tree's top level (absolute).
+
+    Returns:
+        The paths, sorted; empty outside a DVC repo, or when DVC cannot read the pipeline (one
+        warning line: :func:`git_state` then counts every changed file).
+    """
+    from dvc.exceptions import DvcException, NotDvcRepoError
+    from dvc.repo import Repo
+
+    found: set[str] = set()
+    try:
+        with Repo(cwd) as repo:
+            for stage in repo.index.stages:
+                found.update(out.fs_path for out in stage.outs)
+                path = getattr(stage.dvcfile, "path", "")
+                if Path(path).name == "dvc.yaml":
+                    found.add(str(Path(path).with_name("dvc.lock")))
+    except NotDvcRepoError:
+        return ()
+    except (DvcException, OSError) as e:
+        log.warning("git.dirty counts every changed file: DVC cannot list the pipeline's "
+                    "outputs (%s)", error_summary(e))
+        return ()
+    top = Path(git_top)
+    return tuple(sorted(Path(os.path.abspath(p)).relative_to(top).as_posix() for p in found
+                        if Path(os.path.abspath(p)).is_relative_to(top)))
 
 
 def dvc_tags() -> dict[str, str]:
