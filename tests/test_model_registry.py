@@ -16,21 +16,25 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
+import torchvision
+import yaml
 from mlflow.tracking import MlflowClient
 from registryhelpers import PARAMS, publish, score, train_tiny
 
 from pipeline.config import from_dict
+from pipeline.evaluate.run.embed import load_encoder
 from pipeline.model_registry import (
     CHAMPION,
     NEWEST,
     choose_champion,
     link_encoder_input,
     params_digest,
+    pickled_globals,
+    plain_encoder,
     publish_encoder,
 )
 from pipeline.tracking import StageRun, stage_run
 
-REPO = Path(__file__).resolve().parents[1]
 NAME = "moco-encoder"
 
 
@@ -71,17 +75,54 @@ def wd(tmp_path, trained, monkeypatch):
     mlflow.set_tracking_uri(None)
 
 
-LOAD = """
-import json, sys, torch, mlflow
+# A plain venv: torch, torchvision and mlflow, not this project (its editable install is
+# blocked: importing pipeline.* fails). Loads the model; .eval(), .train(), .to(), an SGD step.
+LOAD_PLAIN = """
+import importlib.abc, json, os, sys
+
+
+class NoProject(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "pipeline" or name.startswith("pipeline."):
+            raise ImportError(f"{name}: the project is not installed here")
+
+
+sys.meta_path.insert(0, NoProject())
+import mlflow, torch
+
 model = mlflow.pytorch.load_model(sys.argv[1])
 x = torch.load(sys.argv[2])
+model.eval()
 with torch.no_grad():
     torch.save(model(x), sys.argv[3])
-print(type(model).__name__)
+model.train()
+training = model.training and all(m.training for m in model.modules())
+model.to("cpu")
+before = [p.detach().clone() for p in model.parameters()]
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loss = model(x).pow(2).mean()
+loss.backward()
+opt.step()
+changed = sum(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+print(json.dumps({"type": f"{type(model).__module__}.{type(model).__name__}",
+                  "training": training, "params": len(before), "changed": changed,
+                  "project": sorted(m for m in sys.modules if m.split(".")[0] == "pipeline"),
+                  "cwd": os.getcwd(), "pythonpath": os.environ.get("PYTHONPATH")}))
 """
 
 
-def test_publish_encoder__logged_model_version_tags_alias_and_fresh_load(wd):
+def _test_images(n: int) -> torch.Tensor:
+    """``(n, 1, 16, 16)``: the first test images after the evaluation transform."""
+    from pipeline.data.loader import eval_loader, read_manifest
+    from pipeline.data.views import build_eval_transform
+
+    m = read_manifest("data/shards/test")
+    x, _, _ = next(iter(eval_loader("data/shards/test", batch_size=n, max_images=n,
+                                    transform=build_eval_transform(16, m["mean"], m["std"]))))
+    return x
+
+
+def test_publish_encoder__logged_model_version_tags_alias(wd):
     rec = publish()
     c = MlflowClient()
     assert rec["registered_model"] == NAME and rec["model_version"] == "1"
@@ -100,26 +141,93 @@ def test_publish_encoder__logged_model_version_tags_alias_and_fresh_load(wd):
     local = mlflow.artifacts.download_artifacts(f"models:/{rec['model_id']}")
     assert json.loads((Path(local) / "extra_files/encoder.json").read_text()) == json.loads(
         Path("models/encoder.json").read_text())
+    mlmodel = yaml.safe_load((Path(local) / "MLmodel").read_text())
+    assert mlmodel["flavors"]["pytorch"]["model_data"] == "data"
+    assert (Path(local) / "data/model.pth").is_file()  # the pickle format, not model.pt2
+    assert (Path(local) / "data/pickle_module_info.txt").read_text() == "pickle"
+    reqs = (Path(local) / "requirements.txt").read_text().split()
+    assert reqs == [f"mlflow=={mlflow.__version__}", f"torch=={torch.__version__.split('+')[0]}",
+                    f"torchvision=={torchvision.__version__.split('+')[0]}"]
 
-    # a fresh process: models:/<name>@newest is the backbone, equal to the embed stage's
-    from pipeline.data.loader import eval_loader, read_manifest
-    from pipeline.data.views import build_eval_transform
-    from pipeline.evaluate.run.embed import load_encoder
 
-    m = read_manifest("data/shards/test")
-    x, _, _ = next(iter(eval_loader("data/shards/test", batch_size=10, max_images=10,
-                                    transform=build_eval_transform(16, m["mean"], m["std"]))))
-    torch.save(x, "x.pt")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", LOAD, f"models:/{NAME}@{NEWEST}", "x.pt", "y.pt"],
+def test_registered_model__plain_module_in_a_fresh_process_without_the_project(wd, tmp_path):
+    publish()
+    x = _test_images(10)
+    torch.save(x, tmp_path / "x.pt")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "MLFLOW_ALLOW_PICKLE_DESERIALIZATION")}
+    out = subprocess.run([sys.executable, "-c", LOAD_PLAIN, f"models:/{NAME}@{NEWEST}",
+                          str(tmp_path / "x.pt"), str(tmp_path / "y.pt")], cwd=elsewhere,
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
     eager, meta = load_encoder(Path("models/encoder.pt"), pool_grid=1)
+    n_params = len(list(eager.parameters()))
+    assert got == {"type": "torchvision.models.resnet.ResNet", "training": True,
+                   "params": n_params, "changed": n_params, "project": [],
+                   "cwd": str(elsewhere), "pythonpath": None}
     with torch.no_grad():
         want = eager.eval()(x)
-    got = torch.load("y.pt")
-    assert got.shape == (10, meta["num_features"]) == (10, 32)  # width 4: 8 * 4 features
+    features = torch.load(tmp_path / "y.pt")
+    assert features.shape == (10, meta["num_features"]) == (10, 32)  # width 4: 8 * 4 features
+    assert torch.equal(features, want)  # the same operations on the same weights: bit for bit
+
+
+def test_registered_model__graph_extra_file_gives_the_same_features_any_batch(wd, monkeypatch):
+    rec = publish()
+    # what the graph is for: a host that loads no pickle refuses the model itself
+    monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "false")
+    with pytest.raises(mlflow.exceptions.MlflowException, match="pickle is disallowed"):
+        mlflow.pytorch.load_model(f"models:/{NAME}@{NEWEST}")
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/{rec['model_id']}"))
+    # MLflow's own check that loading a pt2 archive unpickles nothing (it raises otherwise)
+    mlflow.pytorch._validate_pt2_archive_is_pickle_free(str(local / "extra_files/encoder.pt2"))
+    graph = torch.export.load(str(local / "extra_files/encoder.pt2")).module()
+    eager, _ = load_encoder(Path("models/encoder.pt"), pool_grid=1)
+    x = _test_images(10)
+    with torch.no_grad():
+        assert torch.equal(graph(x), eager.eval()(x))
+        # the batch size is free, 1 included (compared at equal batch size: the convolution's
+        # kernel choice, and so the last bits, depend on it in eager mode too)
+        assert torch.equal(graph(x[:1]), eager(x[:1]))
+
+
+@pytest.mark.parametrize("layer, grid", [(4, 1), (3, 2)])
+def test_plain_encoder__torch_classes_only_same_features(trained, layer, grid):
+    from torch import nn
+
+    raw, _ = load_encoder(trained / "models/encoder.pt", pool_grid=grid, layer=layer)
+    assert "pipeline.moco.backbones.WideResNet" in pickled_globals(raw)
+    if grid > 1:
+        assert "pipeline.evaluate.pooling.GridPool" in pickled_globals(raw)
+    x = torch.randn(6, 1, 16, 16)
+    with torch.no_grad():
+        want = raw.eval()(x)
+        plain = plain_encoder(raw)
+        got = plain.eval()(x)
+    names = pickled_globals(plain)
+    assert not [n for n in names if n.startswith("pipeline.")], names
+    assert "torchvision.models.resnet.ResNet" in names
+    assert type(plain.avgpool) is nn.AdaptiveAvgPool2d and plain.avgpool.output_size == (grid, grid)
+    # 16 px, stride-2 stem: layer 4 is 1 x 1 (8 * 4 channels), layer 3 is 2 x 2 (4 * 4 channels)
+    assert got.shape == (6, 32 if layer == 4 else 16 * grid * grid)
     assert torch.equal(got, want)
+
+
+class Doubled(torchvision.models.ResNet):
+    """A ResNet with its own forward: loading it needs this file."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_plain_encoder__own_forward__refused_by_name():
+    from torchvision.models.resnet import BasicBlock
+
+    with pytest.raises(TypeError, match=r"need test_model_registry\.Doubled to be unpickled;"):
+        plain_encoder(Doubled(BasicBlock, [1, 1, 1, 1]))
 
 
 def test_scores_and_champion__moves_only_when_higher(wd):
