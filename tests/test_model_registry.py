@@ -6,8 +6,11 @@ functions the stages call, inside real ``stage_run`` runs on a throwaway SQLite 
 """
 
 import hashlib
+import io
 import json
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +35,7 @@ from pipeline.model_registry import (
     pickled_globals,
     plain_encoder,
     publish_encoder,
+    trusted_encoder,
 )
 from pipeline.tracking import StageRun, stage_run
 
@@ -256,8 +260,10 @@ def test_scores_and_champion__moves_only_when_higher(wd):
 
 def test_link_encoder_input__embed_run_lists_the_model(wd):
     rec = publish()
-    with stage_run("embed", from_dict(PARAMS)) as r:
-        link_encoder_input(r)
+    p = from_dict(PARAMS)
+    with stage_run("embed", p) as r:
+        link_encoder_input(r, trusted_encoder(r, params=p, encoder_path=Path("models/encoder.pt"),
+                                              example_split=Path("data/shards/test")))
     run = MlflowClient().get_run(json.loads(Path("runs/embed.json").read_text())["run_id"])
     assert [i.model_id for i in run.inputs.model_inputs] == [rec["model_id"]]
 
@@ -301,3 +307,121 @@ def test_publish_encoder__inactive_run__no_op(wd):
     publish_encoder(run, params=from_dict(PARAMS), encoder_path=Path("models/encoder.pt"),
                     example_split=Path("data/shards/test"))
     assert run.record == {} and not Path("mlflow.db").exists()
+
+
+# --- a version is trusted by its encoder.md5; champion over all versions; one-line warnings ---
+
+
+def _md5(data: bytes) -> str:
+    return hashlib.md5(data).hexdigest()
+
+
+def _other_encoder() -> bytes:
+    """``models/encoder.pt`` with other weights, same architecture: another encoder and md5."""
+    sd = torch.load("models/encoder.pt", weights_only=True)
+    sd["conv1.weight"] = sd["conv1.weight"] + 1.0
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    return buf.getvalue()
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and r.name.startswith("pipeline")]
+
+
+def test_trusted_encoder__database_replaced__registers_again_in_one_line(wd, monkeypatch,
+                                                                          caplog):
+    mine = Path("models/encoder.pt").read_bytes()
+    publish()  # version 1 of mlflow.db; runs/pretrain.json names it
+    record = Path("runs/pretrain.json").read_text()
+    # mlflow.db deleted: a new database, in which another training registered version 1 first
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{wd / 'new.db'}")
+    other = _other_encoder()
+    Path("models/encoder.pt").write_bytes(other)
+    publish()
+    Path("models/encoder.pt").write_bytes(mine)
+    Path("runs/pretrain.json").write_text(record)  # DVC restored pretrain from its run cache
+    caplog.clear()
+    assert score("knn", 70.0) is None
+    assert _warnings(caplog) == [
+        f"models/encoder.pt (md5 {_md5(mine)}) has no version in '{NAME}'; runs/pretrain.json "
+        f"names version 1, whose encoder.md5 is {_md5(other)}: registered it again as "
+        f"version 2 of '{NAME}'"]
+    c = MlflowClient()
+    v1, v2 = c.get_model_version(NAME, "1"), c.get_model_version(NAME, "2")
+    assert v2.tags["encoder.md5"] == _md5(mine) and v2.tags["knn.top1"] == "70"
+    assert v1.tags["encoder.md5"] == _md5(other) and "knn.top1" not in v1.tags
+    caplog.clear()
+    assert score("linear", 80.0) == 2  # found by its md5: no new version, no warning
+    assert _warnings(caplog) == []
+    assert sorted(int(v.version) for v in c.search_model_versions(f"name = '{NAME}'")) == [1, 2]
+    assert c.get_model_version(NAME, "2").tags["linear.top1"] == "80"
+    assert "linear.top1" not in c.get_model_version(NAME, "1").tags
+
+
+def test_trusted_encoder__recorded_version_missing__registered_again(wd, monkeypatch, caplog):
+    publish()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{wd / 'empty.db'}")
+    caplog.clear()
+    assert score("linear", 80.0) == 1
+    md5 = _md5(Path("models/encoder.pt").read_bytes())
+    assert _warnings(caplog) == [
+        f"models/encoder.pt (md5 {md5}) has no version in '{NAME}'; runs/pretrain.json names "
+        f"version 1, which this database does not have: registered it again as version 1 of "
+        f"'{NAME}'"]
+    v = MlflowClient().get_model_version_by_alias(NAME, CHAMPION)
+    assert (str(v.version), v.tags["encoder.md5"], v.tags["linear.top1"]) == ("1", md5, "80")
+
+
+def test_trusted_encoder__registering_off__logged_model_by_md5(wd, monkeypatch, caplog):
+    p = from_dict({**PARAMS, "mlflow": {"registered_model": ""}})
+    rec = publish(p)
+    caplog.clear()
+    score("knn", 61.0, p)
+    assert _warnings(caplog) == []
+    c = MlflowClient()
+    assert {m.key: m.value for m in c.get_logged_model(rec["model_id"]).metrics
+            if m.key.startswith("knn.")} == {"knn.top1": 61.0, "knn.top5": 100.0}
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{wd / 'empty.db'}")
+    score("knn", 62.0, p)
+    (line,) = _warnings(caplog)
+    md5 = _md5(Path("models/encoder.pt").read_bytes())
+    m = re.fullmatch(rf"models/encoder\.pt \(md5 {md5}\) has no logged model in this "
+                     rf"experiment; runs/pretrain\.json names logged model {rec['model_id']}, "
+                     r"which this database does not have: logged it again as model (m-\w+)",
+                     line)
+    assert m, line
+    again = MlflowClient().get_logged_model(m.group(1))
+    assert again.tags["encoder.md5"] == md5
+    assert {x.key: x.value for x in again.metrics if x.key == "knn.top1"} == {"knn.top1": 62.0}
+
+
+def test_attach_scores__database_refuses__one_line_no_sql(wd, caplog):
+    import sqlite3
+
+    rec = publish()
+    con = sqlite3.connect(wd / "mlflow.db")
+    con.execute("CREATE TRIGGER frozen BEFORE INSERT ON model_version_tags "
+                "BEGIN SELECT RAISE(ABORT, 'model version tags are frozen'); END")
+    con.commit()
+    con.close()
+    caplog.clear()
+    assert score("knn", 70.0) is None
+    assert _warnings(caplog) == [
+        f"could not attach knn metrics to logged model {rec['model_id']}: MlflowException: "
+        "IntegrityError: model version tags are frozen; the stage's outputs are kept"]
+    run = MlflowClient().get_run(json.loads(Path("runs/knn.json").read_text())["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["model.error"] == _warnings(caplog)[0].removesuffix(
+        "; the stage's outputs are kept")
+
+
+def test_publish_encoder__a_bug__fails_the_stage_not_a_warning(wd, monkeypatch, caplog):
+    def bug(*a, **k):
+        raise TypeError("register_model() got an unexpected keyword argument")
+
+    monkeypatch.setattr(mlflow, "register_model", bug)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        publish()
+    assert _warnings(caplog) == []
