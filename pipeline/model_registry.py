@@ -23,8 +23,9 @@
 * **Scores.** knn and linear link their top-1/top-5 to the logged model (``knn.top1``,
   ``linear.top1``, ...: columns of the experiment's Models view) and tag the version with them;
   embed and knn/linear list the model among their runs' inputs.
-* **Champion.** After the linear probe, alias :data:`CHAMPION` points at the version of this
-  experiment with the best ``linear.top1``; a tie keeps the current champion.
+* **Champion.** After the linear probe, alias :data:`CHAMPION` points at the version with the
+  best ``linear.top1`` among ALL versions of the registered model (the alias is registry-wide,
+  so is the election); a tie keeps the current champion.
 * **Failures** of the tracking side (:func:`optional_failures`: the registry or database, the
   server unreachable, the artifact store) are one warning line and a ``model.error`` /
   ``registry.error`` run tag: the stage still succeeds with its outputs, which cost up to
@@ -113,7 +114,7 @@ def choose_champion(scores: dict[int, float], current: int | None) -> int:
     """The version with the best score; the current champion keeps a tie.
 
     Args:
-        scores: version -> linear top-1 (%), the versions eligible (this experiment's).
+        scores: version -> linear top-1 (%), every scored version of the registered model.
         current: the version the alias points at now (None: no champion yet).
 
     Returns:
@@ -588,11 +589,13 @@ def attach_scores(run: StageRun, stage: str, metrics: dict[str, Any], *,
 
 
 def update_champion(run: StageRun, encoder: EncoderVersion | None) -> int | None:
-    """Point :data:`CHAMPION` at this experiment's version with the best ``linear.top1``.
+    """Point :data:`CHAMPION` at the version with the best ``linear.top1`` of the whole model.
 
-    Call after :func:`attach_scores` of the linear stage (which tagged ``encoder``'s version).
-    Runs under the database's file lock, so parallel experiments on one SQLite file do not
-    interleave.
+    Every scored version of the registered model competes, whichever experiment or clone
+    registered it: the alias is the registry's, so is the election (a clone electing among its
+    own versions moved it to a worse one). Call after :func:`attach_scores` of the linear stage
+    (which tagged ``encoder``'s version). Runs under the database's file lock, so parallel
+    experiments on one SQLite file do not interleave.
 
     Returns:
         The champion version, None when there is nothing to rank or the registry failed.
@@ -607,8 +610,7 @@ def update_champion(run: StageRun, encoder: EncoderVersion | None) -> int | None
         with _init_lock(uri):
             client = MlflowClient(tracking_uri=uri)
             versions = client.search_model_versions(f"name = '{name}'")
-            scores = {int(v.version): float(v.tags[SCORE]) for v in versions
-                      if v.tags.get(EXPERIMENT_TAG) == str(run.experiment_id) and SCORE in v.tags}
+            scores = {int(v.version): float(v.tags[SCORE]) for v in versions if SCORE in v.tags}
             if not scores:
                 return None
             try:

@@ -397,6 +397,28 @@ def test_trusted_encoder__registering_off__logged_model_by_md5(wd, monkeypatch, 
     assert {x.key: x.value for x in again.metrics if x.key == "knn.top1"} == {"knn.top1": 62.0}
 
 
+def test_update_champion__registry_wide__two_clones_share_one_database(wd, tmp_path,
+                                                                       monkeypatch):
+    # two clones, one tracking server (here one SQLite file): each logs to its own experiment
+    first = publish()
+    assert score("linear", 33.0) == 1
+    clone = tmp_path / "clone"
+    shutil.copytree(wd, clone, ignore=shutil.ignore_patterns("mlflow.db*", "mlartifacts"))
+    monkeypatch.chdir(clone)
+    Path("models/encoder.pt").write_bytes(_other_encoder())
+    second = publish()
+    assert second["experiment_id"] != first["experiment_id"]
+    assert second["model_version"] == "2"
+    assert score("linear", 28.0) == 1  # worse than the other clone's version: it stays
+    c = MlflowClient()
+    assert str(c.get_model_version_by_alias(NAME, CHAMPION).version) == "1"
+    publish()
+    assert score("linear", 35.0) == 3  # better than every version: it moves
+    assert str(c.get_model_version_by_alias(NAME, CHAMPION).version) == "3"
+    assert {str(v.version): v.tags["linear.top1"] for v in c.search_model_versions(
+        f"name = '{NAME}'")} == {"1": "33", "2": "28", "3": "35"}
+
+
 def test_attach_scores__database_refuses__one_line_no_sql(wd, caplog):
     import sqlite3
 
