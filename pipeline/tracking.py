@@ -511,8 +511,8 @@ def open_experiment(uri: str, name: str, root: Path) -> str:
                         tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, "repo.root": str(root)})
                     if candidate != name:
                         log.warning("MLflow experiment '%s' stores its artifacts outside this "
-                                    "repo; logging to experiment '%s' (artifacts in %s)", name,
-                                    candidate, wanted)
+                                    "repo; logging to experiment '%s' (artifacts in %s)%s", name,
+                                    candidate, wanted, _moved_hint(client, name))
                     return exp_id
                 if exp.lifecycle_stage == "deleted":
                     raise TrackingError(f"MLflow experiment '{candidate}' is deleted; restore "
@@ -530,6 +530,16 @@ def open_experiment(uri: str, name: str, root: Path) -> str:
         raise (_newer_schema_error(uri, e)
                or TrackingError(f"cannot use MLflow experiment '{name}' at {uri}: "
                                f"{error_summary(e)}")) from e
+
+
+def _moved_hint(client: Any, name: str) -> str:
+    """A hint when experiment ``name``'s artifact folder is gone (the repo was moved), else ''."""
+    exp = client.get_experiment_by_name(name)
+    path = _uri_path(exp.artifact_location) if exp is not None else None
+    if path is None or Path(path).exists():
+        return ""
+    return (f"; {path} is gone: if this repo was moved from there, `python -m pipeline "
+            "relocate-mlflow` repoints the database (docs/tracking.md)")
 
 
 def _newer_schema_error(uri: str, e: Exception) -> TrackingError | None:

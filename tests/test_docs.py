@@ -106,6 +106,10 @@ COMMANDS = {
     "python -m pipeline check-params --params params.yaml": Here(),
     "dvc repro -f -s pretrain": Ran(EXP, '["dvc", "repro", "-f", "-s", "knn"]', "on knn"),
     "python -m pipeline verify-shards data/shards": Here(),
+    # docs/tracking.md
+    "python -m pipeline relocate-mlflow": Ran(
+        "tests/test_relocate.py", '[sys.executable, "-m", "pipeline", "relocate-mlflow", *args]',
+        "after moving a tiny repo with a registered, scored encoder"),
     # docs/data.md
     "cp params.yaml params-remote.yaml": Here(),
     "python -m pipeline check-params --params params-remote.yaml": Here(),
@@ -247,7 +251,7 @@ def parse(cmd: str) -> None:
         used = {a for a in args[1:] if a.startswith("--")}
         assert used <= declared, f"{args[0]} does not declare {sorted(used - declared)}"
     elif argv[:3] == ["python", "-m", "pipeline"]:
-        assert args[2] in ("check-params", "verify-shards"), cmd
+        assert args[2] in ("check-params", "verify-shards", "relocate-mlflow"), cmd
     elif tool in ("cp", "cd"):
         assert len(args) in (1, 2), cmd
 
