@@ -67,6 +67,7 @@ class Untested:
 
 E2E = "tests/e2e/test_pipeline.py"
 EXP = "tests/e2e/test_experiments.py"
+KILL9 = "tests/e2e/test_queue_kill9.py"
 COMMANDS = {
     # README.md
     "make run": Parsed(),  # `make -n run`; its `dvc repro` is run by the e2e tests
@@ -106,6 +107,13 @@ COMMANDS = {
     "python -m pipeline check-params --params params.yaml": Here(),
     "dvc repro -f -s pretrain": Ran(EXP, '["dvc", "repro", "-f", "-s", "knn"]', "on knn"),
     "python -m pipeline verify-shards data/shards": Here(),
+    "dvc queue status": Ran(KILL9, '["dvc", "queue", "status"]'),
+    "dvc queue kill my-exp": Ran(KILL9, '["dvc", "queue", "kill", "doomed"]',
+                                 "after kill -9 of the worker's process group"),
+    "dvc queue remove --failed": Ran(KILL9, '["dvc", "queue", "remove", "--failed"]'),
+    "dvc exp run --queue -n my-exp -S pretrain.lr=0.06": Ran(
+        KILL9, '["dvc", "exp", "run", "--queue", "-n", "doomed", "pretrain"]',
+        "the same experiment queued again, without -S"),
     # docs/tracking.md
     "python -m pipeline relocate-mlflow": Ran(
         "tests/test_relocate.py", '[sys.executable, "-m", "pipeline", "relocate-mlflow", *args]',
