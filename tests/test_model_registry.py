@@ -374,6 +374,27 @@ def test_trusted_encoder__recorded_version_missing__registered_again(wd, monkeyp
     assert (str(v.version), v.tags["encoder.md5"], v.tags["linear.top1"]) == ("1", md5, "80")
 
 
+def test_trusted_encoder__registration_failed_at_pretrain__its_logged_model_registered(
+        wd, monkeypatch, caplog):
+    def refuse(*a, **k):
+        raise mlflow.exceptions.MlflowException("registry is read-only")
+
+    real = mlflow.register_model
+    monkeypatch.setattr(mlflow, "register_model", refuse)
+    rec = publish()  # logged, not registered (one warning)
+    monkeypatch.setattr(mlflow, "register_model", real)  # the registry is back
+    caplog.clear()
+    assert score("linear", 80.0) == 1
+    md5 = _md5(Path("models/encoder.pt").read_bytes())
+    assert _warnings(caplog) == [
+        f"models/encoder.pt (md5 {md5}) has no version in '{NAME}' and runs/pretrain.json "
+        f"names none: registered logged model {rec['model_id']} as version 1 of '{NAME}'"]
+    v = MlflowClient().get_model_version(NAME, "1")
+    assert v.source == f"models:/{rec['model_id']}"  # the pretrain run's model, not a new one
+    assert (v.tags["encoder.md5"], v.tags["linear.top1"]) == (md5, "80")
+    assert v.tags["params.digest"] == params_digest(from_dict(PARAMS))
+
+
 def test_trusted_encoder__registering_off__logged_model_by_md5(wd, monkeypatch, caplog):
     p = from_dict({**PARAMS, "mlflow": {"registered_model": ""}})
     rec = publish(p)
