@@ -31,8 +31,9 @@
   ``registry.error`` run tag: the stage still succeeds with its outputs, which cost up to
   hours and do not depend on MLflow. Anything else (a bug) fails the stage.
 
-Only :func:`choose_champion`, :func:`params_digest` and :func:`plain_encoder` work without an
-MLflow run; everything else is a no-op for an inactive :class:`~pipeline.tracking.StageRun`.
+The functions that take a :class:`~pipeline.tracking.StageRun` are no-ops for an inactive one;
+the others (:func:`choose_champion`, :func:`params_digest`, :func:`plain_encoder`, ...) need no
+MLflow run.
 """
 
 from __future__ import annotations
