@@ -1,7 +1,8 @@
-"""``python -m pipeline check-params``, ``verify-shards DIR [DIR ...]``, ``clean-checkpoints``.
+"""``python -m pipeline check-params|verify-shards|clean-checkpoints|relocate-mlflow``.
 
 ``clean-checkpoints [--keep N]`` deletes pretraining resume state of the repo (see
-:mod:`pipeline.train.resume_store`).
+:mod:`pipeline.train.resume_store`). ``relocate-mlflow [--from OLD] [--to NEW]`` repoints the
+MLflow database at a moved repo (see :mod:`pipeline.relocate`).
 
 ``check-params`` validates a whole params file (every key present, typed and in range) and
 prints the resolved config; the ``check_params`` DVC stage (``stages/check_params.py``) runs the
@@ -41,8 +42,19 @@ def _main(argv: list[str] | None) -> int:
                         help="delete pretraining resume state (.checkpoints/pretrain/<key>/)")
     cc.add_argument("--keep", type=int, default=0,
                     help="keep the N most recently written (default: %(default)s, delete all)")
+    rm = sub.add_parser("relocate-mlflow",
+                        help="repoint the MLflow database's artifact locations at a moved repo")
+    rm.add_argument("--from", dest="old", default=None,
+                    help="the old repo root (default: every root the database names that is "
+                         "gone)")
+    rm.add_argument("--to", dest="new", default=None,
+                    help="the new repo root (default: this repo's root)")
     args = parser.parse_args(argv)
     setup_logging()
+    if args.cmd == "relocate-mlflow":
+        from pipeline.relocate import relocate_main
+
+        return relocate_main(args.old, args.new)
     if args.cmd == "check-params":
         return _check_params(args.params)
     if args.cmd == "clean-checkpoints":

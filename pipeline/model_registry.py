@@ -1,43 +1,67 @@
-"""The pretrained encoder as an MLflow model: logged, registered, scored, aliased.
+"""The pretrained encoder as an MLflow model: logged, registered, trusted, scored, aliased.
 
 * **Logged model.** The pretrain run logs the query backbone (``models/encoder.pt``, rebuilt as
-  the ``embed`` stage rebuilds it, with the ``embed.pool_grid`` pooling) as its MLflow logged
-  model ``encoder``, pytorch flavour, ``serialization_format="pt2"`` (``torch.export``: loading
-  runs no pickle, which MLflow 3.17 refuses by default, and needs only torch). Signature:
-  ``(-1, C, S, S)`` float32 normalised images -> ``(-1, D)`` float32 features, the rows of
-  ``features/*.pt``. The input example is the first two test images after the evaluation
-  transform: a batch of 1 would make ``torch.export`` fix the batch size at 1. ``encoder.json``
-  goes with it (``extra_files``), and its preprocessing (size, mean, std) is the model's
-  metadata.
+  the ``embed`` stage rebuilds it, with the ``embed.layer`` / ``embed.pool_grid`` pooling) as
+  its MLflow logged model ``encoder``, pytorch flavour, ``serialization_format="pickle"`` with
+  the standard :mod:`pickle`: an ordinary ``nn.Module`` (``.eval()``, ``.train()``,
+  ``.to(device)``, fine-tuning) made of torch and torchvision classes only
+  (:func:`plain_encoder`), so loading needs torch, torchvision and mlflow, not this project.
+  Signature: ``(-1, C, S, S)`` float32 normalised images -> ``(-1, D)`` float32 features, the
+  rows of ``features/*.pt``; the input example is the first two test images after the
+  evaluation transform. ``encoder.json`` goes with it (``extra_files``), and its preprocessing
+  (size, mean, std) is the model's metadata. The same module as a ``torch.export`` program
+  (``extra_files/encoder.pt2``) serves deployments that load no pickle.
 * **Registry.** Every pretraining registers a new version of ``mlflow.registered_model``,
   tagged with the git commit, the DVC experiment name, the params digest, the experiment id and
   the md5 of ``encoder.pt`` (the hash ``dvc.lock`` records); alias :data:`NEWEST` moves to it.
   (MLflow reserves the alias ``latest``: ``models:/<name>/latest`` already names the newest
   version.)
+* **Trust.** The evaluation stages use the version whose ``encoder.md5`` tag is the workspace
+  encoder's (:func:`trusted_encoder`): ``runs/pretrain.json`` may come from DVC's run cache
+  and name a version of a database that is gone. No such version: the stage registers the
+  encoder again and says so in one line.
 * **Scores.** knn and linear link their top-1/top-5 to the logged model (``knn.top1``,
   ``linear.top1``, ...: columns of the experiment's Models view) and tag the version with them;
   embed and knn/linear list the model among their runs' inputs.
-* **Champion.** After the linear probe, alias :data:`CHAMPION` points at the version of this
-  experiment with the best ``linear.top1``; a tie keeps the current champion.
-* **Failures** after training (the artifact store, the registry) are one warning line and a
-  ``model.error`` / ``registry.error`` run tag: the stage still succeeds with its outputs, which
-  cost up to hours and do not depend on MLflow.
+* **Champion.** After the linear probe, alias :data:`CHAMPION` points at the version with the
+  best ``linear.top1`` among ALL versions of the registered model (the alias is registry-wide,
+  so is the election); a tie keeps the current champion.
+* **Failures** of the tracking side (:func:`optional_failures`: the registry or database, the
+  server unreachable, the artifact store) are one warning line and a ``model.error`` /
+  ``registry.error`` run tag: the stage still succeeds with its outputs, which cost up to
+  hours and do not depend on MLflow. Anything else (a bug) fails the stage.
 
-Only :func:`choose_champion` and :func:`params_digest` work without an MLflow run; everything
-else is a no-op for an inactive :class:`~pipeline.tracking.StageRun`.
+The functions that take a :class:`~pipeline.tracking.StageRun` are no-ops for an inactive one;
+the others (:func:`choose_champion`, :func:`params_digest`, :func:`plain_encoder`, ...) need no
+MLflow run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import pickle
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from pipeline.config import Params, to_dict
 from pipeline.data.remote import ShardURL
-from pipeline.tracking import StageRun, _init_lock, git_state, read_run_record, tracking_uri
+from pipeline.tracking import (
+    StageRun,
+    TrackingError,
+    _init_lock,
+    error_summary,
+    git_state,
+    read_run_record,
+    tracking_uri,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +70,29 @@ CHAMPION = "champion"
 NEWEST = "newest"
 SCORE = "linear.top1"  # the version tag (and model metric) that ranks versions
 EXPERIMENT_TAG = "experiment_id"
+MD5_TAG = "encoder.md5"
+GRAPH_FILE = "encoder.pt2"  # the torch.export program, an extra file of the logged model
 # The params that decide the trained weights: the pretrain stage's params in dvc.yaml.
 TRAINING_SECTIONS = ("seed", "model", "moco", "augment", "pretrain")
 EXAMPLE_IMAGES = 2
+# What the pickled module may reference besides the standard library: a plain venv has these.
+PORTABLE_PACKAGES = ("torch", "torchvision")
+
+
+@dataclass(frozen=True)
+class EncoderVersion:
+    """The MLflow model of the workspace encoder.
+
+    Attributes:
+        model_id: the logged model (``models:/<model_id>``).
+        name: the registered model; None when registering is off (``mlflow.registered_model:
+            ""``).
+        version: its version, None likewise.
+    """
+
+    model_id: str
+    name: str | None = None
+    version: str | None = None
 
 
 def params_digest(params: Params) -> str:
@@ -62,11 +106,16 @@ def params_digest(params: Params) -> str:
     return hashlib.sha256(json.dumps(sub, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def file_md5(path: Path) -> str:
+    """md5 of a file's bytes, 32 hex chars (what ``dvc.lock`` records for it)."""
+    return hashlib.md5(Path(path).read_bytes()).hexdigest()
+
+
 def choose_champion(scores: dict[int, float], current: int | None) -> int:
     """The version with the best score; the current champion keeps a tie.
 
     Args:
-        scores: version -> linear top-1 (%), the versions eligible (this experiment's).
+        scores: version -> linear top-1 (%), every scored version of the registered model.
         current: the version the alias points at now (None: no champion yet).
 
     Returns:
@@ -84,14 +133,117 @@ def choose_champion(scores: dict[int, float], current: int | None) -> int:
     return min(v for v, s in scores.items() if s == best)
 
 
+def optional_failures() -> tuple[type[BaseException], ...]:
+    """The failures of the tracking side that must not fail a stage (a warning instead).
+
+    MLflow's own errors (the registry or database refused, a server that does not answer:
+    MLflow raises ``MlflowException`` after its retries), SQLAlchemy's, the file lock of the
+    database (:class:`~pipeline.tracking.TrackingError`), and I/O: a full or unreachable
+    artifact store (``OSError``, which ``requests``' connection errors are too) and boto's
+    errors for an S3 store. A bug (``TypeError``, ``KeyError``, ...) is not one of them.
+    """
+    from mlflow.exceptions import MlflowException
+    from requests import RequestException
+    from sqlalchemy.exc import SQLAlchemyError
+
+    kinds: tuple[type[BaseException], ...] = (MlflowException, SQLAlchemyError, TrackingError,
+                                              OSError, RequestException)
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:
+        return kinds
+    return (*kinds, BotoCoreError, ClientError)
+
+
 def _warn(run: StageRun, what: str, message: str) -> None:
     """One warning line + a run tag; the stage goes on."""
     line = " ".join(str(message).split())[:1000]
     log.warning("%s; the stage's outputs are kept", line)
     try:
         run.set_tags({f"{what}.error": line})
-    except Exception as e:  # noqa: BLE001 - the warning above is what matters
-        log.debug("could not tag the run: %s", e)
+    except optional_failures() as e:  # the warning above is what matters
+        log.debug("could not tag the run: %s", error_summary(e))
+
+
+def plain_encoder(backbone: nn.Module) -> nn.Module:
+    """The backbone as a module of torch and torchvision classes only (changed in place).
+
+    What :func:`~pipeline.evaluate.run.embed.load_encoder` builds is a
+    :class:`~pipeline.moco.backbones.WideResNet` (a torchvision ``ResNet`` whose ``__init__``
+    takes a width; same forward) pooled by a
+    :class:`~pipeline.evaluate.pooling.GridPool` (``adaptive_avg_pool2d`` to ``g x g`` after a
+    size check). Pickled as they are, loading needs this project on the path. Here the class
+    becomes ``torchvision.models.ResNet`` and the pool ``nn.AdaptiveAvgPool2d(g)``: the same
+    operations in the same order, so the features are bit-identical; only GridPool's error for
+    a map smaller than ``g x g`` is gone (adaptive pooling repeats cells instead).
+
+    Args:
+        backbone: the module (its attributes and weights are kept).
+
+    Returns:
+        ``backbone``, now of torch/torchvision classes.
+
+    Raises:
+        TypeError: pickling it would still reference a module outside the standard library and
+            :data:`PORTABLE_PACKAGES` (each named), e.g. a subclass with its own forward; or it
+            cannot be pickled at all.
+    """
+    from torchvision.models.resnet import ResNet
+
+    from pipeline.evaluate.pooling import GridPool
+
+    for name, module in list(backbone.named_modules()):
+        if isinstance(module, GridPool):
+            pool = nn.AdaptiveAvgPool2d((module.grid, module.grid))
+            if name:
+                backbone.set_submodule(name, pool)
+            else:
+                backbone = pool
+    kind = type(backbone)
+    if (kind is not ResNet and isinstance(backbone, ResNet) and kind.forward is ResNet.forward
+            and kind._forward_impl is ResNet._forward_impl):
+        backbone.__class__ = ResNet
+    try:
+        names = pickled_globals(backbone)
+    except pickle.PicklingError as e:  # e.g. a class defined inside a function
+        raise TypeError(f"the encoder module cannot be pickled: {e}") from None
+    foreign = sorted(g for g in names
+                     if g.split(".")[0] not in (*PORTABLE_PACKAGES, *sys.stdlib_module_names))
+    if foreign:
+        raise TypeError(f"the encoder module would need {', '.join(foreign)} to be unpickled; "
+                        f"only {', '.join(PORTABLE_PACKAGES)} and the standard library are "
+                        "installed where the registered model is loaded")
+    return backbone
+
+
+class _GlobalsRecorder(pickle._Pickler):  # the Python pickler: its save_global can be wrapped
+    """Pickles into nothing, recording every class or function the pickle would import."""
+
+    def __init__(self) -> None:
+        class _Sink:
+            def write(self, data: bytes) -> int:
+                return len(data)
+
+        super().__init__(_Sink(), protocol=pickle.HIGHEST_PROTOCOL)
+        self.found: set[str] = set()
+
+    def persistent_id(self, obj: Any) -> str | None:
+        import torch
+
+        # tensors and storages reduce to torch functions only; skip their bytes
+        return "tensor" if isinstance(obj, (torch.Tensor, torch.UntypedStorage)) else None
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        module = getattr(obj, "__module__", None) or pickle.whichmodule(obj, name)
+        self.found.add(f"{module}.{name or obj.__qualname__}")
+        super().save_global(obj, name)
+
+
+def pickled_globals(obj: Any) -> set[str]:
+    """``module.name`` of every class and function that unpickling ``obj`` would import."""
+    recorder = _GlobalsRecorder()
+    recorder.dump(obj)
+    return recorder.found
 
 
 def _example_images(split: Path | ShardURL, image_size: int,
@@ -111,9 +263,29 @@ def _example_images(split: Path | ShardURL, image_size: int,
     return images, m
 
 
+def export_graph(model: nn.Module, images: Any, path: Path) -> None:
+    """Save ``model`` (in eval mode) as a ``torch.export`` program with a free batch size.
+
+    Args:
+        model: the encoder, ``(N, C, S, S)`` -> ``(N, D)``.
+        images: ``(2, C, S, S)`` example images: ``torch.export`` fixes a dimension of size 1,
+            so a single image would give a program that only takes one.
+        path: the ``.pt2`` file.
+    """
+    import torch
+
+    program = torch.export.export(model.eval(), (images,),
+                                  dynamic_shapes=({0: torch.export.Dim("batch")},))
+    torch.export.save(program, str(path))
+
+
 def log_encoder(*, encoder_path: Path, pool_grid: int, layer: int,
                 example_split: Path | ShardURL, tags: dict[str, str]) -> str:
-    """Log ``encoder.pt`` as the active run's MLflow logged model (pt2); return its model id.
+    """Log ``encoder.pt`` as the active run's MLflow logged model; return its model id.
+
+    The model is :func:`plain_encoder` of the embed stage's backbone, pickled (standard
+    :mod:`pickle`); ``encoder.json`` and the ``torch.export`` program (:data:`GRAPH_FILE`) are
+    its extra files.
 
     Args:
         encoder_path: ``models/encoder.pt`` (``encoder.json`` beside it).
@@ -123,18 +295,22 @@ def log_encoder(*, encoder_path: Path, pool_grid: int, layer: int,
         tags: tags of the logged model.
 
     Raises:
-        Exception: whatever MLflow or ``torch.export`` raise (the caller reports it).
+        Exception: whatever MLflow or ``torch.export`` raise (the caller reports the
+            :func:`optional_failures`).
     """
+    import tempfile
+
     import mlflow
     import numpy as np
     import torch
+    import torchvision
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
 
     from pipeline.evaluate.run.embed import load_encoder
 
     backbone, meta = load_encoder(encoder_path, pool_grid=pool_grid, layer=layer)
-    backbone.eval()
+    model = plain_encoder(backbone).eval()
     images, manifest = _example_images(example_split, int(meta["image_size"]), EXAMPLE_IMAGES)
     c, s = images.shape[1], images.shape[2]
     signature = ModelSignature(
@@ -143,13 +319,30 @@ def log_encoder(*, encoder_path: Path, pool_grid: int, layer: int,
     preprocessing = {"image_size": int(meta["image_size"]), "mean": list(manifest["mean"]),
                      "std": list(manifest["std"]),
                      "transform": "pipeline.data.views.build_eval_transform"}
-    info = mlflow.pytorch.log_model(
-        backbone, name=LOGGED_MODEL_NAME, serialization_format="pt2", signature=signature,
-        input_example=images.numpy(), extra_files=[str(encoder_path.with_suffix(".json"))],
-        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-        metadata={"encoder": meta, "preprocessing": preprocessing},
-        params={f"encoder.{k}": v for k, v in meta.items()}, tags=tags)
+    quiet = logging.getLogger("mlflow.pytorch")  # its advice against pickle: chosen, see above
+    with tempfile.TemporaryDirectory() as tmp, _level(quiet, logging.ERROR):
+        graph = Path(tmp) / GRAPH_FILE
+        export_graph(model, images, graph)
+        info = mlflow.pytorch.log_model(
+            model, name=LOGGED_MODEL_NAME, serialization_format="pickle", pickle_module=pickle,
+            signature=signature, input_example=images.numpy(),
+            extra_files=[str(encoder_path.with_suffix(".json")), str(graph)],
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
+                              f"torchvision=={torchvision.__version__.split('+')[0]}"],
+            metadata={"encoder": meta, "preprocessing": preprocessing},
+            params={f"encoder.{k}": v for k, v in meta.items()}, tags=tags)
     return info.model_id
+
+
+@contextlib.contextmanager
+def _level(logger: logging.Logger, level: int) -> Iterator[None]:
+    """``logger`` at ``level`` inside the block."""
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 def _version_tags(params: Params, run: StageRun, encoder_path: Path) -> dict[str, str]:
@@ -159,7 +352,44 @@ def _version_tags(params: Params, run: StageRun, encoder_path: Path) -> dict[str
     return {"git.commit": git["git.commit"], "git.dirty": git["git.dirty"],
             "dvc.exp_name": os.environ.get("DVC_EXP_NAME", "workspace"),
             "params.digest": params_digest(params), EXPERIMENT_TAG: str(run.experiment_id),
-            "encoder.md5": hashlib.md5(encoder_path.read_bytes()).hexdigest()}
+            MD5_TAG: file_md5(encoder_path)}
+
+
+def _log_and_register(run: StageRun, *, params: Params, encoder_path: Path,
+                      example_split: Path | ShardURL) -> EncoderVersion | None:
+    """Log the encoder as the run's logged model and register a version (None: failed)."""
+    tags = _version_tags(params, run, encoder_path)
+    try:
+        model_id = log_encoder(encoder_path=encoder_path,
+                               pool_grid=params.embed.pool_grid, layer=params.embed.layer,
+                               example_split=example_split, tags=tags)
+    except optional_failures() as e:  # a tracking failure must not fail the stage
+        _warn(run, "model", f"could not log the encoder as an MLflow model: {error_summary(e)}")
+        return None
+    return _register(run, model_id, params.mlflow.registered_model, tags)
+
+
+def _register(run: StageRun, model_id: str, name: str, tags: dict[str, str]) -> EncoderVersion:
+    """Register logged model ``model_id`` as a new version of ``name``; move :data:`NEWEST`.
+
+    Returns:
+        The version; without one (``name`` empty, or the registry failed: one warning line)
+        just the logged model.
+    """
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    if not name:
+        return EncoderVersion(model_id)
+    try:
+        version = str(mlflow.register_model(f"models:/{model_id}", name, tags=tags).version)
+        MlflowClient().set_registered_model_alias(name, NEWEST, version)
+    except optional_failures() as e:
+        _warn(run, "registry", f"could not register model '{name}' in the MLflow registry: "
+                               f"{error_summary(e)}")
+        return EncoderVersion(model_id)
+    run.set_tags({"registry.version": f"{name}/{version}"})
+    return EncoderVersion(model_id, name, version)
 
 
 def publish_encoder(run: StageRun, *, params: Params, encoder_path: Path,
@@ -167,113 +397,221 @@ def publish_encoder(run: StageRun, *, params: Params, encoder_path: Path,
     """Log the encoder as the run's logged model, register a version, move :data:`NEWEST`.
 
     Records ``model_id``, ``model_uri``, ``registered_model`` and ``model_version`` in the
-    run's ``runs/pretrain.json`` (``run.record``). Never raises for an MLflow failure: one
+    run's ``runs/pretrain.json`` (``run.record``). An :func:`optional_failures` failure is one
     warning line (see the module docstring).
     """
     if not run.active:
         return
-    import mlflow
+    encoder = _log_and_register(run, params=params, encoder_path=encoder_path,
+                                example_split=example_split)
+    if encoder is None:
+        return
+    run.record.update(model_id=encoder.model_id, model_uri=f"models:/{encoder.model_id}")
+    if encoder.version is None:
+        return
+    run.record.update(registered_model=encoder.name, model_version=encoder.version)
+    log.info("encoder registered as %s version %s (alias %s; models:/%s@%s)", encoder.name,
+             encoder.version, NEWEST, encoder.name, NEWEST)
+
+
+def trusted_encoder(run: StageRun, *, params: Params, encoder_path: Path,
+                    example_split: Path | ShardURL) -> EncoderVersion | None:
+    """The MLflow model of the workspace encoder: found by its md5, else registered again.
+
+    A version is trusted only when its ``encoder.md5`` tag is ``encoder_path``'s md5.
+    ``runs/pretrain.json`` names the version its pretraining registered, but DVC restores that
+    file from its run cache or a remote too, and the database it was written against may be
+    gone (``mlflow.db`` deleted: its version 2 is then another encoder, or none). So, in order:
+    the recorded version if its md5 matches; the newest version with that md5 (by tag); a
+    logged model with that md5 (the recorded one, else the newest of this experiment),
+    registered as a new version; else this run logs ``encoder_path`` and registers it. The
+    last two say so in one warning line. With ``mlflow.registered_model: ""`` only logged
+    models are looked up. The search and the registration run under the database's file lock,
+    so parallel stages register an encoder once.
+
+    Args:
+        run: the active evaluation run (embed, knn, linear).
+        params: the stage's params (registered model name, pooling, the version's tags).
+        encoder_path: ``models/encoder.pt``.
+        example_split: the split whose first images are the input example, if logging.
+
+    Returns:
+        The logged model and version (no version when registering is off or failed); None when
+        the run is inactive or the tracking side failed (one warning line).
+    """
+    if not run.active:
+        return None
     from mlflow.tracking import MlflowClient
 
-    tags = _version_tags(params, run, encoder_path)
-    try:
-        model_id = log_encoder(encoder_path=encoder_path,
-                               pool_grid=params.embed.pool_grid, layer=params.embed.layer,
-                               example_split=example_split,
-                               tags=tags)
-    except Exception as e:  # noqa: BLE001 - a tracking failure must not fail the training
-        _warn(run, "model", f"could not log the encoder as an MLflow model: "
-                            f"{type(e).__name__}: {e}")
-        return
-    run.record.update(model_id=model_id, model_uri=f"models:/{model_id}")
+    md5, record = file_md5(encoder_path), read_run_record("pretrain")
     name = params.mlflow.registered_model
-    if not name:
-        return
     try:
-        version = mlflow.register_model(f"models:/{model_id}", name, tags=tags).version
-        MlflowClient().set_registered_model_alias(name, NEWEST, str(version))
-    except Exception as e:  # noqa: BLE001 - as above
-        _warn(run, "registry", f"could not register model '{name}' in the MLflow registry: "
-                               f"{type(e).__name__}: {e}")
-        return
-    run.record.update(registered_model=name, model_version=str(version))
-    run.set_tags({"registry.version": f"{name}/{version}"})
-    log.info("encoder registered as %s version %s (alias %s; models:/%s@%s)", name, version,
-             NEWEST, name, NEWEST)
+        with _init_lock(tracking_uri()):
+            client = MlflowClient()
+            found = _version_by_md5(client, name, md5, record) if name else None
+            logged = None if found else _logged_model_by_md5(client, str(run.experiment_id),
+                                                             md5, record)
+            if found or (logged and not name):
+                return found or EncoderVersion(logged)
+            why = _why_untrusted(client, name, record)
+            encoder = (_register(run, logged, name, _logged_tags(client, logged)) if logged
+                       else _log_and_register(run, params=params, encoder_path=encoder_path,
+                                              example_split=example_split))
+    except optional_failures() as e:
+        _warn(run, "registry", f"could not look up {encoder_path} (md5 {md5}) in the MLflow "
+                               f"registry: {error_summary(e)}")
+        return None
+    if encoder is not None and (encoder.version or not name):  # else a warning said why not
+        again = (f"registered logged model {logged} as version {encoder.version} of '{name}'"
+                 if logged else
+                 f"registered it again as version {encoder.version} of '{name}'" if name
+                 else f"logged it again as model {encoder.model_id}")
+        log.warning("%s (md5 %s) %s: %s", encoder_path, md5, why, again)
+    return encoder
 
 
-def link_encoder_input(run: StageRun) -> None:
-    """List the upstream pretrain run's logged model among this run's inputs (embed)."""
-    model_id = read_run_record("pretrain").get("model_id")
-    if not run.active or not model_id:
+def _logged_tags(client: Any, model_id: str) -> dict[str, str]:
+    """The version tags a logged model was given when logged (see :func:`_version_tags`)."""
+    keys = ("git.commit", "git.dirty", "dvc.exp_name", "params.digest", EXPERIMENT_TAG, MD5_TAG)
+    tags = client.get_logged_model(model_id).tags
+    return {k: tags[k] for k in keys if k in tags}
+
+
+def _version_by_md5(client: Any, name: str, md5: str,
+                    record: dict[str, Any]) -> EncoderVersion | None:
+    """The recorded version if its md5 matches, else the newest version with that md5."""
+    from mlflow.exceptions import MlflowException
+
+    if record.get("registered_model") == name and record.get("model_version"):
+        try:
+            v = client.get_model_version(name, str(record["model_version"]))
+        except MlflowException:
+            v = None  # not in this database
+        if v is not None and v.tags.get(MD5_TAG) == md5:
+            return _encoder_version(v)
+    same = client.search_model_versions(f"name = '{name}' and tags.`{MD5_TAG}` = '{md5}'")
+    if not same:
+        return None
+    newest = max(same, key=lambda v: int(v.version))
+    if record.get("model_version"):
+        log.info("runs/pretrain.json names version %s of '%s', not this encoder's: using "
+                 "version %s (same %s)", record["model_version"], name, newest.version, MD5_TAG)
+    return _encoder_version(newest)
+
+
+def _encoder_version(v: Any) -> EncoderVersion:
+    """An :class:`EncoderVersion` from MLflow's ``ModelVersion`` (source ``models:/<id>``)."""
+    model_id = getattr(v, "model_id", None) or str(v.source).removeprefix("models:/")
+    return EncoderVersion(model_id, v.name, str(v.version))
+
+
+def _logged_model_by_md5(client: Any, experiment_id: str, md5: str,
+                         record: dict[str, Any]) -> str | None:
+    """The recorded logged model if its md5 matches, else this experiment's newest with it."""
+    from mlflow.exceptions import MlflowException
+
+    if record.get("model_id"):
+        try:
+            m = client.get_logged_model(record["model_id"])
+        except MlflowException:
+            m = None
+        if m is not None and m.tags.get(MD5_TAG) == md5:
+            return m.model_id
+    same = client.search_logged_models(experiment_ids=[experiment_id],
+                                       filter_string=f"tags.`{MD5_TAG}` = '{md5}'")
+    return max(same, key=lambda m: m.creation_timestamp).model_id if same else None
+
+
+def _why_untrusted(client: Any, name: str, record: dict[str, Any]) -> str:
+    """Why no version could be trusted, for the warning line (a clause)."""
+    from mlflow.exceptions import MlflowException
+
+    kind, ref = (("version", record.get("model_version")) if name
+                 else ("logged model", record.get("model_id")))
+    where = f"'{name}'" if name else "this experiment"
+    if not ref:
+        return f"has no {kind} in {where} and runs/pretrain.json names none"
+    try:
+        theirs = (client.get_model_version(name, str(ref)).tags if name
+                  else client.get_logged_model(ref).tags).get(MD5_TAG, "none")
+    except MlflowException:
+        return (f"has no {kind} in {where}; runs/pretrain.json names {kind} {ref}, which "
+                "this database does not have")
+    return (f"has no {kind} in {where}; runs/pretrain.json names {kind} {ref}, whose "
+            f"{MD5_TAG} is {theirs}")
+
+
+def link_encoder_input(run: StageRun, encoder: EncoderVersion | None) -> None:
+    """List the encoder's logged model among this run's inputs (embed)."""
+    if not run.active or encoder is None:
         return
     from mlflow.entities import LoggedModelInput
     from mlflow.tracking import MlflowClient
 
     try:  # the client's log_inputs: the fluent one takes models on Databricks only
-        MlflowClient().log_inputs(run.run_id, models=[LoggedModelInput(model_id=model_id)])
-    except Exception as e:  # noqa: BLE001 - lineage only
-        _warn(run, "model", f"could not link logged model {model_id}: {type(e).__name__}: {e}")
+        MlflowClient().log_inputs(run.run_id,
+                                  models=[LoggedModelInput(model_id=encoder.model_id)])
+    except optional_failures() as e:  # lineage only
+        _warn(run, "model", f"could not link logged model {encoder.model_id}: "
+                            f"{error_summary(e)}")
 
 
 def attach_scores(run: StageRun, stage: str, metrics: dict[str, Any], *,
-                  dataset: Any | None = None) -> dict[str, float]:
+                  encoder: EncoderVersion | None, dataset: Any | None = None) -> dict[str, float]:
     """Link a stage's accuracies to the encoder's logged model and tag its version.
 
     Args:
         run: the active knn/linear run.
         stage: ``knn`` or ``linear``: the metric prefix (``knn.top1``).
         metrics: the stage's metrics; those whose name has ``top1``/``top5`` are linked.
+        encoder: the workspace encoder's model (:func:`trusted_encoder`).
         dataset: the test split's ``mlflow.data`` dataset (from ``log_shards``).
 
     Returns:
         The linked metrics (``{}`` when nothing was linked).
     """
-    record = read_run_record("pretrain")
-    model_id = record.get("model_id")
-    if not run.active or not model_id:
+    if not run.active or encoder is None:
         return {}
     scores = {f"{stage}.{k}": float(v) for k, v in metrics.items()
               if ("top1" in k or "top5" in k) and isinstance(v, (int, float))}
     try:
-        run.log_metrics(scores, model_id=model_id, dataset=dataset)
-        if record.get("model_version"):
+        run.log_metrics(scores, model_id=encoder.model_id, dataset=dataset)
+        if encoder.version is not None:
             from mlflow.tracking import MlflowClient
 
             client = MlflowClient()
             for k, v in scores.items():
-                client.set_model_version_tag(record["registered_model"],
-                                             record["model_version"], k, f"{v:g}")
-    except Exception as e:  # noqa: BLE001 - the stage's own metrics are already logged
-        _warn(run, "model", f"could not attach {stage} metrics to logged model {model_id}: "
-                            f"{type(e).__name__}: {e}")
+                client.set_model_version_tag(encoder.name, encoder.version, k, f"{v:g}")
+    except optional_failures() as e:  # the stage's own metrics are already logged
+        _warn(run, "model", f"could not attach {stage} metrics to logged model "
+                            f"{encoder.model_id}: {error_summary(e)}")
         return {}
     return scores
 
 
-def update_champion(run: StageRun) -> int | None:
-    """Point :data:`CHAMPION` at this experiment's version with the best ``linear.top1``.
+def update_champion(run: StageRun, encoder: EncoderVersion | None) -> int | None:
+    """Point :data:`CHAMPION` at the version with the best ``linear.top1`` of the whole model.
 
-    Call after :func:`attach_scores` of the linear stage (which tagged this version). Runs under
-    the database's file lock, so parallel experiments on one SQLite file do not interleave.
+    Every scored version of the registered model competes, whichever experiment or clone
+    registered it: the alias is the registry's, so is the election (a clone electing among its
+    own versions moved it to a worse one). Call after :func:`attach_scores` of the linear stage
+    (which tagged ``encoder``'s version). Runs under the database's file lock, so parallel
+    experiments on one SQLite file do not interleave.
 
     Returns:
         The champion version, None when there is nothing to rank or the registry failed.
     """
-    record = read_run_record("pretrain")
-    name, version = record.get("registered_model"), record.get("model_version")
-    if not run.active or not name or not version:
+    if not run.active or encoder is None or encoder.version is None:
         return None
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    uri = tracking_uri()
+    name, uri = encoder.name, tracking_uri()
     try:
         with _init_lock(uri):
             client = MlflowClient(tracking_uri=uri)
             versions = client.search_model_versions(f"name = '{name}'")
-            scores = {int(v.version): float(v.tags[SCORE]) for v in versions
-                      if v.tags.get(EXPERIMENT_TAG) == str(run.experiment_id) and SCORE in v.tags}
+            scores = {int(v.version): float(v.tags[SCORE]) for v in versions if SCORE in v.tags}
             if not scores:
                 return None
             try:
@@ -284,12 +622,13 @@ def update_champion(run: StageRun) -> int | None:
             champion = choose_champion(scores, current)
             if champion != current:
                 client.set_registered_model_alias(name, CHAMPION, str(champion))
-    except Exception as e:  # noqa: BLE001 - the stage's own results are written
+    except optional_failures() as e:  # the stage's own results are written
         _warn(run, "registry", f"could not move alias '{CHAMPION}' of model '{name}': "
-                               f"{type(e).__name__}: {e}")
+                               f"{error_summary(e)}")
         return None
     moved = "kept" if champion == current else f"moved from {current}"
     log.info("%s@%s = version %d (linear top-1 %.2f; %s; version %s scored %.2f)", name,
-             CHAMPION, champion, scores[champion], moved, version, scores.get(int(version), -1))
+             CHAMPION, champion, scores[champion], moved, encoder.version,
+             scores.get(int(encoder.version), -1))
     run.set_tags({"registry.champion": f"{name}/{champion}"})
     return champion

@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -64,6 +65,45 @@ class TrackingError(RuntimeError):
     """The tracking server or database cannot be used."""
 
 
+ERROR_SUMMARY_CHARS = 300
+
+
+def error_summary(e: BaseException, limit: int = ERROR_SUMMARY_CHARS) -> str:
+    """``<Type>: <what failed>`` on one line, never a raw SQL statement.
+
+    SQLAlchemy's errors, and MLflow's exceptions wrapping them, carry the statement, its
+    parameters and a help link on later lines (``[SQL: INSERT INTO ...]``: one warning about a
+    failed tag was 1,087 characters of it). The database driver's own error (``.orig`` of the
+    SQLAlchemy error in the exception chain, e.g. ``IntegrityError: FOREIGN KEY constraint
+    failed``) says what failed; for any other exception, the first line of its message.
+
+    Args:
+        e: the exception.
+        limit: at most this many characters (cut with ``...``).
+
+    Returns:
+        E.g. ``MlflowException: IntegrityError: FOREIGN KEY constraint failed``.
+    """
+    orig, cur, seen = None, e, set()
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(getattr(cur, "orig", None), BaseException):
+            orig = cur.orig
+            break
+        cur = cur.__cause__ or cur.__context__
+    what = _first_line(orig if orig is not None else e)
+    text = f"{type(e).__name__}: " + (f"{type(orig).__name__}: {what}" if orig is not None
+                                       else what)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of an exception's message that is not SQLAlchemy's autoflush note."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith("(raised as a result of")] or lines
+    return lines[0] if lines else "(no message)"
+
+
 def repo_root() -> Path:
     """The pipeline's root: ``DVC_ROOT``, else the git top level, else the current directory."""
     env = os.environ.get("DVC_ROOT")
@@ -83,18 +123,82 @@ def tracking_uri() -> str:
 
 
 def git_state(cwd: Path | None = None) -> dict[str, str]:
-    """Commit hash and dirty flag of the working tree (``unknown`` outside git)."""
+    """Commit hash and dirty flag of the working tree (``unknown`` outside git).
+
+    Dirty means a tracked file differs from the commit: code, params, docs, anything but what
+    the pipeline writes itself (:func:`pipeline_outputs`: the stages' ``outs``, ``metrics`` and
+    ``plots`` and ``dvc.lock``). Without that exception every run of a clean clone would be
+    dirty, its git-tracked metrics and plots being rewritten by the run. Untracked files do
+    not count.
+    """
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
-                              timeout=30, cwd=cwd).stdout.strip()
+                              timeout=30, cwd=cwd).stdout
 
     try:
-        commit = git("rev-parse", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        commit = git("rev-parse", "HEAD").strip()
+        top = Path(git("rev-parse", "--show-toplevel").strip())
+        status = git("status", "--porcelain=v1", "-z", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return {"git.commit": "unknown", "git.dirty": "unknown"}
+    outputs = pipeline_outputs(str(Path(cwd or Path.cwd()).resolve()), str(top.resolve()))
+    dirty = any(not any(p == o or p.startswith(o + "/") for o in outputs)
+                for p in _changed_paths(status))
     return {"git.commit": commit, "git.dirty": str(dirty).lower()}
+
+
+def _changed_paths(porcelain_z: str) -> list[str]:
+    """Paths of ``git status --porcelain=v1 -z`` (both sides of a rename or copy)."""
+    fields, paths, i = porcelain_z.split("\0"), [], 0
+    while i < len(fields):
+        entry = fields[i]
+        i += 1
+        if len(entry) < 4:
+            continue
+        paths.append(entry[3:])
+        if entry[0] in "RC":  # "R  new\0old": the old path is the next field
+            paths.append(fields[i])
+            i += 1
+    return paths
+
+
+@functools.lru_cache(maxsize=8)
+def pipeline_outputs(cwd: str, git_top: str) -> tuple[str, ...]:
+    """What the DVC pipeline writes, as paths relative to ``git_top`` (``/``-separated).
+
+    Read with DVC's own API (the way ``dvc repro`` reads them, ``${...}`` interpolated from
+    ``params.yaml``): every stage's ``outs``, ``metrics`` and ``plots`` in every ``dvc.yaml``
+    of the DVC repo around ``cwd``, and the ``dvc.lock`` beside each ``dvc.yaml``.
+
+    Args:
+        cwd: a directory inside the DVC repo (absolute).
+        git_top: the git work tree's top level (absolute).
+
+    Returns:
+        The paths, sorted; empty outside a DVC repo, or when DVC cannot read the pipeline (one
+        warning line: :func:`git_state` then counts every changed file).
+    """
+    from dvc.exceptions import DvcException, NotDvcRepoError
+    from dvc.repo import Repo
+
+    found: set[str] = set()
+    try:
+        with Repo(cwd) as repo:
+            for stage in repo.index.stages:
+                found.update(out.fs_path for out in stage.outs)
+                path = getattr(stage.dvcfile, "path", "")
+                if Path(path).name == "dvc.yaml":
+                    found.add(str(Path(path).with_name("dvc.lock")))
+    except NotDvcRepoError:
+        return ()
+    except (DvcException, OSError) as e:
+        log.warning("git.dirty counts every changed file: DVC cannot list the pipeline's "
+                    "outputs (%s)", error_summary(e))
+        return ()
+    top = Path(git_top)
+    return tuple(sorted(Path(os.path.abspath(p)).relative_to(top).as_posix() for p in found
+                        if Path(os.path.abspath(p)).is_relative_to(top)))
 
 
 def dvc_tags() -> dict[str, str]:
@@ -407,8 +511,8 @@ def open_experiment(uri: str, name: str, root: Path) -> str:
                         tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, "repo.root": str(root)})
                     if candidate != name:
                         log.warning("MLflow experiment '%s' stores its artifacts outside this "
-                                    "repo; logging to experiment '%s' (artifacts in %s)", name,
-                                    candidate, wanted)
+                                    "repo; logging to experiment '%s' (artifacts in %s)%s", name,
+                                    candidate, wanted, _moved_hint(client, name))
                     return exp_id
                 if exp.lifecycle_stage == "deleted":
                     raise TrackingError(f"MLflow experiment '{candidate}' is deleted; restore "
@@ -424,7 +528,18 @@ def open_experiment(uri: str, name: str, root: Path) -> str:
         raise
     except Exception as e:  # noqa: BLE001 - any backend failure is fatal at start
         raise (_newer_schema_error(uri, e)
-               or TrackingError(f"cannot use MLflow experiment '{name}' at {uri}: {e}")) from e
+               or TrackingError(f"cannot use MLflow experiment '{name}' at {uri}: "
+                               f"{error_summary(e)}")) from e
+
+
+def _moved_hint(client: Any, name: str) -> str:
+    """A hint when experiment ``name``'s artifact folder is gone (the repo was moved), else ''."""
+    exp = client.get_experiment_by_name(name)
+    path = _uri_path(exp.artifact_location) if exp is not None else None
+    if path is None or Path(path).exists():
+        return ""
+    return (f"; {path} is gone: if this repo was moved from there, `python -m pipeline "
+            "relocate-mlflow` repoints the database (docs/tracking.md)")
 
 
 def _newer_schema_error(uri: str, e: Exception) -> TrackingError | None:
@@ -624,7 +739,8 @@ def _reopenable(uri: str, run_id: str, experiment_id: str, stage: str) -> Any | 
     try:
         r = MlflowClient(tracking_uri=uri).get_run(run_id)
     except Exception as e:  # noqa: BLE001 - e.g. the checkpoint came from another database
-        log.info("checkpoint's MLflow run %s not found (%s): starting a new run", run_id, e)
+        log.info("checkpoint's MLflow run %s not found (%s): starting a new run", run_id,
+                 error_summary(e))
         return None
     if (r.info.experiment_id != experiment_id or r.data.tags.get("stage") != stage
             or r.info.lifecycle_stage != "active" or r.info.status not in ("KILLED", "FAILED")):
@@ -674,7 +790,7 @@ def _end_active(status: str, tags: dict[str, str]) -> None:
                 mlflow.set_tags(tags)
             mlflow.end_run(status)
     except Exception as e:  # noqa: BLE001 - the original error matters more
-        log.warning("could not mark the MLflow run %s: %s", status, e)
+        log.warning("could not mark the MLflow run %s: %s", status, error_summary(e))
 
 
 def _late_kill(uri: str, run_id: str, signum: int) -> None:
@@ -688,4 +804,4 @@ def _late_kill(uri: str, run_id: str, signum: int) -> None:
                        "FINISHED")
         client.set_terminated(run_id, "KILLED")
     except Exception as e:  # noqa: BLE001 - report and still exit non-zero
-        log.warning("could not mark MLflow run %s KILLED: %s", run_id, e)
+        log.warning("could not mark MLflow run %s KILLED: %s", run_id, error_summary(e))

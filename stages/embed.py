@@ -16,14 +16,17 @@ def run(p: Params) -> None:
     from pipeline.atomic import write_metrics
     from pipeline.data.remote import shards_location
     from pipeline.evaluate.run.embed import embed
-    from pipeline.model_registry import link_encoder_input
+    from pipeline.model_registry import link_encoder_input, trusted_encoder
     from pipeline.tracking import stage_run
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("embed", p, upstream=("pretrain",)) as mlrun:
         for split in ("train", "test"):
             mlrun.log_shards(shards / split, context="evaluation")
-        link_encoder_input(mlrun)  # the pretrain run's logged model
+        # the registered version whose encoder.md5 is models/encoder.pt's (registered if none)
+        encoder = trusted_encoder(mlrun, params=p, encoder_path=Path("models/encoder.pt"),
+                                  example_split=shards / "test")
+        link_encoder_input(mlrun, encoder)
         metrics = embed(encoder_path=Path("models/encoder.pt"), shards_dir=shards,
                         out_dir=Path("features"), batch_size=p.embed.batch_size,
                         use_head=p.embed.use_head, head_path=Path("models/head.pt"),

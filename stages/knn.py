@@ -16,7 +16,7 @@ def run(p: Params) -> None:
     from pipeline.atomic import write_metrics
     from pipeline.data.remote import shards_location
     from pipeline.evaluate.run.knn import knn_eval
-    from pipeline.model_registry import attach_scores
+    from pipeline.model_registry import attach_scores, trusted_encoder
     from pipeline.tracking import stage_run
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
@@ -28,7 +28,9 @@ def run(p: Params) -> None:
                            details_path=Path("eval/knn_details.json"), seed=p.seed)
         write_metrics(Path("metrics/knn.json"), metrics)
         mlrun.log_metrics(metrics)
-        attach_scores(mlrun, "knn", metrics, dataset=test)  # knn.top1 beside the logged model
+        encoder = trusted_encoder(mlrun, params=p, encoder_path=Path("models/encoder.pt"),
+                                  example_split=shards / "test")  # found by its md5
+        attach_scores(mlrun, "knn", metrics, encoder=encoder, dataset=test)  # knn.top1 on it
         mlrun.log_artifact("eval/knn_details.json")
 
 

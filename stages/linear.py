@@ -16,7 +16,7 @@ def run(p: Params) -> None:
     from pipeline.atomic import write_metrics
     from pipeline.data.remote import shards_location
     from pipeline.evaluate.run.linear import linear_probe
-    from pipeline.model_registry import attach_scores, update_champion
+    from pipeline.model_registry import attach_scores, trusted_encoder, update_champion
     from pipeline.tracking import stage_run
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
@@ -30,8 +30,10 @@ def run(p: Params) -> None:
                                pool_grid=p.embed.pool_grid, layer=p.embed.layer)
         write_metrics(Path("metrics/linear.json"), metrics)
         mlrun.log_metrics(metrics)
-        attach_scores(mlrun, "linear", metrics, dataset=test)  # and tags the registry version
-        update_champion(mlrun)  # alias champion: this experiment's best linear top-1
+        encoder = trusted_encoder(mlrun, params=p, encoder_path=Path("models/encoder.pt"),
+                                  example_split=shards / "test")  # found by its md5
+        attach_scores(mlrun, "linear", metrics, encoder=encoder, dataset=test)  # tags its version
+        update_champion(mlrun, encoder)  # alias champion: the best linear top-1 of all versions
         mlrun.log_artifact("eval/linear_details.json")
         mlrun.log_artifact("plots/linear.tsv")
 

@@ -8,7 +8,12 @@ from pathlib import Path
 from helpers import build_tiny_shards, run_pretrain
 
 from pipeline.config import Params, from_dict
-from pipeline.model_registry import attach_scores, publish_encoder, update_champion
+from pipeline.model_registry import (
+    attach_scores,
+    publish_encoder,
+    trusted_encoder,
+    update_champion,
+)
 from pipeline.tracking import stage_run
 
 # 16 px with the stride-2 stem: a 1 x 1 last map; the tests compare with load_encoder's layer 4
@@ -31,9 +36,13 @@ def publish(p: Params | None = None) -> dict:
     return json.loads(Path("runs/pretrain.json").read_text())
 
 
-def score(stage: str, top1: float) -> int | None:
+def score(stage: str, top1: float, p: Params | None = None) -> int | None:
     """What the knn / linear stage does with its metrics; the champion version for linear."""
-    with stage_run(stage, from_dict(PARAMS), upstream=("pretrain",)) as r:
+    p = p or from_dict(PARAMS)
+    with stage_run(stage, p, upstream=("pretrain",)) as r:
         test = r.log_shards(Path("data/shards/test"), context="evaluation")
-        attach_scores(r, stage, {"top1": top1, "top5": 100.0, "k": 20}, dataset=test)
-        return update_champion(r) if stage == "linear" else None
+        encoder = trusted_encoder(r, params=p, encoder_path=Path("models/encoder.pt"),
+                                  example_split=Path("data/shards/test"))
+        attach_scores(r, stage, {"top1": top1, "top5": 100.0, "k": 20}, encoder=encoder,
+                      dataset=test)
+        return update_champion(r, encoder) if stage == "linear" else None

@@ -67,6 +67,7 @@ class Untested:
 
 E2E = "tests/e2e/test_pipeline.py"
 EXP = "tests/e2e/test_experiments.py"
+KILL9 = "tests/e2e/test_queue_kill9.py"
 COMMANDS = {
     # README.md
     "make run": Parsed(),  # `make -n run`; its `dvc repro` is run by the e2e tests
@@ -106,6 +107,17 @@ COMMANDS = {
     "python -m pipeline check-params --params params.yaml": Here(),
     "dvc repro -f -s pretrain": Ran(EXP, '["dvc", "repro", "-f", "-s", "knn"]', "on knn"),
     "python -m pipeline verify-shards data/shards": Here(),
+    "dvc queue status": Ran(KILL9, '["dvc", "queue", "status"]'),
+    "dvc queue kill my-exp": Ran(KILL9, '["dvc", "queue", "kill", "doomed"]',
+                                 "after kill -9 of the worker's process group"),
+    "dvc queue remove --failed": Ran(KILL9, '["dvc", "queue", "remove", "--failed"]'),
+    "dvc exp run --queue -n my-exp -S pretrain.lr=0.06": Ran(
+        KILL9, '["dvc", "exp", "run", "--queue", "-n", "doomed", "pretrain"]',
+        "the same experiment queued again, without -S"),
+    # docs/tracking.md
+    "python -m pipeline relocate-mlflow": Ran(
+        "tests/test_relocate.py", '[sys.executable, "-m", "pipeline", "relocate-mlflow", *args]',
+        "after moving a tiny repo with a registered, scored encoder"),
     # docs/data.md
     "cp params.yaml params-remote.yaml": Here(),
     "python -m pipeline check-params --params params-remote.yaml": Here(),
@@ -250,7 +262,7 @@ def parse(cmd: str) -> None:
         used = {a for a in args[1:] if a.startswith("--")}
         assert used <= declared, f"{args[0]} does not declare {sorted(used - declared)}"
     elif argv[:3] == ["python", "-m", "pipeline"]:
-        assert args[2] in ("check-params", "verify-shards"), cmd
+        assert args[2] in ("check-params", "verify-shards", "relocate-mlflow"), cmd
     elif tool in ("cp", "cd"):
         assert len(args) in (1, 2), cmd
 

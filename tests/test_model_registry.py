@@ -6,8 +6,11 @@ functions the stages call, inside real ``stage_run`` runs on a throwaway SQLite 
 """
 
 import hashlib
+import io
 import json
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,21 +19,26 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
+import torchvision
+import yaml
 from mlflow.tracking import MlflowClient
 from registryhelpers import PARAMS, publish, score, train_tiny
 
 from pipeline.config import from_dict
+from pipeline.evaluate.run.embed import load_encoder
 from pipeline.model_registry import (
     CHAMPION,
     NEWEST,
     choose_champion,
     link_encoder_input,
     params_digest,
+    pickled_globals,
+    plain_encoder,
     publish_encoder,
+    trusted_encoder,
 )
 from pipeline.tracking import StageRun, stage_run
 
-REPO = Path(__file__).resolve().parents[1]
 NAME = "moco-encoder"
 
 
@@ -71,17 +79,54 @@ def wd(tmp_path, trained, monkeypatch):
     mlflow.set_tracking_uri(None)
 
 
-LOAD = """
-import json, sys, torch, mlflow
+# A plain venv: torch, torchvision and mlflow, not this project (its editable install is
+# blocked: importing pipeline.* fails). Loads the model; .eval(), .train(), .to(), an SGD step.
+LOAD_PLAIN = """
+import importlib.abc, json, os, sys
+
+
+class NoProject(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "pipeline" or name.startswith("pipeline."):
+            raise ImportError(f"{name}: the project is not installed here")
+
+
+sys.meta_path.insert(0, NoProject())
+import mlflow, torch
+
 model = mlflow.pytorch.load_model(sys.argv[1])
 x = torch.load(sys.argv[2])
+model.eval()
 with torch.no_grad():
     torch.save(model(x), sys.argv[3])
-print(type(model).__name__)
+model.train()
+training = model.training and all(m.training for m in model.modules())
+model.to("cpu")
+before = [p.detach().clone() for p in model.parameters()]
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loss = model(x).pow(2).mean()
+loss.backward()
+opt.step()
+changed = sum(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+print(json.dumps({"type": f"{type(model).__module__}.{type(model).__name__}",
+                  "training": training, "params": len(before), "changed": changed,
+                  "project": sorted(m for m in sys.modules if m.split(".")[0] == "pipeline"),
+                  "cwd": os.getcwd(), "pythonpath": os.environ.get("PYTHONPATH")}))
 """
 
 
-def test_publish_encoder__logged_model_version_tags_alias_and_fresh_load(wd):
+def _test_images(n: int) -> torch.Tensor:
+    """``(n, 1, 16, 16)``: the first test images after the evaluation transform."""
+    from pipeline.data.loader import eval_loader, read_manifest
+    from pipeline.data.views import build_eval_transform
+
+    m = read_manifest("data/shards/test")
+    x, _, _ = next(iter(eval_loader("data/shards/test", batch_size=n, max_images=n,
+                                    transform=build_eval_transform(16, m["mean"], m["std"]))))
+    return x
+
+
+def test_publish_encoder__logged_model_version_tags_alias(wd):
     rec = publish()
     c = MlflowClient()
     assert rec["registered_model"] == NAME and rec["model_version"] == "1"
@@ -100,26 +145,93 @@ def test_publish_encoder__logged_model_version_tags_alias_and_fresh_load(wd):
     local = mlflow.artifacts.download_artifacts(f"models:/{rec['model_id']}")
     assert json.loads((Path(local) / "extra_files/encoder.json").read_text()) == json.loads(
         Path("models/encoder.json").read_text())
+    mlmodel = yaml.safe_load((Path(local) / "MLmodel").read_text())
+    assert mlmodel["flavors"]["pytorch"]["model_data"] == "data"
+    assert (Path(local) / "data/model.pth").is_file()  # the pickle format, not model.pt2
+    assert (Path(local) / "data/pickle_module_info.txt").read_text() == "pickle"
+    reqs = (Path(local) / "requirements.txt").read_text().split()
+    assert reqs == [f"mlflow=={mlflow.__version__}", f"torch=={torch.__version__.split('+')[0]}",
+                    f"torchvision=={torchvision.__version__.split('+')[0]}"]
 
-    # a fresh process: models:/<name>@newest is the backbone, equal to the embed stage's
-    from pipeline.data.loader import eval_loader, read_manifest
-    from pipeline.data.views import build_eval_transform
-    from pipeline.evaluate.run.embed import load_encoder
 
-    m = read_manifest("data/shards/test")
-    x, _, _ = next(iter(eval_loader("data/shards/test", batch_size=10, max_images=10,
-                                    transform=build_eval_transform(16, m["mean"], m["std"]))))
-    torch.save(x, "x.pt")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", LOAD, f"models:/{NAME}@{NEWEST}", "x.pt", "y.pt"],
+def test_registered_model__plain_module_in_a_fresh_process_without_the_project(wd, tmp_path):
+    publish()
+    x = _test_images(10)
+    torch.save(x, tmp_path / "x.pt")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "MLFLOW_ALLOW_PICKLE_DESERIALIZATION")}
+    out = subprocess.run([sys.executable, "-c", LOAD_PLAIN, f"models:/{NAME}@{NEWEST}",
+                          str(tmp_path / "x.pt"), str(tmp_path / "y.pt")], cwd=elsewhere,
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
     eager, meta = load_encoder(Path("models/encoder.pt"), pool_grid=1)
+    n_params = len(list(eager.parameters()))
+    assert got == {"type": "torchvision.models.resnet.ResNet", "training": True,
+                   "params": n_params, "changed": n_params, "project": [],
+                   "cwd": str(elsewhere), "pythonpath": None}
     with torch.no_grad():
         want = eager.eval()(x)
-    got = torch.load("y.pt")
-    assert got.shape == (10, meta["num_features"]) == (10, 32)  # width 4: 8 * 4 features
+    features = torch.load(tmp_path / "y.pt")
+    assert features.shape == (10, meta["num_features"]) == (10, 32)  # width 4: 8 * 4 features
+    assert torch.equal(features, want)  # the same operations on the same weights: bit for bit
+
+
+def test_registered_model__graph_extra_file_gives_the_same_features_any_batch(wd, monkeypatch):
+    rec = publish()
+    # what the graph is for: a host that loads no pickle refuses the model itself
+    monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "false")
+    with pytest.raises(mlflow.exceptions.MlflowException, match="pickle is disallowed"):
+        mlflow.pytorch.load_model(f"models:/{NAME}@{NEWEST}")
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/{rec['model_id']}"))
+    # MLflow's own check that loading a pt2 archive unpickles nothing (it raises otherwise)
+    mlflow.pytorch._validate_pt2_archive_is_pickle_free(str(local / "extra_files/encoder.pt2"))
+    graph = torch.export.load(str(local / "extra_files/encoder.pt2")).module()
+    eager, _ = load_encoder(Path("models/encoder.pt"), pool_grid=1)
+    x = _test_images(10)
+    with torch.no_grad():
+        assert torch.equal(graph(x), eager.eval()(x))
+        # the batch size is free, 1 included (compared at equal batch size: the convolution's
+        # kernel choice, and so the last bits, depend on it in eager mode too)
+        assert torch.equal(graph(x[:1]), eager(x[:1]))
+
+
+@pytest.mark.parametrize("layer, grid", [(4, 1), (3, 2)])
+def test_plain_encoder__torch_classes_only_same_features(trained, layer, grid):
+    from torch import nn
+
+    raw, _ = load_encoder(trained / "models/encoder.pt", pool_grid=grid, layer=layer)
+    assert "pipeline.moco.backbones.WideResNet" in pickled_globals(raw)
+    if grid > 1:
+        assert "pipeline.evaluate.pooling.GridPool" in pickled_globals(raw)
+    x = torch.randn(6, 1, 16, 16)
+    with torch.no_grad():
+        want = raw.eval()(x)
+        plain = plain_encoder(raw)
+        got = plain.eval()(x)
+    names = pickled_globals(plain)
+    assert not [n for n in names if n.startswith("pipeline.")], names
+    assert "torchvision.models.resnet.ResNet" in names
+    assert type(plain.avgpool) is nn.AdaptiveAvgPool2d and plain.avgpool.output_size == (grid, grid)
+    # 16 px, stride-2 stem: layer 4 is 1 x 1 (8 * 4 channels), layer 3 is 2 x 2 (4 * 4 channels)
+    assert got.shape == (6, 32 if layer == 4 else 16 * grid * grid)
     assert torch.equal(got, want)
+
+
+class Doubled(torchvision.models.ResNet):
+    """A ResNet with its own forward: loading it needs this file."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_plain_encoder__own_forward__refused_by_name():
+    from torchvision.models.resnet import BasicBlock
+
+    with pytest.raises(TypeError, match=r"need test_model_registry\.Doubled to be unpickled;"):
+        plain_encoder(Doubled(BasicBlock, [1, 1, 1, 1]))
 
 
 def test_scores_and_champion__moves_only_when_higher(wd):
@@ -148,8 +260,10 @@ def test_scores_and_champion__moves_only_when_higher(wd):
 
 def test_link_encoder_input__embed_run_lists_the_model(wd):
     rec = publish()
-    with stage_run("embed", from_dict(PARAMS)) as r:
-        link_encoder_input(r)
+    p = from_dict(PARAMS)
+    with stage_run("embed", p) as r:
+        link_encoder_input(r, trusted_encoder(r, params=p, encoder_path=Path("models/encoder.pt"),
+                                              example_split=Path("data/shards/test")))
     run = MlflowClient().get_run(json.loads(Path("runs/embed.json").read_text())["run_id"])
     assert [i.model_id for i in run.inputs.model_inputs] == [rec["model_id"]]
 
@@ -193,3 +307,164 @@ def test_publish_encoder__inactive_run__no_op(wd):
     publish_encoder(run, params=from_dict(PARAMS), encoder_path=Path("models/encoder.pt"),
                     example_split=Path("data/shards/test"))
     assert run.record == {} and not Path("mlflow.db").exists()
+
+
+# --- a version is trusted by its encoder.md5; champion over all versions; one-line warnings ---
+
+
+def _md5(data: bytes) -> str:
+    return hashlib.md5(data).hexdigest()
+
+
+def _other_encoder() -> bytes:
+    """``models/encoder.pt`` with other weights, same architecture: another encoder and md5."""
+    sd = torch.load("models/encoder.pt", weights_only=True)
+    sd["conv1.weight"] = sd["conv1.weight"] + 1.0
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    return buf.getvalue()
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and r.name.startswith("pipeline")]
+
+
+def test_trusted_encoder__database_replaced__registers_again_in_one_line(wd, monkeypatch,
+                                                                          caplog):
+    mine = Path("models/encoder.pt").read_bytes()
+    publish()  # version 1 of mlflow.db; runs/pretrain.json names it
+    record = Path("runs/pretrain.json").read_text()
+    # mlflow.db deleted: a new database, in which another training registered version 1 first
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{wd / 'new.db'}")
+    other = _other_encoder()
+    Path("models/encoder.pt").write_bytes(other)
+    publish()
+    Path("models/encoder.pt").write_bytes(mine)
+    Path("runs/pretrain.json").write_text(record)  # DVC restored pretrain from its run cache
+    caplog.clear()
+    assert score("knn", 70.0) is None
+    assert _warnings(caplog) == [
+        f"models/encoder.pt (md5 {_md5(mine)}) has no version in '{NAME}'; runs/pretrain.json "
+        f"names version 1, whose encoder.md5 is {_md5(other)}: registered it again as "
+        f"version 2 of '{NAME}'"]
+    c = MlflowClient()
+    v1, v2 = c.get_model_version(NAME, "1"), c.get_model_version(NAME, "2")
+    assert v2.tags["encoder.md5"] == _md5(mine) and v2.tags["knn.top1"] == "70"
+    assert v1.tags["encoder.md5"] == _md5(other) and "knn.top1" not in v1.tags
+    caplog.clear()
+    assert score("linear", 80.0) == 2  # found by its md5: no new version, no warning
+    assert _warnings(caplog) == []
+    assert sorted(int(v.version) for v in c.search_model_versions(f"name = '{NAME}'")) == [1, 2]
+    assert c.get_model_version(NAME, "2").tags["linear.top1"] == "80"
+    assert "linear.top1" not in c.get_model_version(NAME, "1").tags
+
+
+def test_trusted_encoder__recorded_version_missing__registered_again(wd, monkeypatch, caplog):
+    publish()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{wd / 'empty.db'}")
+    caplog.clear()
+    assert score("linear", 80.0) == 1
+    md5 = _md5(Path("models/encoder.pt").read_bytes())
+    assert _warnings(caplog) == [
+        f"models/encoder.pt (md5 {md5}) has no version in '{NAME}'; runs/pretrain.json names "
+        f"version 1, which this database does not have: registered it again as version 1 of "
+        f"'{NAME}'"]
+    v = MlflowClient().get_model_version_by_alias(NAME, CHAMPION)
+    assert (str(v.version), v.tags["encoder.md5"], v.tags["linear.top1"]) == ("1", md5, "80")
+
+
+def test_trusted_encoder__registration_failed_at_pretrain__its_logged_model_registered(
+        wd, monkeypatch, caplog):
+    def refuse(*a, **k):
+        raise mlflow.exceptions.MlflowException("registry is read-only")
+
+    real = mlflow.register_model
+    monkeypatch.setattr(mlflow, "register_model", refuse)
+    rec = publish()  # logged, not registered (one warning)
+    monkeypatch.setattr(mlflow, "register_model", real)  # the registry is back
+    caplog.clear()
+    assert score("linear", 80.0) == 1
+    md5 = _md5(Path("models/encoder.pt").read_bytes())
+    assert _warnings(caplog) == [
+        f"models/encoder.pt (md5 {md5}) has no version in '{NAME}' and runs/pretrain.json "
+        f"names none: registered logged model {rec['model_id']} as version 1 of '{NAME}'"]
+    v = MlflowClient().get_model_version(NAME, "1")
+    assert v.source == f"models:/{rec['model_id']}"  # the pretrain run's model, not a new one
+    assert (v.tags["encoder.md5"], v.tags["linear.top1"]) == (md5, "80")
+    assert v.tags["params.digest"] == params_digest(from_dict(PARAMS))
+
+
+def test_trusted_encoder__registering_off__logged_model_by_md5(wd, monkeypatch, caplog):
+    p = from_dict({**PARAMS, "mlflow": {"registered_model": ""}})
+    rec = publish(p)
+    caplog.clear()
+    score("knn", 61.0, p)
+    assert _warnings(caplog) == []
+    c = MlflowClient()
+    assert {m.key: m.value for m in c.get_logged_model(rec["model_id"]).metrics
+            if m.key.startswith("knn.")} == {"knn.top1": 61.0, "knn.top5": 100.0}
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{wd / 'empty.db'}")
+    score("knn", 62.0, p)
+    (line,) = _warnings(caplog)
+    md5 = _md5(Path("models/encoder.pt").read_bytes())
+    m = re.fullmatch(rf"models/encoder\.pt \(md5 {md5}\) has no logged model in this "
+                     rf"experiment; runs/pretrain\.json names logged model {rec['model_id']}, "
+                     r"which this database does not have: logged it again as model (m-\w+)",
+                     line)
+    assert m, line
+    again = MlflowClient().get_logged_model(m.group(1))
+    assert again.tags["encoder.md5"] == md5
+    assert {x.key: x.value for x in again.metrics if x.key == "knn.top1"} == {"knn.top1": 62.0}
+
+
+def test_update_champion__registry_wide__two_clones_share_one_database(wd, tmp_path,
+                                                                       monkeypatch):
+    # two clones, one tracking server (here one SQLite file): each logs to its own experiment
+    first = publish()
+    assert score("linear", 33.0) == 1
+    clone = tmp_path / "clone"
+    shutil.copytree(wd, clone, ignore=shutil.ignore_patterns("mlflow.db*", "mlartifacts"))
+    monkeypatch.chdir(clone)
+    Path("models/encoder.pt").write_bytes(_other_encoder())
+    second = publish()
+    assert second["experiment_id"] != first["experiment_id"]
+    assert second["model_version"] == "2"
+    assert score("linear", 28.0) == 1  # worse than the other clone's version: it stays
+    c = MlflowClient()
+    assert str(c.get_model_version_by_alias(NAME, CHAMPION).version) == "1"
+    publish()
+    assert score("linear", 35.0) == 3  # better than every version: it moves
+    assert str(c.get_model_version_by_alias(NAME, CHAMPION).version) == "3"
+    assert {str(v.version): v.tags["linear.top1"] for v in c.search_model_versions(
+        f"name = '{NAME}'")} == {"1": "33", "2": "28", "3": "35"}
+
+
+def test_attach_scores__database_refuses__one_line_no_sql(wd, caplog):
+    import sqlite3
+
+    rec = publish()
+    con = sqlite3.connect(wd / "mlflow.db")
+    con.execute("CREATE TRIGGER frozen BEFORE INSERT ON model_version_tags "
+                "BEGIN SELECT RAISE(ABORT, 'model version tags are frozen'); END")
+    con.commit()
+    con.close()
+    caplog.clear()
+    assert score("knn", 70.0) is None
+    assert _warnings(caplog) == [
+        f"could not attach knn metrics to logged model {rec['model_id']}: MlflowException: "
+        "IntegrityError: model version tags are frozen; the stage's outputs are kept"]
+    run = MlflowClient().get_run(json.loads(Path("runs/knn.json").read_text())["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["model.error"] == _warnings(caplog)[0].removesuffix(
+        "; the stage's outputs are kept")
+
+
+def test_publish_encoder__a_bug__fails_the_stage_not_a_warning(wd, monkeypatch, caplog):
+    def bug(*a, **k):
+        raise TypeError("register_model() got an unexpected keyword argument")
+
+    monkeypatch.setattr(mlflow, "register_model", bug)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        publish()
+    assert _warnings(caplog) == []

@@ -15,11 +15,14 @@ from pipeline.config import from_dict
 from pipeline.tracking import (
     TrackingError,
     check_reachable,
+    error_summary,
     experiment_ui_url,
     find_experiment_id,
+    git_state,
     loggable_params,
     mark_stale_runs,
     open_experiment,
+    pipeline_outputs,
     process_tags,
     stage_run,
     tracking_uri,
@@ -363,3 +366,109 @@ def test_experiment_ui_url__this_repos_experiment__nothing_created(db, tmp_path,
     assert find_experiment_id(db, "mine", tmp_path) == eid
     assert experiment_ui_url(db, tmp_path / "params.yaml") == (
         f"http://127.0.0.1:5000/#/experiments/{eid}/runs?workflowType=machine_learning")
+
+
+# --- git.dirty: edits count, the pipeline's own outputs do not (#47) -------------------------
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@localhost"}
+PIPELINE = """
+stages:
+  make:
+    cmd: python make.py
+    deps: [make.py]
+    params: [k]
+    outs:
+      - ${out_dir}/model.txt:
+          cache: false
+    metrics:
+      - ${out_dir}/metrics.json:
+          cache: false
+    plots:
+      - curves/loss.tsv:
+          cache: false
+"""
+
+
+@pytest.fixture()
+def pipeline_repo(tmp_path, monkeypatch):
+    """A committed git + DVC repo: one stage whose outputs are git-tracked (cache: false)."""
+    from dvc.repo import Repo
+
+    for k, v in GIT_ENV.items():
+        monkeypatch.setenv(k, v)
+    repo = tmp_path / "repo"
+    files = {"params.yaml": "out_dir: results\nk: 1\n", "dvc.yaml": PIPELINE,
+             "make.py": "print('made')\n", "dvc.lock": "schema: '2.0'\n",
+             "results/model.txt": "weights 1\n", "results/metrics.json": '{"acc": 1}\n',
+             "curves/loss.tsv": "step\tloss\n0\t1.0\n", "notes.md": "notes\n"}
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    Repo.init(str(repo)).close()
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "commit", "-qm", "base"], cwd=repo, check=True)
+    pipeline_outputs.cache_clear()
+    yield repo
+    pipeline_outputs.cache_clear()
+
+
+def test_pipeline_outputs__outs_metrics_plots_interpolated_and_dvc_lock(pipeline_repo):
+    assert pipeline_outputs(str(pipeline_repo), str(pipeline_repo)) == (
+        "curves/loss.tsv", "dvc.lock", "results/metrics.json", "results/model.txt")
+
+
+def test_git_state__pipeline_outputs_changed__clean(pipeline_repo):
+    assert git_state(pipeline_repo)["git.dirty"] == "false"
+    for f in ("results/model.txt", "results/metrics.json", "curves/loss.tsv", "dvc.lock"):
+        (pipeline_repo / f).write_text("rewritten by the run\n")
+    (pipeline_repo / "scratch.txt").write_text("untracked\n")
+    state = git_state(pipeline_repo)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=pipeline_repo, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert state == {"git.commit": head, "git.dirty": "false"}
+
+
+@pytest.mark.parametrize("edit", ["make.py", "params.yaml", "notes.md", "dvc.yaml", "staged"])
+def test_git_state__code_params_or_other_tracked_file_edited__dirty(pipeline_repo, edit):
+    (pipeline_repo / "results/metrics.json").write_text('{"acc": 2}\n')  # an output too
+    if edit == "staged":  # a rename, staged: both paths count
+        subprocess.run(["git", "mv", "notes.md", "results/notes.md"], cwd=pipeline_repo,
+                       check=True)
+    elif edit == "params.yaml":
+        (pipeline_repo / "params.yaml").write_text("out_dir: results\nk: 2\n")
+    else:
+        (pipeline_repo / edit).write_text((pipeline_repo / edit).read_text() + "# edited\n")
+    assert git_state(pipeline_repo)["git.dirty"] == "true"
+
+
+def test_git_state__not_a_git_repo__unknown(tmp_path):
+    assert git_state(tmp_path) == {"git.commit": "unknown", "git.dirty": "unknown"}
+
+
+# --- warnings are one line, never raw SQL (#47) ----------------------------------------------
+
+
+def test_error_summary__real_sqlalchemy_failure__driver_error_first_line_only(tmp_path):
+    import sqlite3
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    c = MlflowClient(uri)
+    c.create_registered_model("m")
+    con = sqlite3.connect(tmp_path / "mlflow.db")
+    con.execute("CREATE TRIGGER frozen BEFORE INSERT ON registered_model_tags "
+                "BEGIN SELECT RAISE(ABORT, 'tags are frozen'); END")
+    con.commit()
+    con.close()
+    with pytest.raises(Exception) as info:
+        c.set_registered_model_tag("m", "k", "v")
+    assert "[SQL: INSERT INTO registered_model_tags" in str(info.value)  # what MLflow says
+    assert error_summary(info.value) == "MlflowException: IntegrityError: tags are frozen"
+
+
+def test_error_summary__plain_exception__type_and_first_line_cut_to_limit():
+    assert error_summary(OSError("disk full\nmore detail")) == "OSError: disk full"
+    assert error_summary(ValueError("")) == "ValueError: (no message)"
+    long = error_summary(RuntimeError("x" * 500), limit=40)
+    assert long == "RuntimeError: " + "x" * 23 + "..." and len(long) == 40

@@ -101,6 +101,22 @@ def runs(db: Path, stage: str | None = None) -> list[dict]:
     return [r for r in found if stage is None or r["stage"] == stage]
 
 
+READ_VERSIONS = """
+import json, sys
+from mlflow.tracking import MlflowClient
+c = MlflowClient(sys.argv[1])
+print(json.dumps([{"version": str(v.version), "md5": v.tags.get("encoder.md5"),
+                   "run_id": v.run_id} for v in c.search_model_versions("name = 'moco-encoder'")]))
+"""
+
+
+def versions(db: Path) -> list[dict]:
+    """The versions of ``moco-encoder`` in ``db`` (read in a fresh process, as :func:`runs`)."""
+    res = subprocess.run([sys.executable, "-c", READ_VERSIONS, f"sqlite:///{db}"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(res.stdout)
+
+
 def describe(found: list[dict]) -> list[tuple]:
     """(stage, status, DVC experiment, pretrain.lr, knn.k) of runs, for assertion messages."""
     return [(r["stage"], r["status"], r["exp_name"], r["lr"], r["k"]) for r in found]
@@ -206,6 +222,11 @@ def test_queue__three_parallel_from_no_db__all_finish_pretrain_not_rerun(repo):
     knn = runs(db, "knn")
     assert len(knn) == 3 and all(r["status"] == "FINISHED" for r in knn)
     assert sorted(r["k"] for r in knn) == ["3", "5", "7"]
+    # runs/pretrain.json came back from the run cache naming version 1 of the deleted database:
+    # the first knn stage registered the encoder again, the two others found it by its md5
+    (version,) = versions(db)
+    md5 = hashlib.md5((dst / "models/encoder.pt").read_bytes()).hexdigest()
+    assert version["md5"] == md5 and version["run_id"] in {r["run_id"] for r in knn}
     # the first run ever was a queued experiment: artifacts still land in the main repo
     for r in runs(db):
         assert r["status"] == "FINISHED"

@@ -268,3 +268,24 @@ def test_pipeline__mlflow_has_finished_runs_per_stage(repo):
     assert all("knn.top1" in r.data.metrics and "moco.K" in r.data.params for r in report)
     # lineage: the report run names the runs of every upstream stage
     assert all(r.data.tags.get("upstream.pretrain", "unknown") != "unknown" for r in report)
+
+
+def test_pipeline__outputs_rewritten__version_not_dirty_params_edit_dirty(repo):
+    # last: it registers a version. The pretrain.lr experiment above left its params.yaml in
+    # the workspace (dirty: a params edit); with the committed params back, a forced pretrain
+    # (it resumes the finished checkpoint and re-exports) rewrites only the pipeline's outputs
+    dst, env, _ = repo
+    _, versions, _ = registry(env)
+    assert versions[max(versions)].tags["git.dirty"] == "true"  # pretrain.lr=0.05 vs HEAD
+    assert versions[1].tags["git.dirty"] == "false"  # the first `dvc repro`, committed tree
+    sh(["git", "checkout", "--", "params.yaml"], dst, env)
+    sh(["dvc", "repro", "-f", "-s", "pretrain"], dst, env)
+    changed = sh(["git", "status", "--porcelain", "--untracked-files=no"], dst, env).split()
+    assert "metrics/pretrain.json" in changed and "params.yaml" not in changed
+    _, versions, _ = registry(env)
+    newest = versions[max(versions)]
+    assert newest.tags["git.dirty"] == "false", changed
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(newest.run_id)
+    assert run.data.tags["git.dirty"] == "false"
