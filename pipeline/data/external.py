@@ -223,6 +223,11 @@ def open_image(data: bytes, *, reduce: Callable[[Image.Image], int] | None = Non
                ) -> Image.Image:
     """Decode encoded image bytes with PIL: completely, or a JPEG at a reduced DCT scale.
 
+    Every PIL decode of the pipeline goes through here: image files (the folder sources), shard
+    members (the loaders, ``verify-shards``), shards read in place (the index, the
+    ``webdataset`` source). The one other decoder is torchvision's, for JPEG members whose
+    views the loader cuts (:func:`pipeline.data.jpeg.decode_jpeg_bytes`).
+
     Args:
         data: the encoded image (a shard member, a file's bytes).
         reduce: called with the opened, not yet decoded image (its header: size, mode,
@@ -242,7 +247,8 @@ def open_image(data: bytes, *, reduce: Callable[[Image.Image], int] | None = Non
                                      "decoder recognises them)") from None
     if reduce is not None:
         k = reduce(im)
-        if k > 1 and im.format == "JPEG":  # draft picks exactly k for a request of (W//k, H//k)
-            im.draft(im.mode, (im.size[0] // k, im.size[1] // k))
+        if k > 1 and im.format == "JPEG":  # draft picks exactly k for (W//k, H//k) when both
+            # are >= 1; an image under k px a side gets the largest reduction it allows
+            im.draft(im.mode, (max(1, im.size[0] // k), max(1, im.size[1] // k)))
     im.load()
     return im

@@ -18,6 +18,7 @@ the same code runs on libjpeg-turbo, which is how it is tested without a GPU.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,8 +68,11 @@ def decode_jpeg_bytes(data: torch.Tensor | Sequence[torch.Tensor], channels: int
     from torchvision.io import ImageReadMode, decode_jpeg
 
     mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
-    return decode_jpeg(data if isinstance(data, torch.Tensor) else list(data), mode=mode,
-                       device=device)
+    with warnings.catch_warnings():  # torchvision 0.29 points to TorchCodec (docs/data.md)
+        warnings.filterwarnings("ignore", category=DeprecationWarning,
+                                message=".*decoding and encoding capabilities of TorchVision")
+        return decode_jpeg(data if isinstance(data, torch.Tensor) else list(data), mode=mode,
+                           device=device)
 
 
 def cut_views(image: torch.Tensor, boxes: Sequence[Box], side: int, scale: int = 1

@@ -164,7 +164,8 @@ def image_spec(manifest: dict[str, Any], where: Path | ShardURL | str) -> ImageS
     """The :class:`ImageSpec` of a split, from its manifest (:func:`read_manifest`).
 
     Shards of one square size train and evaluate at that size. Shards built with
-    ``data.max_side`` keep whole images of varying size; they use the build's ``image_size``.
+    ``data.max_side`` keep whole images of varying size (or all of one size that is not
+    square: photos of one camera); they use the build's ``image_size``.
 
     Raises:
         ShardError: no images (:func:`require_images`), or images neither all one square size
@@ -174,7 +175,8 @@ def image_spec(manifest: dict[str, Any], where: Path | ShardURL | str) -> ImageS
     shape = manifest.get("image_shape")
     build = manifest.get("build") or {}
     mean, std = tuple(manifest["mean"]), tuple(manifest["std"])
-    if not shape and (build.get("max_side") or build.get("variable")) and build.get("image_size"):
+    whole = (build.get("max_side") or build.get("variable")) and build.get("image_size")
+    if whole and (not shape or shape[1] != shape[2]):  # mixed sizes, or one non-square size
         return ImageSpec(len(mean), int(build["image_size"]), mean, std, variable=True)
     if not shape or shape[1] != shape[2]:
         raise ShardError(f"{where}/{MANIFEST_NAME}: images are not all the same square size "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import re
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
+from pipeline.data.external import open_image
 from pipeline.data.sources.base import (
     BrokenImages,
     Sample,
@@ -290,8 +290,7 @@ def open_upright(path: str, mode: str) -> tuple[Image.Image, SourceFile]:
     """
     try:
         data = Path(path).read_bytes()
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
+        with open_image(data) as im:
             turned = im.getexif().get(EXIF_ORIENTATION, 1) in _TURNS
             kept = im.format == "JPEG" and not turned and keeps_pixels(im.mode, mode)
             file = SourceFile(str(im.format), data if kept else None)
@@ -418,10 +417,7 @@ def _decode(path: str, kind: str) -> None:
             the message alone for a refused value range.
     """
     try:
-        with Image.open(path) as im:
-            if im.format == "JPEG":
-                im.draft(im.mode, (1, 1))
-            im.load()
+        with open_image(Path(path).read_bytes(), reduce=lambda _: 8) as im:
             to_mode(ImageOps.exif_transpose(im), kind)
     except ModeError as e:  # e.g. float values outside 0..1
         raise PixelError(str(e)) from None
