@@ -75,10 +75,11 @@ log = logging.getLogger(__name__)
 _PNG_OPTIONS = {"format": "PNG", "compress_level": 6, "optimize": False}  # Pillow's default level
 _TAR_OPTIONS = {"mtime": 0, "user": "moco", "group": "moco", "mode": 0o444}
 
-# Quality of the JPEGs build_shards encodes (resized, turned or converted photos): 95, the
-# issue's default, kept by measurement: at a 256 px short side the shards of 200 q90 500x375
-# photos take 0.60x their source bytes at q95 (0.45x at q90), 41 dB PSNR against the resized
-# pixels (benchmarks/photo_loader.py, docs/performance.md).
+# Quality of the JPEGs build_shards encodes (resized, turned or converted photos): 95, kept by
+# measurement: 200 q90 500x375 photos resized to a 256 px short side take 0.66x their source
+# bytes at q95 4:2:0 and keep 39.3 dB PSNR of the resized pixels (q90: 0.47x, 36.6 dB; q95
+# 4:4:4: 0.84x, 42.8 dB); with tar headers the shards are 0.70x (benchmarks/photo_loader.py,
+# docs/data.md "Shard formats").
 JPEG_QUALITY = 95
 # 4:2:0 chroma (libjpeg's default, as most cameras write): a re-encoded photo has no finer
 # chroma to keep; baseline, not optimised or progressive (fastest to decode, fixed bytes)

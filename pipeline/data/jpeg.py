@@ -9,18 +9,17 @@ the time of PIL's resize. So every view is cut here, from a ``(C, H, W)`` uint8 
 (:func:`cut_views`), and a JPEG is decoded by :func:`decode_jpeg_bytes` unless PIL's reduced
 DCT decode (``draft``) applies, which torchvision lacks.
 
-``pretrain.decode: device`` (:class:`EncodedBatch`): the workers read only each JPEG's header
-and draw its boxes, and the training process decodes the whole batch on the device at once
-(``decode_jpeg(..., device=device)``: nvjpeg on CUDA), then cuts the views there with the same
-:func:`cut_views`. Members that are not JPEG travel as views cut in the workers. On a CPU device
-the same code runs on libjpeg-turbo, which is how it is tested without a GPU.
+``pretrain.decode: device`` (:class:`pipeline.data.loader.EncodedBatch`): the workers read only
+each JPEG's header and draw its boxes, and the training process decodes the whole batch on the
+device at once with :func:`decode_jpeg_bytes` (nvjpeg on CUDA), then cuts the views there with
+the same :func:`cut_views`. On a CPU device the same code runs on libjpeg-turbo, which is how it
+is tested without a GPU.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -103,64 +102,3 @@ def cut_views(image: torch.Tensor, boxes: Sequence[Box], side: int, scale: int =
             top, left = t, lft
         out.append(F.resized_crop(image, top, left, h, w, [side, side], antialias=True))
     return torch.stack(out)
-
-
-@dataclass
-class EncodedBatch:
-    """One batch whose JPEGs are still compressed; :meth:`to` decodes and crops them.
-
-    Attributes:
-        jpegs: per sample, its JPEG bytes as a ``(n_bytes,)`` uint8 tensor, or an empty tensor
-            when :attr:`done` already holds its views (a member that is not a JPEG).
-        boxes: ``(B, V, 4)`` int64 crop boxes ``(top, left, height, width)`` in pixels of each
-            full image, one per view.
-        done: ``(B, V, C, S, S)`` uint8: the views cut in the workers (zeros for JPEGs).
-        keys: the ``B`` sample keys.
-        where: the ``B`` shard locations, for messages.
-    """
-
-    jpegs: list[torch.Tensor]
-    boxes: torch.Tensor
-    done: torch.Tensor
-    keys: list[str]
-    where: list[str]
-
-    def pin_memory(self) -> EncodedBatch:
-        """The DataLoader's ``pin_memory`` hook: pins the tensors' pages."""
-        return EncodedBatch([j.pin_memory() for j in self.jpegs], self.boxes.pin_memory(),
-                            self.done.pin_memory(), self.keys, self.where)
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> torch.Tensor:
-        """Decode the JPEGs on ``device`` and cut their views: the batch the step takes.
-
-        Args:
-            device: the training device (CUDA: nvjpeg; CPU: libjpeg-turbo).
-            non_blocking: passed to the copy of :attr:`done`.
-
-        Returns:
-            ``(B, V, C, S, S)`` uint8 on ``device``.
-
-        Raises:
-            ShardError: a JPEG torchvision cannot decode (names the shard and key).
-        """
-        out = self.done.to(device, non_blocking=non_blocking)
-        todo = [i for i, j in enumerate(self.jpegs) if j.numel()]
-        if not todo:
-            return out
-        _, _, channels, side, _ = out.shape
-        try:
-            images = decode_jpeg_bytes([self.jpegs[i] for i in todo], channels, device)
-        except RuntimeError:  # decode one by one to name the sample
-            images = [self._decode_one(i, channels, device) for i in todo]
-        for i, image in zip(todo, images):
-            out[i] = cut_views(image, [tuple(b) for b in self.boxes[i].tolist()], side)
-        return out
-
-    def _decode_one(self, i: int, channels: int, device: torch.device | str) -> torch.Tensor:
-        from pipeline.data.shards import ShardError
-
-        try:
-            return decode_jpeg_bytes(self.jpegs[i], channels, device)
-        except RuntimeError as e:
-            raise ShardError(f"{self.where[i]}: sample '{self.keys[i]}' does not decode on "
-                             f"{device} ({str(e).splitlines()[0]})") from None

@@ -32,6 +32,7 @@ import itertools
 import math
 import random
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -42,7 +43,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.data.external import image_member, open_image
-from pipeline.data.jpeg import EncodedBatch, cut_views, decode_jpeg_bytes, is_jpeg, reduction
+from pipeline.data.jpeg import cut_views, decode_jpeg_bytes, is_jpeg, reduction
 from pipeline.data.remote import ShardURL, is_url, shards_location
 from pipeline.data.shards import (
     CHANNELS,
@@ -357,6 +358,65 @@ class _TrainStream(IterableDataset):
         return np.frombuffer(data, dtype=np.uint8), boxes, None, key, where
 
 
+@dataclass
+class EncodedBatch:
+    """One batch whose JPEGs are still compressed; :meth:`to` decodes and crops them.
+
+    Attributes:
+        jpegs: per sample, its JPEG bytes as a ``(n_bytes,)`` uint8 tensor, or an empty tensor
+            when :attr:`done` already holds its views (a member that is not a JPEG).
+        boxes: ``(B, V, 4)`` int64 crop boxes ``(top, left, height, width)`` in pixels of each
+            full image, one per view.
+        done: ``(B, V, C, S, S)`` uint8: the views cut in the workers (zeros for JPEGs).
+        keys: the ``B`` sample keys.
+        where: the ``B`` shard locations, for messages.
+    """
+
+    jpegs: list[torch.Tensor]
+    boxes: torch.Tensor
+    done: torch.Tensor
+    keys: list[str]
+    where: list[str]
+
+    def pin_memory(self) -> EncodedBatch:
+        """The DataLoader's ``pin_memory`` hook: pins the tensors' pages."""
+        return EncodedBatch([j.pin_memory() for j in self.jpegs], self.boxes.pin_memory(),
+                            self.done.pin_memory(), self.keys, self.where)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> torch.Tensor:
+        """Decode the JPEGs on ``device`` and cut their views: the batch the step takes.
+
+        Args:
+            device: the training device (CUDA: nvjpeg; CPU: libjpeg-turbo).
+            non_blocking: passed to the copy of :attr:`done`.
+
+        Returns:
+            ``(B, V, C, S, S)`` uint8 on ``device``.
+
+        Raises:
+            ShardError: a JPEG torchvision cannot decode (names the shard and key).
+        """
+        out = self.done.to(device, non_blocking=non_blocking)
+        todo = [i for i, j in enumerate(self.jpegs) if j.numel()]
+        if not todo:
+            return out
+        _, _, channels, side, _ = out.shape
+        try:
+            images = decode_jpeg_bytes([self.jpegs[i] for i in todo], channels, device)
+        except RuntimeError:  # decode one by one to name the sample
+            images = [self._decode_one(i, channels, device) for i in todo]
+        for i, image in zip(todo, images):
+            out[i] = cut_views(image, [tuple(b) for b in self.boxes[i].tolist()], side)
+        return out
+
+    def _decode_one(self, i: int, channels: int, device: torch.device | str) -> torch.Tensor:
+        try:
+            return decode_jpeg_bytes(self.jpegs[i], channels, device)
+        except RuntimeError as e:
+            raise ShardError(f"{self.where[i]}: sample '{self.keys[i]}' does not decode on "
+                             f"{device} ({str(e).splitlines()[0]})") from None
+
+
 def _header(data: bytes, record: dict[str, Any]) -> Image.Image:
     """The image opened by PIL, not decoded (its size, mode and format are read).
 
@@ -406,7 +466,7 @@ def _decode_any(record: dict[str, Any], mode: str, *,
 def _collate_encoded(items: list[tuple[np.ndarray | None, np.ndarray, np.ndarray | None, str,
                                        str]], shape: tuple[int, int, int, int]
                      ) -> tuple[EncodedBatch, list[str]]:
-    """An :class:`~pipeline.data.jpeg.EncodedBatch` of :meth:`_TrainStream._encoded`.
+    """An :class:`EncodedBatch` of :meth:`_TrainStream._encoded`.
 
     ``shape``: ``(V, C, S, S)`` of one sample's views.
     """
@@ -507,7 +567,7 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
             decodes every image in full (``benchmarks/photo_loader.py`` compares the two).
         decode: with ``crop``: ``"workers"`` (PIL in the workers) or ``"device"``: the
             workers read only each JPEG's header and yield
-            :class:`~pipeline.data.jpeg.EncodedBatch` batches, whose ``.to(device)``
+            :class:`EncodedBatch` batches, whose ``.to(device)``
             decodes them there (``pretrain.decode``).
         manifest: the split's manifest when it is not (only) ``manifest_dir``'s, e.g. the
             pretraining set joined with indexed shards
@@ -517,7 +577,7 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
     Returns:
         A DataLoader (``len() == steps - skip_batches``) yielding ``(images, keys)``: images
         ``(B, C, H, W)`` uint8 (``(B, views, C, S, S)`` with ``crop``; an
-        :class:`~pipeline.data.jpeg.EncodedBatch` that ``.to(device)`` turns into it
+        :class:`EncodedBatch` that ``.to(device)`` turns into it
         with ``decode="device"``), keys the ``B`` sample keys.
 
     Raises:

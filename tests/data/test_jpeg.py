@@ -20,8 +20,8 @@ from PIL import Image
 from pipeline.config import DataParams
 from pipeline.data.build import build_all
 from pipeline.data.external import open_image
-from pipeline.data.jpeg import EncodedBatch, cut_views, reduction
-from pipeline.data.loader import train_loader
+from pipeline.data.jpeg import cut_views, reduction
+from pipeline.data.loader import EncodedBatch, train_loader
 from pipeline.data.views import SeededRandomResizedCrop
 from pipeline.seeds import derive_seed
 
