@@ -84,9 +84,10 @@ class ShardFormat(Choice):
 class DecodeOn(Choice):
     """``pretrain.decode``: where the JPEGs of whole-image shards (``data.max_side``) decode.
 
-    ``workers``: PIL in the loader workers, at the reduced DCT scale the crops allow (JPEG
-    draft). ``device``: the workers pass the JPEG bytes and the crop boxes on, and each batch
-    is decoded on the training device (``torchvision.io.decode_jpeg``, nvjpeg on CUDA).
+    ``workers``: in the loader workers, by PIL at the reduced DCT scale the crops allow (JPEG
+    draft), else by ``torchvision.io.decode_jpeg``. ``device``: the workers pass the JPEG bytes
+    and the crop boxes on, and each batch is decoded on the training device
+    (``torchvision.io.decode_jpeg``, nvjpeg on CUDA; :mod:`pipeline.data.jpeg`).
     """
 
     workers = "workers"
@@ -321,8 +322,8 @@ class PretrainParams:
     # loader worker processes: an integer >= 0, or auto (CUDA: the usable cores per process on
     # the node less one for the training process; CPU: 1, the training needs the cores)
     num_workers: str = "1"
-    # where whole-image shards' JPEGs (data.max_side) decode: workers (PIL, reduced DCT scale)
-    # | device (batched torchvision decode_jpeg on the training device: nvjpeg on CUDA)
+    # where whole-image shards' JPEGs (data.max_side) decode: workers (PIL at a reduced DCT
+    # scale, else torchvision) | device (batched decode_jpeg on the training device: nvjpeg)
     decode: DecodeOn = DecodeOn.workers
     deterministic: bool = True
     checkpoint_every_epochs: int = 1

@@ -303,9 +303,9 @@ class SeededRandomResizedCrop:
 
         A JPEG decoded at 1/k (PIL ``draft``: libjpeg's scaled inverse DCT, much less work than
         a full decode) keeps at least as many pixels across each crop as the crop's output has,
-        so no view is enlarged that a full decode would have shrunk. Needs the crop's shorter
-        side to be at least twice the target: e.g. 224 px views of a 500 x 375 photo reduce
-        only for boxes of 448 px and more.
+        so no view is enlarged that a full decode would have shrunk. Needs every box's shorter
+        side to be at least twice the target: 224 px views reduce only for boxes of 448 px and
+        more (never in a 500 x 375 photo; often in a 12 MP one).
 
         Returns:
             The largest ``k`` in (8, 4, 2) with ``min(height, width) >= k * size`` for every
