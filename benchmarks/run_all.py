@@ -17,6 +17,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 BENCHES = {
     "data": ["data_throughput.py"],
+    "photo_loader": ["photo_loader.py"],
     "pretrain_step": ["pretrain_step.py"],
     "width_precision": ["width_precision.py"],
     "queue": ["queue_bench.py"],

@@ -66,6 +66,34 @@ class DataSource(Choice):
     none = "none"  # no labelled images: pretraining only (unlabelled_root / pretrain_shards)
 
 
+class ShardFormat(Choice):
+    """``data.shard_format``: how ``build_shards`` stores each image (:mod:`pipeline.data.build`).
+
+    ``auto``: a JPEG file whose pixels need no change keeps its bytes, a JPEG that was resized,
+    turned upright or converted is encoded as JPEG (quality 95), everything else (PNG, TIFF,
+    Fashion-MNIST, CIFAR, STL-10 arrays) as lossless PNG. ``png``: every image as PNG (lossless;
+    the only format before 2026-12-06). ``jpeg``: every image as JPEG (kept bytes where the
+    file is a JPEG that needs no change, else encoded at quality 95).
+    """
+
+    auto = "auto"
+    png = "png"
+    jpeg = "jpeg"
+
+
+class DecodeOn(Choice):
+    """``pretrain.decode``: where the JPEGs of whole-image shards (``data.max_side``) decode.
+
+    ``workers``: in the loader workers, by PIL at the reduced DCT scale the crops allow (JPEG
+    draft), else by ``torchvision.io.decode_jpeg``. ``device``: the workers pass the JPEG bytes
+    and the crop boxes on, and each batch is decoded on the training device
+    (``torchvision.io.decode_jpeg``, nvjpeg on CUDA; :mod:`pipeline.data.jpeg`).
+    """
+
+    workers = "workers"
+    device = "device"
+
+
 # ``embed.layer``: the ResNet stages whose map the embed stage may pool (torchvision's
 # ``layer1..layer4``; :func:`pipeline.evaluate.pooling.set_pool_grid`).
 EMBED_LAYERS = (1, 2, 3, 4)
@@ -209,6 +237,9 @@ class DataParams:
     # ImageFolder only: > 0 = shards keep the whole image, shorter side shrunk to max_side px
     # (no crop); image_size is then the training crop / evaluation size. 0 = off.
     max_side: int = 0
+    # auto = a JPEG that needs no pixel change keeps its bytes, a changed JPEG is encoded as
+    # JPEG (quality 95), everything else as PNG (lossless) | png = all PNG | jpeg = all JPEG
+    shard_format: ShardFormat = ShardFormat.auto
     max_pretrain_images: int = 0
     max_train_images: int = 0
     max_test_images: int = 0
@@ -288,7 +319,12 @@ class PretrainParams:
     channels_last: str = "auto"  # auto|true|false; auto = CUDA only
     compile: str = "auto"  # auto|true|false torch.compile of the encoders; auto = CUDA only
     num_threads: int = 0  # CPU intra-op threads; 0 = auto (probe all usable cores vs half)
-    num_workers: int = 1
+    # loader worker processes: an integer >= 0, or auto (CUDA: the usable cores per process on
+    # the node less one for the training process; CPU: 1, the training needs the cores)
+    num_workers: str = "1"
+    # where whole-image shards' JPEGs (data.max_side) decode: workers (PIL at a reduced DCT
+    # scale, else torchvision) | device (batched decode_jpeg on the training device: nvjpeg)
+    decode: DecodeOn = DecodeOn.workers
     deterministic: bool = True
     checkpoint_every_epochs: int = 1
     checkpoint_every_steps: int = 50  # also checkpoint every N steps (0 = only per epoch)
@@ -683,9 +719,11 @@ def _validate_pretrain(p: Params) -> None:
     for k in ("epochs", "batch_size", "lr", "checkpoint_every_epochs", "knn_monitor_train_images",
               "knn_monitor_test_images", "log_every_steps"):
         _pos(f"pretrain.{k}", getattr(t, k))
-    for k in ("steps_per_epoch", "warmup_epochs", "weight_decay", "num_threads", "num_workers",
+    for k in ("steps_per_epoch", "warmup_epochs", "weight_decay", "num_threads",
               "checkpoint_every_steps", "knn_every_epochs", "labelfree_images"):
         _pos(f"pretrain.{k}", getattr(t, k), strict=False)
+    _check(t.num_workers == "auto" or t.num_workers.isdigit(), "pretrain.num_workers",
+           "auto or an integer >= 0", t.num_workers)
     _milestones("pretrain.lr_milestones", t.lr_milestones)
     _check(t.warmup_epochs < t.epochs, "pretrain.warmup_epochs", "< pretrain.epochs",
            t.warmup_epochs)

@@ -240,3 +240,15 @@ def shipped_versions(rel: str) -> list[str]:
     if r.returncode == 0 and r.stdout != texts[0]:
         texts.append(r.stdout)
     return texts
+
+
+def write_photos(root: Path, **kw: Any) -> list[Path]:
+    """Real-photo JPEG crops under ``root`` (``benchmarks/sample_photos.py``'s
+    :func:`write_photos`: windows of scikit-learn's two sample photos, quality 90)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sample_photos.py"
+    spec = importlib.util.spec_from_file_location("sample_photos", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write_photos(root, **kw)

@@ -430,3 +430,22 @@ def test_load_params__yaml_boolean_word_on_a_text_key__hint_quotes_the_word(tmp_
     with pytest.raises(ParamsError) as e:
         load_params(f)
     assert str(e.value).endswith("write 'off' in quotes")
+
+
+@pytest.mark.parametrize("value", ["auto", 0, 12])
+def test_validate__num_workers_auto_or_count(value):
+    assert from_dict({"pretrain": {"num_workers": value}}).pretrain.num_workers == str(value)
+
+
+@pytest.mark.parametrize("value", [-1, "many", 1.5, True])
+def test_validate__num_workers_other__names_key(value):
+    with pytest.raises(ParamsError, match=r"'pretrain.num_workers'"):
+        from_dict({"pretrain": {"num_workers": value}})
+
+
+@pytest.mark.parametrize(("key", "value"), [("data.shard_format", "webp"),
+                                            ("pretrain.decode", "gpu")])
+def test_validate__shard_format_and_decode_choices__name_key(key, value):
+    section, name = key.split(".")
+    with pytest.raises(ParamsError, match=rf"'{key}'"):
+        from_dict({section: {name: value}})

@@ -153,6 +153,7 @@ COMMANDS = {
     "python benchmarks/pretrain_step.py --precision fp32": Parsed(),
     "python benchmarks/width_precision.py --widths 16 32 48": Parsed(),
     "python benchmarks/gpu.py": Parsed(),
+    "python benchmarks/photo_loader.py --rounds 7": Parsed(),
 }
 
 

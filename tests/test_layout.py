@@ -21,7 +21,7 @@ LAYERS = [
          "pipeline.schedules", "pipeline"]),
     # raw dataset readers, URLs, worker deaths, image views
     (1, ["pipeline.data.remote", "pipeline.data.external", "pipeline.data.workers",
-         "pipeline.data.views", "pipeline.data.sources"]),
+         "pipeline.data.views", "pipeline.data.jpeg", "pipeline.data.sources"]),
     (2, ["pipeline.data.shards"]),  # the shard format
     # loaders, the index of shards read in place, the sources made of shards
     (3, ["pipeline.data", "pipeline.data.sources.webdataset", "pipeline.data.sources.registry",

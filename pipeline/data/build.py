@@ -1,12 +1,25 @@
 """Writing deterministic WebDataset shards and their manifests (the ``build_shards`` stage).
 
-Tar headers carry a constant mtime, owner and mode, and PNGs are encoded with fixed options and
-no metadata, so rebuilding from the same source, caps and seed gives byte-identical shards (and
-DVC sees no change downstream). The format itself (members, manifest fields) is
-:mod:`pipeline.data.shards`.
+Tar headers carry a constant mtime, owner and mode, PNGs and JPEGs are encoded with fixed
+options and no metadata, and kept JPEGs are the files' own bytes, so rebuilding from the same
+source, caps and seed gives byte-identical shards (and DVC sees no change downstream). The
+format itself (members, manifest fields) is :mod:`pipeline.data.shards`.
 
-Every image is re-encoded as PNG, also for ImageFolder JPEGs: the stored pixels are then exactly
-what the mode conversion/resize produced, at the cost of larger shards for photographs.
+How each image is stored (``data.shard_format``, :func:`encode_member`):
+
+* ``auto`` (default): a JPEG file (ImageFolder, unlabelled tree, webdataset source) whose pixels
+  need no change (no EXIF turn, no mode conversion but grey to RGB, no resize) keeps its bytes
+  as ``<key>.jpg``; a JPEG that was turned upright, converted or resized is encoded as JPEG at
+  quality :data:`JPEG_QUALITY`; every other image (PNG, TIFF, WebP, BMP files, Fashion-MNIST,
+  CIFAR and STL-10 arrays) as lossless PNG. A photo's shards are then about the size of its
+  JPEGs instead of ~5x (docs/performance.md, ``benchmarks/photo_loader.py``).
+* ``png``: every image as PNG: the stored pixels are exactly what the conversion and resize
+  produced.
+* ``jpeg``: every image as JPEG (kept bytes where ``auto`` keeps them, else quality 95).
+
+A split that holds a JPEG member records the choice in its manifest (``build.shard_format``,
+``build.jpeg_quality`` and ``build.members``, the count per kind); a split of PNGs only
+records nothing new, so its manifest is byte for byte what it was before JPEG members existed.
 
 Outputs are built in a temporary sibling directory and swapped in with ``os.replace``, so a
 failure leaves the previous outputs untouched.
@@ -31,6 +44,7 @@ import webdataset as wds
 from PIL import Image
 from tqdm import tqdm
 
+from pipeline.config import ShardFormat
 from pipeline.data.remote import ShardURL, shards_location
 from pipeline.data.shards import (
     CHANNELS,
@@ -61,6 +75,28 @@ log = logging.getLogger(__name__)
 _PNG_OPTIONS = {"format": "PNG", "compress_level": 6, "optimize": False}  # Pillow's default level
 _TAR_OPTIONS = {"mtime": 0, "user": "moco", "group": "moco", "mode": 0o444}
 
+# Quality of the JPEGs build_shards encodes (resized, turned or converted photos): 95, kept by
+# measurement: 200 q90 500x375 photos resized to a 256 px short side take 0.66x their source
+# bytes at q95 4:2:0 and keep 39.3 dB PSNR of the resized pixels (q90: 0.47x, 36.6 dB; q95
+# 4:4:4: 0.84x, 42.8 dB); with tar headers the shards are 0.70x (benchmarks/photo_loader.py,
+# docs/data.md "Shard formats").
+JPEG_QUALITY = 95
+# 4:2:0 chroma (libjpeg's default, as most cameras write): a re-encoded photo has no finer
+# chroma to keep; baseline, not optimised or progressive (fastest to decode, fixed bytes)
+_JPEG_OPTIONS = {"format": "JPEG", "quality": JPEG_QUALITY, "subsampling": 2, "optimize": False,
+                 "progressive": False}
+MEMBER_KINDS = ("jpg_copied", "jpg_encoded", "png")  # build.members: how each image was stored
+
+
+def _encode(image: Image.Image, options: dict[str, Any]) -> bytes:
+    if image.info:  # ICC profiles, EXIF etc. would be copied into the file
+        image = image.copy()
+        image.info = {}
+    buf = io.BytesIO()
+    image.save(buf, **options)
+    return buf.getvalue()
+
+
 def encode_png(image: Image.Image) -> bytes:
     """Encode an image as PNG with fixed options and no metadata (byte-reproducible).
 
@@ -70,12 +106,56 @@ def encode_png(image: Image.Image) -> bytes:
     Returns:
         The PNG bytes.
     """
-    if image.info:  # ICC profiles etc. would be copied into the PNG
-        image = image.copy()
-        image.info = {}
-    buf = io.BytesIO()
-    image.save(buf, **_PNG_OPTIONS)
-    return buf.getvalue()
+    return _encode(image, _PNG_OPTIONS)
+
+
+def encode_jpeg(image: Image.Image) -> bytes:
+    """Encode an image as baseline JPEG, quality :data:`JPEG_QUALITY`, 4:2:0, no metadata.
+
+    Byte-reproducible with one libjpeg (the one Pillow ships).
+
+    Args:
+        image: PIL image in mode ``L`` or ``RGB``.
+
+    Returns:
+        The JPEG bytes.
+    """
+    return _encode(image, _JPEG_OPTIONS)
+
+
+def encode_member(sample: Sample, shard_format: str) -> tuple[str, bytes, str]:
+    """How one sample's image is stored (the module docstring has the rules).
+
+    Args:
+        sample: the sample as written (its :attr:`~pipeline.data.sources.base.Sample.file`
+            says where the image came from and whether its bytes still describe it).
+        shard_format: ``auto``, ``png`` or ``jpeg`` (``data.shard_format``).
+
+    Returns:
+        ``(extension, bytes, kind)``: ``("jpg", file bytes, "jpg_copied")``,
+        ``("jpg", encoded, "jpg_encoded")`` or ``("png", encoded, "png")``.
+
+    Raises:
+        ValueError: an unknown ``shard_format``.
+    """
+    if shard_format not in ShardFormat.names():
+        raise ValueError(f"data.shard_format must be one of {', '.join(ShardFormat.names())}; "
+                         f"got {shard_format!r}")
+    file = sample.file
+    jpeg_file = file is not None and file.format == "JPEG"
+    if shard_format == ShardFormat.png or (shard_format == ShardFormat.auto and not jpeg_file):
+        return "png", encode_png(sample.image), "png"
+    if jpeg_file and file.data is not None:
+        return "jpg", file.data, "jpg_copied"
+    return "jpg", encode_jpeg(sample.image), "jpg_encoded"
+
+
+def _resized(s: Sample, image: Image.Image) -> Sample:
+    """``s`` with ``image``: its file's bytes kept only when the pixels did not change."""
+    same = image is s.image or (image.size == s.image.size and image.tobytes() == (
+        s.image.tobytes()))
+    file = s.file if s.file is None or same else s.file.changed()
+    return Sample(s.key, image, s.label, file)
 
 
 def resize_samples(samples: Iterable[Sample], image_size: int) -> Iterator[Sample]:
@@ -94,7 +174,7 @@ def resize_samples(samples: Iterable[Sample], image_size: int) -> Iterator[Sampl
     for s in samples:
         img = F.resize(s.image, image_size, interpolation=InterpolationMode.BICUBIC,
                        antialias=True)
-        yield Sample(s.key, F.center_crop(img, [image_size, image_size]), s.label)
+        yield _resized(s, F.center_crop(img, [image_size, image_size]))
 
 
 def limit_short_side(samples: Iterable[Sample], max_side: int) -> Iterator[Sample]:
@@ -118,7 +198,7 @@ def limit_short_side(samples: Iterable[Sample], max_side: int) -> Iterator[Sampl
         img = s.image
         if min(img.size) > max_side:
             img = F.resize(img, max_side, interpolation=InterpolationMode.BICUBIC, antialias=True)
-        yield Sample(s.key, img, s.label)
+        yield _resized(s, img)
 
 
 def _replace_dir(tmp: Path, out_dir: Path) -> None:
@@ -160,7 +240,7 @@ def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, 
                  class_names: Sequence[str], mode: str, samples_per_shard: int,
                  mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
                  expected_count: int | None = None, build: dict[str, Any] | None = None,
-                 progress: bool = True) -> dict[str, Any]:
+                 progress: bool = True, shard_format: str = "auto") -> dict[str, Any]:
     """Write samples into ``out_dir/shard-NNNNNN.tar`` + ``manifest.json``, atomically.
 
     Args:
@@ -178,6 +258,8 @@ def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, 
         expected_count: if given, the number of samples that must be written.
         build: extra build settings recorded verbatim under ``"build"`` (JSON-serialisable).
         progress: show a tqdm bar on a terminal, else log one line per shard.
+        shard_format: ``auto``, ``png`` or ``jpeg`` (``data.shard_format``,
+            :func:`encode_member`).
 
     Returns:
         The manifest dict (as written to ``manifest.json``).
@@ -203,7 +285,7 @@ def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, 
         manifest = _write(first, it, tmp, split=split, source=source, class_names=class_names,
                           mode=mode, samples_per_shard=samples_per_shard, mean=mean, std=std,
                           expected_count=expected_count, build=build, progress=progress,
-                          out_dir=out_dir)
+                          out_dir=out_dir, shard_format=shard_format)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -270,8 +352,12 @@ class _SplitStats:
 
 
 def _write_tars(samples: Iterator[Sample], tmp: Path, *, stats: _SplitStats,
-                samples_per_shard: int, bar: _Progress) -> list[int]:
-    """Write the samples into ``tmp/shard-NNNNNN.tar``; returns the count per shard."""
+                samples_per_shard: int, bar: _Progress, shard_format: str,
+                kinds: Counter[str]) -> list[int]:
+    """Write the samples into ``tmp/shard-NNNNNN.tar``; returns the count per shard.
+
+    ``kinds`` counts how the images were stored (:data:`MEMBER_KINDS`).
+    """
     counts: list[int] = []
     with wds.ShardWriter(str(tmp / SHARD_PATTERN), maxcount=samples_per_shard,
                          maxsize=float("inf"), verbose=0, encoder=False, **_TAR_OPTIONS) as writer:
@@ -281,7 +367,9 @@ def _write_tars(samples: Iterator[Sample], tmp: Path, *, stats: _SplitStats,
                 if counts:
                     bar.shard_done(SHARD_PATTERN % (len(counts) - 1), n)
                 counts.append(0)
-            writer.write({"__key__": s.key, "png": encode_png(s.image),
+            ext, data, kind = encode_member(s, shard_format)
+            kinds[kind] += 1
+            writer.write({"__key__": s.key, ext: data,
                           LABEL_EXT: str(int(s.label)).encode("ascii")})
             counts[-1] += 1
             bar.update(1)
@@ -310,22 +398,28 @@ def _write(first: Sample, rest: Iterator[Sample], tmp: Path, *, split: str, sour
            class_names: Sequence[str], mode: str, samples_per_shard: int,
            mean: Sequence[float] | None, std: Sequence[float] | None,
            expected_count: int | None, build: dict[str, Any] | None, progress: bool,
-           out_dir: Path) -> dict[str, Any]:
+           out_dir: Path, shard_format: str) -> dict[str, Any]:
     stats = _SplitStats(mode, len(class_names), out_dir)
     bar = _Progress(split, expected_count, progress)
+    kinds: Counter[str] = Counter()
     try:
         counts = _write_tars(_chain(first, rest), tmp, stats=stats,
-                             samples_per_shard=samples_per_shard, bar=bar)
+                             samples_per_shard=samples_per_shard, bar=bar,
+                             shard_format=shard_format, kinds=kinds)
     finally:
         bar.close()
     total = sum(counts)
     if expected_count is not None and total != expected_count:
         raise ShardError(f"{out_dir}: wrote {total} samples for split '{split}', expected "
                          f"{expected_count}")
+    build = dict(build or {})
+    if kinds["png"] != total:  # JPEG members: say so (a PNG-only manifest is as it always was)
+        build.update(shard_format=str(shard_format), jpeg_quality=JPEG_QUALITY,
+                     members={k: kinds[k] for k in MEMBER_KINDS})
     manifest = {"format": MANIFEST_FORMAT, "source": source, "split": split,
                 "num_samples": total, "samples_per_shard": samples_per_shard,
                 "class_names": list(class_names), "mode": mode, **stats.fields(mean, std),
-                "build": build or {}, "shards": _shard_table(tmp, counts, out_dir)}
+                "build": build, "shards": _shard_table(tmp, counts, out_dir)}
     (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
 
@@ -465,7 +559,7 @@ def _build_split(src: Source, split: str, out_dir: Path, *, params: DataParams, 
                          class_names=src.class_names, mode=src.mode,
                          samples_per_shard=params.samples_per_shard, mean=mean, std=std,
                          expected_count=min(cap, n) if cap else n, build=build,
-                         progress=progress)
+                         progress=progress, shard_format=str(params.shard_format))
     except BrokenImages as e:  # pixels that broke after index_shards decoded them
         raise SourceError(f"split {split}: {e}; {rerun_hint(params.shards_dir)}") from None
     if "unlabelled" in record:
@@ -489,7 +583,8 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
 
     Args:
         params: a :class:`pipeline.config.DataParams` (``source``, ``root``, ``download``,
-            ``image_size``, ``max_*_images``, ``samples_per_shard``, ``test_fraction``,
+            ``image_size``, ``max_*_images``, ``samples_per_shard``, ``shard_format``,
+            ``test_fraction``,
             ``shards_dir``, ``unlabelled_root``, ``pretrain_labelled``, ``label_field``,
             ``max_broken_fraction``).
         seed: the global ``seed`` (ImageFolder split, caps, write order).

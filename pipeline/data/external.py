@@ -31,6 +31,7 @@ import glob
 import io
 import json
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -218,8 +219,21 @@ def sample_label(record: dict[str, Any], field: str) -> int | str | None:
     return value
 
 
-def open_image(data: bytes) -> Image.Image:
-    """Decode encoded image bytes completely with PIL.
+def open_image(data: bytes, *, reduce: Callable[[Image.Image], int] | None = None
+               ) -> Image.Image:
+    """Decode encoded image bytes with PIL: completely, or a JPEG at a reduced DCT scale.
+
+    Every PIL decode of the pipeline goes through here: image files (the folder sources), shard
+    members (the loaders, ``verify-shards``), shards read in place (the index, the
+    ``webdataset`` source). The one other decoder is torchvision's, for JPEG members whose
+    views the loader cuts (:func:`pipeline.data.jpeg.decode_jpeg_bytes`).
+
+    Args:
+        data: the encoded image (a shard member, a file's bytes).
+        reduce: called with the opened, not yet decoded image (its header: size, mode,
+            format); returns ``k`` in 1, 2, 4, 8. A JPEG is then decoded at 1/k of its size
+            (PIL ``draft``, libjpeg's scaled inverse DCT: ``ceil(W / k) x ceil(H / k)`` px);
+            other formats always decode at full size. None = full size.
 
     Raises:
         UnidentifiedImageError: no PIL decoder recognises the bytes (the message names no
@@ -231,5 +245,10 @@ def open_image(data: bytes) -> Image.Image:
     except UnidentifiedImageError:  # PIL's message ends in "<_io.BytesIO object at 0x...>"
         raise UnidentifiedImageError(f"cannot identify the image ({len(data)} bytes, no PIL "
                                      "decoder recognises them)") from None
+    if reduce is not None:
+        k = reduce(im)
+        if k > 1 and im.format == "JPEG":  # draft picks exactly k for (W//k, H//k) when both
+            # are >= 1; an image under k px a side gets the largest reduction it allows
+            im.draft(im.mode, (max(1, im.size[0] // k), max(1, im.size[1] // k)))
     im.load()
     return im

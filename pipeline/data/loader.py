@@ -12,21 +12,29 @@ time), partial last batch kept, for any ``num_workers``: global batch ``i`` is b
 decoding) the shards that overlap its batches and skips the others.
 
 Only ``.png``/``.jpg``/``.cls`` members are decoded (with PIL / as ASCII); pickle-like members
-are refused with an error naming the shard and key. The pretraining set may also list shards
-read in place from elsewhere (``url`` entries with ``layout: "webdataset"``, see
-:mod:`pipeline.data.index`): of those only the image member is decoded (to the set's mode, by
-:func:`pipeline.data.sources.modes.to_mode`), every other member is ignored, and the samples the
-index found broken are skipped before any position is counted, so the epoch stays exact.
+are refused with an error naming the shard and key. Whole images (``data.max_side``) are cut
+into their views in the workers, and a JPEG there is decoded only as finely as its views need
+(:meth:`pipeline.data.views.SeededRandomResizedCrop.draft_scale`), or, with
+``decode="device"``, on the training device (:mod:`pipeline.data.jpeg`).
+
+The pretraining set may also list shards read in place from elsewhere (``url`` entries with
+``layout: "webdataset"``, see :mod:`pipeline.data.index`): of those only the image member is
+decoded (to the set's mode, by :func:`pipeline.data.sources.modes.to_mode`), every other member
+is ignored, and the samples the index found broken are skipped before any position is counted,
+so the epoch stays exact.
 """
 
 from __future__ import annotations
 
+import functools
+import io
 import itertools
 import math
 import random
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -35,8 +43,11 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.data.external import image_member, open_image
+from pipeline.data.jpeg import cut_views, decode_jpeg_bytes, is_jpeg, reduction
 from pipeline.data.remote import ShardURL, is_url, shards_location
 from pipeline.data.shards import (
+    CHANNELS,
+    IMAGE_EXTS,
     LAYOUT_OWN,
     ShardError,
     check_members,
@@ -51,12 +62,14 @@ from pipeline.data.sources.modes import to_mode
 from pipeline.data.workers import worker_death
 from pipeline.seeds import derive_seed
 
+if TYPE_CHECKING:  # views imports kornia: the evaluation stages never need it
+    from pipeline.data.views import SeededRandomResizedCrop
+
 __all__ = ["ShardError", "eval_loader", "read_manifest", "train_loader"]
 
 SHUFFLE_BUDGET_BYTES = 512 * 2**20  # raw sample bytes each train reader may buffer (auto size)
 EvalTransform = Callable[[Image.Image], torch.Tensor]
-# crop(image, seed) -> a fixed-size image, e.g. pipeline.data.views.SeededRandomResizedCrop
-Crop = Callable[[Image.Image, int], Image.Image]
+DECODE_WORKERS, DECODE_DEVICE = "workers", "device"  # train_loader(decode=...), pretrain.decode
 
 
 def _worker() -> tuple[int, int]:
@@ -197,9 +210,11 @@ class _TrainStream(IterableDataset):
 
     def __init__(self, shards: list[Shard], mode: str, *, batch_size: int, steps: int,
                  epoch: int, seed: int, rank: int, world_size: int, skip_batches: int,
-                 shuffle_buffer: int, crop: Crop | None = None, views: int = 2):
+                 shuffle_buffer: int, crop: SeededRandomResizedCrop | None = None,
+                 views: int = 2, draft: bool = True, decode: str = DECODE_WORKERS):
         super().__init__()
         self.shards, self.mode, self.crop, self.views = shards, mode, crop, views
+        self.draft, self.decode = draft, decode
         self.batch_size, self.steps, self.epoch, self.seed = batch_size, steps, epoch, seed
         self.rank, self.world_size = rank, world_size
         self.skip_batches, self.shuffle_buffer = skip_batches, shuffle_buffer
@@ -260,43 +275,211 @@ class _TrainStream(IterableDataset):
             # drop whole batches as raw bytes (cheap resume), then exactly the batches to yield
             return itertools.islice(src, dropped * b, (dropped + len(batches)) * b)
 
-        def decode(src: Iterator[dict[str, Any]]) -> Iterator[tuple[np.ndarray, str]]:
+        def decode(src: Iterator[dict[str, Any]]) -> Iterator[Any]:
             for record in src:
-                key, image = _decode_any(record, self.mode)
+                key = str(record["__key__"])
                 if self.crop is None:
-                    yield _to_uint8(image), key
-                else:  # (V, C, S, S): the views' crops, a pure function of (seed, epoch, pos)
-                    pos = record["__pos__"]
-                    yield np.stack([_to_uint8(self.crop(image, derive_seed(
-                        "crop", self.seed, self.epoch, pos, v))) for v in range(self.views)]), key
+                    yield _to_uint8(_decode_any(record, self.mode)), key
+                    continue
+                # the views' crops, a pure function of (seed, epoch, position, view)
+                seeds = [derive_seed("crop", self.seed, self.epoch, record["__pos__"], v)
+                         for v in range(self.views)]
+                if self.decode == DECODE_DEVICE:
+                    yield self._encoded(record, seeds, key)
+                else:
+                    yield self._cut(record, seeds), key
 
+        collate: Callable[[list[Any]], Any] = _stack_uint8
+        if self.crop is not None and self.decode == DECODE_DEVICE:
+            side = self.crop.size
+            collate = functools.partial(_collate_encoded, shape=(
+                self.views, CHANNELS[self.mode], side, side))
         pipeline = wds.DataPipeline(
             lambda: self._raw(logical),
             wds.shuffle(buffer, initial=buffer, rng=rng),
             take,
             decode,
-            wds.batched(b, collation_fn=_stack_uint8, partial=False),
+            wds.batched(b, collation_fn=collate, partial=False),
         )
         return iter(pipeline)
 
+    def _cut(self, record: dict[str, Any], seeds: list[int]) -> np.ndarray:
+        """``(V, C, S, S)`` uint8: the views of one sample, decoded as little as they need.
 
-def _decode_any(record: dict[str, Any], mode: str) -> tuple[str, Image.Image]:
-    """``(key, image in mode)`` of a raw sample of either layout.
+        The boxes come from the image's header. A JPEG whose boxes allow it is decoded by PIL
+        at a reduced DCT scale (``draft``,
+        :meth:`pipeline.data.views.SeededRandomResizedCrop.draft_scale`); another JPEG by
+        torchvision's ``decode_jpeg`` (faster per core than PIL, docs/performance.md); any
+        other format by PIL. The views are cut from the uint8 tensor
+        (:func:`pipeline.data.jpeg.cut_views`).
+
+        Raises:
+            ShardError: the image does not decode (names the shard and key).
+        """
+        assert self.crop is not None
+        crop, data = self.crop, _image_bytes(record)
+        with _header(data, record) as header:
+            full, boxes = header.size, crop.boxes(header, seeds)
+        scale = crop.draft_scale(boxes) if self.draft else 1
+        channels = CHANNELS[self.mode]
+        if scale == 1 and is_jpeg(data):
+            try:
+                image = decode_jpeg_bytes(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                                          channels)
+                return cut_views(image, boxes, crop.size).numpy()
+            except RuntimeError:  # a JPEG torchvision refuses (CMYK...): PIL decides below
+                pass
+        decoded = _decode_any(record, self.mode, reduce=lambda _: scale)
+        a = np.array(decoded, dtype=np.uint8)  # writable: torch refuses read-only arrays
+        image = torch.from_numpy(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
+        return cut_views(image, boxes, crop.size, reduction(full, decoded.size)).numpy()
+
+    def _encoded(self, record: dict[str, Any], seeds: list[int], key: str
+                 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None, str, str]:
+        """A JPEG's bytes and boxes, its header alone read (``decode="device"``).
+
+        Returns:
+            ``(jpeg, boxes, views, key, shard)``: the JPEG as uint8 bytes and its ``(V, 4)``
+            boxes with ``views`` None, or, for another format, ``jpeg`` None and the views
+            cut here (:meth:`_cut`).
+
+        Raises:
+            ShardError: the header does not parse (names the shard and key).
+        """
+        assert self.crop is not None
+        data = _image_bytes(record)
+        where = str(record.get("__url__"))
+        if not is_jpeg(data):
+            views = self._cut(record, seeds)
+            boxes = np.zeros((self.views, 4), dtype=np.int64)
+            return None, boxes, views, key, where
+        with _header(data, record) as header:
+            boxes = np.asarray(self.crop.boxes(header, seeds), dtype=np.int64)
+        return np.frombuffer(data, dtype=np.uint8), boxes, None, key, where
+
+
+@dataclass
+class EncodedBatch:
+    """One batch whose JPEGs are still compressed; :meth:`to` decodes and crops them.
+
+    Attributes:
+        jpegs: per sample, its JPEG bytes as a ``(n_bytes,)`` uint8 tensor, or an empty tensor
+            when :attr:`done` already holds its views (a member that is not a JPEG).
+        boxes: ``(B, V, 4)`` int64 crop boxes ``(top, left, height, width)`` in pixels of each
+            full image, one per view.
+        done: ``(B, V, C, S, S)`` uint8: the views cut in the workers (zeros for JPEGs).
+        keys: the ``B`` sample keys.
+        where: the ``B`` shard locations, for messages.
+    """
+
+    jpegs: list[torch.Tensor]
+    boxes: torch.Tensor
+    done: torch.Tensor
+    keys: list[str]
+    where: list[str]
+
+    def pin_memory(self) -> EncodedBatch:
+        """The DataLoader's ``pin_memory`` hook: pins the tensors' pages."""
+        return EncodedBatch([j.pin_memory() for j in self.jpegs], self.boxes.pin_memory(),
+                            self.done.pin_memory(), self.keys, self.where)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> torch.Tensor:
+        """Decode the JPEGs on ``device`` and cut their views: the batch the step takes.
+
+        Args:
+            device: the training device (CUDA: nvjpeg; CPU: libjpeg-turbo).
+            non_blocking: passed to the copy of :attr:`done`.
+
+        Returns:
+            ``(B, V, C, S, S)`` uint8 on ``device``.
+
+        Raises:
+            ShardError: a JPEG torchvision cannot decode (names the shard and key).
+        """
+        out = self.done.to(device, non_blocking=non_blocking)
+        todo = [i for i, j in enumerate(self.jpegs) if j.numel()]
+        if not todo:
+            return out
+        _, _, channels, side, _ = out.shape
+        try:
+            images = decode_jpeg_bytes([self.jpegs[i] for i in todo], channels, device)
+        except RuntimeError:  # decode one by one to name the sample
+            images = [self._decode_one(i, channels, device) for i in todo]
+        for i, image in zip(todo, images):
+            out[i] = cut_views(image, [tuple(b) for b in self.boxes[i].tolist()], side)
+        return out
+
+    def _decode_one(self, i: int, channels: int, device: torch.device | str) -> torch.Tensor:
+        try:
+            return decode_jpeg_bytes(self.jpegs[i], channels, device)
+        except RuntimeError as e:
+            raise ShardError(f"{self.where[i]}: sample '{self.keys[i]}' does not decode on "
+                             f"{device} ({str(e).splitlines()[0]})") from None
+
+
+def _header(data: bytes, record: dict[str, Any]) -> Image.Image:
+    """The image opened by PIL, not decoded (its size, mode and format are read).
+
+    Raises:
+        ShardError: no PIL decoder reads the header (names the shard and key).
+    """
+    try:
+        return Image.open(io.BytesIO(data))
+    except Exception as e:  # noqa: BLE001 (PIL raises several types)
+        raise ShardError(f"{record.get('__url__')}: sample '{record.get('__key__')}': "
+                         f"undecodable image ({type(e).__name__}: {e})") from None
+
+
+def _image_bytes(record: dict[str, Any]) -> bytes:
+    """The encoded image of a raw sample of either layout (ours: members checked first)."""
+    if record.get("__layout__", LAYOUT_OWN) == LAYOUT_OWN:
+        check_members(record)
+        return next(record[e] for e in IMAGE_EXTS if e in record)
+    return image_member(record) or b""
+
+
+def _decode_any(record: dict[str, Any], mode: str, *,
+                reduce: Callable[[Image.Image], int] | None = None) -> Image.Image:
+    """The image, in ``mode``, of a raw sample of either layout.
+
+    Args:
+        record: a raw sample; ``__layout__`` says which layout.
+        mode: ``L`` or ``RGB``.
+        reduce: a JPEG's DCT reduction from its header
+            (:func:`pipeline.data.external.open_image`); None = full size.
 
     Raises:
         ShardError: the image does not decode (names the shard and key).
     """
     if record.get("__layout__", LAYOUT_OWN) == LAYOUT_OWN:
-        key, image, _ = decode_record(record, mode)
-        return key, image
+        return decode_record(record, mode, reduce=reduce)[1]
     key = str(record["__key__"])
     try:
-        with open_image(image_member(record) or b"") as im:
-            return key, to_mode(im, mode)
+        with open_image(image_member(record) or b"", reduce=reduce) as im:
+            return to_mode(im, mode)
     except Exception as e:  # noqa: BLE001 (the index decoded it: the shard changed since)
         raise ShardError(f"{record.get('__url__')}: sample '{key}' undecodable "
                          f"({type(e).__name__}); the index found it decodable: rerun "
                          "`dvc repro`") from None
+
+
+def _collate_encoded(items: list[tuple[np.ndarray | None, np.ndarray, np.ndarray | None, str,
+                                       str]], shape: tuple[int, int, int, int]
+                     ) -> tuple[EncodedBatch, list[str]]:
+    """An :class:`EncodedBatch` of :meth:`_TrainStream._encoded`.
+
+    ``shape``: ``(V, C, S, S)`` of one sample's views.
+    """
+    done = np.zeros((len(items), *shape), dtype=np.uint8)
+    jpegs = []
+    for i, (jpeg, _, views, _, _) in enumerate(items):
+        jpegs.append(torch.from_numpy(jpeg.copy()) if jpeg is not None
+                     else torch.zeros(0, dtype=torch.uint8))
+        if views is not None:
+            done[i] = views
+    boxes = torch.from_numpy(np.stack([bx for _, bx, _, _, _ in items]))
+    keys = [k for *_, k, _ in items]
+    return EncodedBatch(jpegs, boxes, torch.from_numpy(done), keys, [w for *_, w in items]), keys
 
 
 def _to_uint8(image: Image.Image) -> np.ndarray:
@@ -331,8 +514,9 @@ def auto_shuffle_buffer(manifest: dict[str, Any], budget_bytes: int = SHUFFLE_BU
 def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps: int, epoch: int,
                  seed: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
                  skip_batches: int = 0, shuffle_buffer: int = 0,
-                 pin_memory: bool = False, crop: Crop | None = None,
-                 views: int = 2, manifest: dict[str, Any] | None = None) -> DataLoader:
+                 pin_memory: bool = False, crop: SeededRandomResizedCrop | None = None,
+                 views: int = 2, manifest: dict[str, Any] | None = None, draft: bool = True,
+                 decode: str = DECODE_WORKERS) -> DataLoader:
     """One rank's batches of one epoch, as uint8 images (augmentation happens on the device).
 
     Every image of the split is yielded at most once per epoch across all ranks and workers:
@@ -371,12 +555,20 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
         shuffle_buffer: samples in each reader's shuffle buffer (raw bytes); 0 = auto
             (:func:`auto_shuffle_buffer`, a 512 MiB budget per reader).
         pin_memory: DataLoader ``pin_memory``.
-        crop: for shards of variable image size (``data.max_side``): ``crop(image, seed)``
-            returns a fixed-size image (:class:`pipeline.data.views.SeededRandomResizedCrop`).
-            It runs in the workers, ``views`` times per image, seeded by ``(seed, epoch,
-            position of the sample in the epoch sequence, view)``: the crops do not depend on
-            the number of ranks or workers, and a resumed epoch repeats them.
+        crop: for shards of variable image size (``data.max_side``): the per-image crop
+            (:class:`pipeline.data.views.SeededRandomResizedCrop`). It runs in the workers,
+            ``views`` times per image, seeded by ``(seed, epoch, position of the sample in the
+            epoch sequence, view)``: the crops do not depend on the number of ranks or
+            workers, and a resumed epoch repeats them.
         views: crops per image when ``crop`` is given (2: MoCo's query and key).
+        draft: with ``crop``, decode a JPEG at the largest DCT reduction (1/2, 1/4, 1/8)
+            that leaves every view's box at least the crop's side (PIL ``draft``, chosen from
+            the boxes drawn from the header, so the boxes are those of a full decode); False
+            decodes every image in full (``benchmarks/photo_loader.py`` compares the two).
+        decode: with ``crop``: ``"workers"`` (PIL in the workers) or ``"device"``: the
+            workers read only each JPEG's header and yield
+            :class:`EncodedBatch` batches, whose ``.to(device)``
+            decodes them there (``pretrain.decode``).
         manifest: the split's manifest when it is not (only) ``manifest_dir``'s, e.g. the
             pretraining set joined with indexed shards
             (:func:`pipeline.data.index.pretrain_manifest`); ``manifest_dir`` then only names
@@ -384,8 +576,9 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
 
     Returns:
         A DataLoader (``len() == steps - skip_batches``) yielding ``(images, keys)``: images
-        ``(B, C, H, W)`` uint8 (``(B, views, C, S, S)`` with ``crop``), keys the ``B`` sample
-        keys.
+        ``(B, C, H, W)`` uint8 (``(B, views, C, S, S)`` with ``crop``; an
+        :class:`EncodedBatch` that ``.to(device)`` turns into it
+        with ``decode="device"``), keys the ``B`` sample keys.
 
     Raises:
         ValueError: an argument out of range, or ``steps * batch_size * world_size`` exceeds the
@@ -399,6 +592,9 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
                 views=(views, 1))
     if rank >= world_size:
         raise ValueError(f"rank must be < world_size ({world_size}), got {rank}")
+    if decode not in (DECODE_WORKERS, DECODE_DEVICE):
+        raise ValueError(f"decode must be {DECODE_WORKERS!r} or {DECODE_DEVICE!r}, got "
+                         f"{decode!r} (pretrain.decode)")
     if skip_batches > steps:
         raise ValueError(f"skip_batches must be <= steps ({steps}), got {skip_batches}")
     directory = shards_location(manifest_dir)
@@ -413,7 +609,7 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
                           epoch=epoch, seed=seed, rank=rank, world_size=world_size,
                           skip_batches=skip_batches,
                           shuffle_buffer=shuffle_buffer or auto_shuffle_buffer(manifest),
-                          crop=crop, views=views)
+                          crop=crop, views=views, draft=draft, decode=decode)
     return _SizedLoader(stream, steps - skip_batches, num_workers, pin_memory)
 
 

@@ -1,9 +1,10 @@
 """The shard format: manifest, reading, decoding and verification of WebDataset shards.
 
 A split directory holds ``shard-000000.tar``, ``shard-000001.tar``, ... and ``manifest.json``.
-Each sample is two tar members: ``<key>.png`` (lossless PNG, encoded by PIL with fixed options
-and no metadata) and ``<key>.cls`` (the integer label as ASCII text, ``-1`` = unlabelled).
-:mod:`pipeline.data.build` writes them; this module reads them.
+Each sample is two tar members: the image, ``<key>.png`` (lossless PNG, encoded by PIL with
+fixed options and no metadata) or ``<key>.jpg`` (a source JPEG's own bytes, or a JPEG encoded at
+quality 95; ``data.shard_format``), and ``<key>.cls`` (the integer label as ASCII text, ``-1`` =
+unlabelled). :mod:`pipeline.data.build` writes them; this module reads them.
 
 The manifest lists the shards in order with their sample count, byte size and sha256, plus the
 class names, image mode and shape, and the normalisation ``mean``/``std`` the loaders should use.
@@ -20,7 +21,7 @@ import hashlib
 import io
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,7 +164,8 @@ def image_spec(manifest: dict[str, Any], where: Path | ShardURL | str) -> ImageS
     """The :class:`ImageSpec` of a split, from its manifest (:func:`read_manifest`).
 
     Shards of one square size train and evaluate at that size. Shards built with
-    ``data.max_side`` keep whole images of varying size; they use the build's ``image_size``.
+    ``data.max_side`` keep whole images of varying size (or all of one size that is not
+    square: photos of one camera); they use the build's ``image_size``.
 
     Raises:
         ShardError: no images (:func:`require_images`), or images neither all one square size
@@ -173,7 +175,8 @@ def image_spec(manifest: dict[str, Any], where: Path | ShardURL | str) -> ImageS
     shape = manifest.get("image_shape")
     build = manifest.get("build") or {}
     mean, std = tuple(manifest["mean"]), tuple(manifest["std"])
-    if not shape and (build.get("max_side") or build.get("variable")) and build.get("image_size"):
+    whole = (build.get("max_side") or build.get("variable")) and build.get("image_size")
+    if whole and (not shape or shape[1] != shape[2]):  # mixed sizes, or one non-square size
         return ImageSpec(len(mean), int(build["image_size"]), mean, std, variable=True)
     if not shape or shape[1] != shape[2]:
         raise ShardError(f"{where}/{MANIFEST_NAME}: images are not all the same square size "
@@ -376,12 +379,16 @@ def check_members(record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def decode_record(record: dict[str, Any], mode: str) -> tuple[str, Image.Image, int]:
+def decode_record(record: dict[str, Any], mode: str, *,
+                  reduce: Callable[[Image.Image], int] | None = None
+                  ) -> tuple[str, Image.Image, int]:
     """Decode a raw sample with PIL (never unpickling).
 
     Args:
         record: a raw WebDataset sample.
         mode: the manifest's image mode; other modes are converted to it.
+        reduce: a JPEG member's DCT reduction, chosen from its header
+            (:func:`pipeline.data.external.open_image`); None = full size.
 
     Returns:
         ``(key, image, label)``.
@@ -395,7 +402,7 @@ def decode_record(record: dict[str, Any], mode: str) -> tuple[str, Image.Image, 
     from pipeline.data.external import open_image
 
     try:
-        with open_image(data) as im:
+        with open_image(data, reduce=reduce) as im:
             image = im if im.mode == mode else im.convert(mode)
     except Exception as e:  # PIL raises several types
         raise ShardError(f"{where}: undecodable image ({type(e).__name__}: {e})") from None

@@ -46,6 +46,7 @@ from torch import nn
 from torchvision import transforms as T
 
 from pipeline.config import AugPreset
+from pipeline.data.jpeg import DRAFT_SCALES, Box
 
 BLUR_KERNEL = 13  # 2 * ceil(3 * sigma_max) + 1 for sigma_max = 2 px (MoCo v2)
 EVAL_CROP_RATIO = 0.875  # resize 256 -> center-crop 224, the ImageNet evaluation protocol
@@ -258,11 +259,60 @@ class SeededRandomResizedCrop:
                                         interpolation=T.InterpolationMode.BILINEAR,
                                         antialias=True)
 
+    @property
+    def size(self) -> int:
+        """The output side in pixels."""
+        return int(self.crop.size[0])
+
     def __call__(self, image: Image.Image, seed: int) -> Image.Image:
-        """One ``size x size`` crop of ``image`` (same mode)."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return self.crop(image)
+        """One ``size x size`` crop of ``image`` (same mode), resampled by PIL.
+
+        The loader cuts the same boxes from uint8 tensors instead
+        (:func:`pipeline.data.jpeg.cut_views`: torchvision's resize, within 1 of this one).
+        """
+        top, left, h, w = self.boxes(image, [seed])[0]
+        return T.functional.resized_crop(image, top, left, h, w, [self.size, self.size],
+                                         T.InterpolationMode.BILINEAR, antialias=True)
+
+    def boxes(self, image: Image.Image, seeds: Sequence[int]) -> list[Box]:
+        """The crop box of each seed, from the image's header alone (nothing is decoded).
+
+        The draws are torchvision's ``RandomResizedCrop.get_params``, under a forked torch RNG
+        seeded with each seed, as :meth:`__call__` has always drawn them.
+
+        Args:
+            image: an opened PIL image, loaded or not (only its size is read).
+            seeds: one seed per view.
+
+        Returns:
+            ``(top, left, height, width)`` in pixels of the full image, one per seed.
+        """
+        out = []
+        for seed in seeds:
+            with torch.random.fork_rng(devices=[]):
+                # the CPU generator only: the draws are CPU draws, and torch.manual_seed would
+                # also queue a seed for every CUDA device, recording a Python stack each time
+                # (~1 ms, a third of a photo's loader time, benchmarks/photo_loader.py)
+                torch.default_generator.manual_seed(seed)
+                out.append(tuple(int(v) for v in self.crop.get_params(
+                    image, self.crop.scale, self.crop.ratio)))
+        return out  # type: ignore[return-value]
+
+    def draft_scale(self, boxes: Sequence[Box]) -> int:
+        """The JPEG DCT reduction (1, 2, 4 or 8) that still gives every box ``size`` px a side.
+
+        A JPEG decoded at 1/k (PIL ``draft``: libjpeg's scaled inverse DCT, much less work than
+        a full decode) keeps at least as many pixels across each crop as the crop's output has,
+        so no view is enlarged that a full decode would have shrunk. Needs every box's shorter
+        side to be at least twice the target: 224 px views reduce only for boxes of 448 px and
+        more (never in a 500 x 375 photo; often in a 12 MP one).
+
+        Returns:
+            The largest ``k`` in (8, 4, 2) with ``min(height, width) >= k * size`` for every
+            box, else 1.
+        """
+        side = min(min(h, w) for _, _, h, w in boxes)
+        return next((k for k in DRAFT_SCALES if side >= k * self.size), 1)
 
 
 def build_eval_transform(image_size: int, mean: Sequence[float], std: Sequence[float]) -> T.Compose:

@@ -57,6 +57,7 @@ from pipeline.train.runtime import (
     configure_determinism,
     kept_threads,
     resolve_compile,
+    resolve_num_workers,
     resolve_precision,
     resolve_switch,
     setup_device,
@@ -149,6 +150,7 @@ class Run:
     state: TrainState
     views: BatchTwoCrop
     crop: SeededRandomResizedCrop | None
+    num_workers: int
     monitor: Monitor
     policy: CheckpointPolicy
     stop: StopFlag
@@ -194,9 +196,9 @@ def train_one_epoch(r: Run, epoch: int, stop_at: int) -> None:
     spe, state, plan = r.plan.steps_per_epoch, r.state, r.plan
     loader = train_loader(r.shards_dir / "pretrain", batch_size=plan.per_rank_batch, steps=spe,
                           epoch=epoch, seed=r.seed, rank=r.rt.rank, world_size=r.rt.world_size,
-                          num_workers=r.opt.num_workers, skip_batches=state.step - epoch * spe,
+                          num_workers=r.num_workers, skip_batches=state.step - epoch * spe,
                           pin_memory=r.rt.device.type == "cuda", crop=r.crop,
-                          manifest=r.pretrain_set)
+                          manifest=r.pretrain_set, decode=str(r.opt.decode))
     r.net.train()
     batches = iter(loader)
     try:
@@ -215,6 +217,7 @@ def _train_steps(r: Run, batches: Iterator[Any], epoch: int, stop_at: int) -> No
         images, _ = next(batches)
         r.in_step = True  # from here to the step's end the state is not whole
         wait_s = time.time() - t_wait
+        # an EncodedBatch (pretrain.decode: device) decodes its JPEGs on the device here
         images = images.to(r.rt.device, non_blocking=True)
         try:
             out = train_step(r.ddp_net, images, views=r.views,
@@ -368,16 +371,17 @@ def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
     ckpt = Checkpointer(Path(checkpoint_dir) / "last.pt", key, rt.is_main,
                         run_id=run.run_id if run is not None else None)
     state = _restore(ckpt, net, optimizer, precision, rt=rt, total_steps=plan.total_steps)
+    num_workers = resolve_num_workers(opt.num_workers, rt.device)
     state.num_threads = setup_threads(
-        requested=opt.num_threads, resumed=state.num_threads, num_workers=opt.num_workers,
+        requested=opt.num_threads, resumed=state.num_threads, num_workers=num_workers,
         device=rt.device, probe_model=net.encoder_q,
         input_shape=(plan.per_rank_batch, spec.channels, spec.size, spec.size))
     channels_last = resolve_switch(opt.channels_last, cpu_default=False, device=rt.device)
     compile_ = resolve_compile(opt.compile, device=rt.device, width=model.width,
                                total_images=plan.total_steps * opt.batch_size)
-    log.info("pretrain: %s, %s, %d threads, channels_last %s, compile %s, %d steps",
-             rt.device, precision.name, state.num_threads, channels_last, compile_,
-             plan.total_steps)
+    log.info("pretrain: %s, %s, %d threads, %d loader workers, channels_last %s, compile %s, "
+             "%d steps", rt.device, precision.name, state.num_threads, num_workers,
+             channels_last, compile_, plan.total_steps)
     view = build_batch_view(augment.preset, spec.size, spec.mean, spec.std,
                             augment.crop_min_scale, crop=not spec.variable)
     small_view = (build_batch_view(augment.preset, small_crop_side(augment, spec.size),
@@ -394,6 +398,7 @@ def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
                            small_crops=augment.small_crops),
         crop=(SeededRandomResizedCrop(spec.size, scale=(augment.crop_min_scale, 1.0))
               if spec.variable else None),
+        num_workers=num_workers,
         monitor=_build_monitor(shards_dir, spec=spec, augment=augment, opt=opt, rt=rt),
         policy=CheckpointPolicy(opt.checkpoint_every_epochs, opt.checkpoint_every_steps,
                                 plan.total_steps, plan.steps_per_epoch),

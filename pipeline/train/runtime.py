@@ -154,6 +154,36 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def resolve_num_workers(value: str, device: torch.device, *, cores: int | None = None,
+                        local_world_size: int | None = None) -> int:
+    """``pretrain.num_workers`` as a count of loader worker processes.
+
+    ``auto`` on CUDA: the usable cores shared by the training processes of this node
+    (``LOCAL_WORLD_SIZE``, set by torchrun; 1 otherwise), less one core for each training
+    process itself, at least 1. Decoding and cropping photos costs ~1 CPU ms per pair
+    (``benchmarks/photo_loader.py``, docs/performance.md), so a GPU that takes ~1,800 pairs/s
+    needs every core it can get. ``auto`` on CPU: 1, as before: the training itself runs on
+    the same cores (:func:`setup_threads`), and workers that compete with it slow the step.
+
+    Args:
+        value: ``auto`` or a non-negative integer as text (the params schema checks it).
+        device: the training device.
+        cores: usable cores (default :func:`usable_cores`).
+        local_world_size: training processes on this node (default ``LOCAL_WORLD_SIZE``, 1).
+
+    Returns:
+        The number of workers, ``>= 0``.
+    """
+    if value != "auto":
+        return int(value)
+    if device.type != "cuda":
+        return 1
+    cores = usable_cores() if cores is None else cores
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, cores // max(1, local_world_size) - 1)
+
+
 def thread_candidates(num_workers: int) -> list[int]:
     """Intra-op thread counts worth probing, largest first (deduplicated).
 

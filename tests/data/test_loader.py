@@ -174,7 +174,8 @@ def test_train_loader__skip_does_not_decode_skipped(uneven: Path, monkeypatch):
 
     calls = []
     real = loader_mod.decode_record
-    monkeypatch.setattr(loader_mod, "decode_record", lambda r, m: calls.append(1) or real(r, m))
+    monkeypatch.setattr(loader_mod, "decode_record",
+                        lambda r, m, **kw: calls.append(1) or real(r, m, **kw))
     list(train_loader(uneven, batch_size=4, steps=3, epoch=0, seed=0, skip_batches=2))
     assert len(calls) == (3 - 2) * 4
 

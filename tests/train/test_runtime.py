@@ -201,3 +201,18 @@ def test_pretrain__cuda_device_autocast_and_cpu_loadable_outputs(tiny_shards, tm
     encoder = torch.load(tmp_path / "encoder.pt", weights_only=True)
     head = torch.load(tmp_path / "head.pt", weights_only=True)["state_dict"]
     assert {v.device.type for v in [*encoder.values(), *head.values()]} == {"cpu"}
+
+
+def test_resolve_num_workers__auto_by_device_and_cores():
+    from pipeline.train.runtime import resolve_num_workers
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    # a number is that number, on any device
+    assert resolve_num_workers("3", cpu) == 3 and resolve_num_workers("0", cuda) == 0
+    # CUDA: the cores per training process on the node, less one for that process
+    assert resolve_num_workers("auto", cuda, cores=16, local_world_size=1) == 15
+    assert resolve_num_workers("auto", cuda, cores=16, local_world_size=8) == 1
+    assert resolve_num_workers("auto", cuda, cores=96, local_world_size=8) == 11
+    assert resolve_num_workers("auto", cuda, cores=4, local_world_size=8) == 1  # at least one
+    # CPU: one worker, the training needs the cores
+    assert resolve_num_workers("auto", cpu, cores=64) == 1

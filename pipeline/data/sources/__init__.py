@@ -48,6 +48,7 @@ from pipeline.data.sources.base import (
     Sample,
     Source,
     SourceError,
+    SourceFile,
     select_indices,
 )
 from pipeline.data.sources.checksum import Checksum, ChecksumError, verify_file
@@ -80,6 +81,7 @@ __all__ = [
     "Sample",
     "Source",
     "SourceError",
+    "SourceFile",
     "Stl10Source",
     "UnlabelledTree",
     "WebDatasetSource",

@@ -107,6 +107,35 @@ class BrokenImages(SourceError):
 
 
 @dataclass(frozen=True)
+class SourceFile:
+    """The encoded file an image was decoded from, for ``build_shards`` to keep its bytes.
+
+    Attributes:
+        format: PIL's format name of the file (``"JPEG"``, ``"PNG"``, ``"WEBP"``, ...).
+        data: the file's bytes when decoding them with PIL and converting to the split's mode
+            (:func:`pipeline.data.sources.modes.to_mode`) gives exactly the sample's image;
+            ``None`` once the pixels were changed (turned upright by EXIF, converted from
+            another mode, resized).
+    """
+
+    format: str
+    data: bytes | None = None
+
+    def changed(self) -> SourceFile:
+        """The same format, without bytes: the pixels no longer equal the file's."""
+        return SourceFile(self.format)
+
+
+def keeps_pixels(file_mode: str, mode: str) -> bool:
+    """Whether converting a decoded ``file_mode`` image to ``mode`` leaves its values as they are.
+
+    ``L`` -> ``RGB`` copies the grey value into three channels (exact, and the loader's
+    conversion does the same), so such a file's bytes still describe the sample.
+    """
+    return file_mode == mode or (file_mode, mode) == ("L", "RGB")
+
+
+@dataclass(frozen=True)
 class Sample:
     """One image of a split.
 
@@ -114,11 +143,15 @@ class Sample:
         key: unique within the split; only ``[A-Za-z0-9_-]`` (safe as a WebDataset key).
         image: PIL image in the source's :attr:`Source.mode` (``"L"`` or ``"RGB"``).
         label: class index ``0..C-1``, or ``-1`` for an unlabelled image.
+        file: the encoded file the image came from, or ``None`` (array datasets: Fashion-MNIST,
+            CIFAR, STL-10); ``build_shards`` stores a JPEG's bytes as they are when
+            ``file.data`` is set (``data.shard_format``, :mod:`pipeline.data.build`).
     """
 
     key: str
     image: Image.Image
     label: int
+    file: SourceFile | None = None
 
 
 def select_indices(labels: np.ndarray, max_images: int, seed: int) -> np.ndarray:

@@ -14,12 +14,15 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
+from pipeline.data.external import open_image
 from pipeline.data.sources.base import (
     BrokenImages,
     Sample,
     Source,
     SourceError,
+    SourceFile,
     UnreadableImage,
+    keeps_pixels,
     name_bad_files,
     shown_path,
 )
@@ -28,6 +31,7 @@ from pipeline.data.sources.modes import SUPPORTED_MODES, ModeError, folder_mode,
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 EXIF_ORIENTATION = 0x0112  # the EXIF/TIFF Orientation tag
 _SWAPS_SIDES = (5, 6, 7, 8)  # orientations that turn the image by 90 degrees (W and H swap)
+_TURNS = (2, 3, 4, 5, 6, 7, 8)  # orientations ImageOps.exif_transpose changes the pixels for
 # recorded in every manifest an ImageFolder builds (``build.exif_orientation``)
 BUILD_SETTINGS = {"exif_orientation": "applied (PIL ImageOps.exif_transpose, before resize/crop)"}
 _KEY_MAX_CHARS = 80  # USTAR member names are limited to 100 characters (key + extension)
@@ -132,9 +136,9 @@ class ImageFolderSource(Source):
 
     def _load(self, split: str, index: int) -> Sample:
         path, label = self._files[split][index]
-        image = open_upright(path, self.mode)
+        image, file = open_upright(path, self.mode)
         rel = os.path.relpath(path, self.root)
-        return Sample(f"{index:07d}_{sanitize_key(rel)}", image, label)
+        return Sample(f"{index:07d}_{sanitize_key(rel)}", image, label, file)
 
 
 SPLIT_NAMES = ("train", "training", "test", "testing", "val", "valid", "validation")
@@ -271,16 +275,26 @@ def is_excluded(path: str, root: str | Path, exclude: Collection[str]) -> bool:
     return os.path.relpath(path, root) in exclude
 
 
-def open_upright(path: str, mode: str) -> Image.Image:
+def open_upright(path: str, mode: str) -> tuple[Image.Image, SourceFile]:
     """An image file decoded, turned upright by its EXIF orientation, then converted to ``mode``.
+
+    Returns:
+        ``(image, file)``: the image in ``mode``, and the file it came from
+        (:class:`~pipeline.data.sources.base.SourceFile`), with its bytes when they decode to
+        exactly this image: a JPEG whose EXIF orientation turns nothing (absent or 1) and whose
+        mode is ``mode`` (or ``L`` in an ``RGB`` folder, :func:`keeps_pixels`). Only JPEGs keep
+        their bytes: ``build_shards`` stores every other format as PNG.
 
     Raises:
         UnreadableImage: the pixels cannot be decoded or converted (names the file).
     """
     try:
-        with Image.open(path) as im:
-            im.load()
-            return to_mode(ImageOps.exif_transpose(im), mode)
+        data = Path(path).read_bytes()
+        with open_image(data) as im:
+            turned = im.getexif().get(EXIF_ORIENTATION, 1) in _TURNS
+            kept = im.format == "JPEG" and not turned and keeps_pixels(im.mode, mode)
+            file = SourceFile(str(im.format), data if kept else None)
+            return to_mode(ImageOps.exif_transpose(im), mode), file
     except ModeError as e:  # e.g. float values outside 0..1
         raise UnreadableImage(f"{shown_path(path)} ({e})") from None
     except Exception as e:  # truncated / corrupt data past the header
@@ -403,10 +417,7 @@ def _decode(path: str, kind: str) -> None:
             the message alone for a refused value range.
     """
     try:
-        with Image.open(path) as im:
-            if im.format == "JPEG":
-                im.draft(im.mode, (1, 1))
-            im.load()
+        with open_image(Path(path).read_bytes(), reduce=lambda _: 8) as im:
             to_mode(ImageOps.exif_transpose(im), kind)
     except ModeError as e:  # e.g. float values outside 0..1
         raise PixelError(str(e)) from None

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.data.sources.base import Sample, Source, SourceError, local_path
+from pipeline.data.sources.base import Sample, Source, SourceError, keeps_pixels, local_path
 from pipeline.data.sources.imagefolder import (
     BUILD_SETTINGS,
     IMAGE_EXTENSIONS,
@@ -152,9 +152,9 @@ class UnlabelledTree:
             UnreadableImage: the pixels cannot be decoded or converted (names the file).
         """
         path = self.paths[index]
-        image = open_upright(path, mode)
+        image, file = open_upright(path, mode)
         rel = os.path.relpath(path, self.top)
-        return Sample(f"{KEY_PREFIX}{index:07d}_{sanitize_key(rel)}", image, -1)
+        return Sample(f"{KEY_PREFIX}{index:07d}_{sanitize_key(rel)}", image, -1, file)
 
 
 class NoLabelsSource(Source):
@@ -240,4 +240,7 @@ class PretrainMix(Source):
         s = self.labelled._load(split, index)
         if s.image.mode == self.mode:
             return s
-        return Sample(s.key, to_mode(s.image, self.mode), s.label)
+        # the folder rule only ever turns L into RGB here, which keeps the pixels (keeps_pixels)
+        file = s.file if s.file is None or keeps_pixels(s.image.mode, self.mode) else (
+            s.file.changed())
+        return Sample(s.key, to_mode(s.image, self.mode), s.label, file)

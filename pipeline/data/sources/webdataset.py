@@ -29,7 +29,14 @@ import numpy as np
 from pipeline.data.external import expand_shards, image_member, open_image, sample_label
 from pipeline.data.remote import RemoteError
 from pipeline.data.shards import ShardError, iter_shard, sha256_file, shard_location
-from pipeline.data.sources.base import Sample, Source, SourceError, UnreadableImage
+from pipeline.data.sources.base import (
+    Sample,
+    Source,
+    SourceError,
+    SourceFile,
+    UnreadableImage,
+    keeps_pixels,
+)
 from pipeline.data.sources.imagefolder import held_out, sanitize_key, split_per_class
 from pipeline.data.sources.modes import ModeError, to_mode
 
@@ -119,12 +126,16 @@ class WebDatasetSource(Source):
         try:
             with open_image(self._images[i]) as im:
                 image = to_mode(im, self.mode)
+                # read as it is (no EXIF turn, as for shards read in place): a JPEG's bytes
+                # describe the image whenever the mode conversion keeps its values
+                kept = im.format == "JPEG" and keeps_pixels(im.mode, self.mode)
+                file = SourceFile(str(im.format), self._images[i] if kept else None)
         except ModeError as e:
             raise UnreadableImage(f"sample '{self._keys[i]}' ({e})") from None
         except Exception as e:  # noqa: BLE001 (the index decoded it: corrupt since)
             raise UnreadableImage(f"sample '{self._keys[i]}' ({type(e).__name__})") from None
         return Sample(f"{i:07d}_{sanitize_key(self._keys[i] + '.x')}", image,
-                      int(self._labels[i]))
+                      int(self._labels[i]), file)
 
 
 def _urls(spec: str) -> list[str] | None:
