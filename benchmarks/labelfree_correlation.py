@@ -5,8 +5,9 @@ built shards, with the monitor after every epoch: each monitor point is one enco
 random init, then every epoch's query backbone). For each encoder the monitor gives the kNN
 top-1 (MoCo protocol on the monitor's images: k=200, T=0.1, global pool, ``pretrain.
 knn_monitor_*``) and the label-free numbers on ``pretrain.labelfree_images`` pretraining images
-(:mod:`pipeline.evaluate.labelfree`). The script prints and writes (``--out``) every encoder's
-numbers and the Spearman correlation of each label-free number, and of the instance top-1 of the
+(:mod:`pipeline.evaluate.labelfree`). A random init shared by several variants counts once
+(:func:`distinct`). The script prints and writes (``--out``) every encoder's numbers and the
+Spearman correlation of each label-free number, and of the instance top-1 of the last logged
 training window before it, with kNN top-1::
 
     python benchmarks/labelfree_correlation.py --shards data/shards --epochs 3 \\
@@ -73,6 +74,23 @@ def _tsv(path: Path) -> list[dict]:
             for line in lines[1:]]
 
 
+def distinct(rows: list[dict]) -> list[dict]:
+    """The rows of distinct encoders: a random init shared by variants is counted once.
+
+    Variants that change neither the architecture nor the seed start from the same weights, so
+    their epoch-0 rows are one encoder measured again (identical numbers); only the first is
+    kept, else the sample would hold copies of one point.
+    """
+    seen, out = set(), []
+    for r in rows:
+        key = (r["knn_top1"], *(r[k] for k in ("rankme", "alignment", "uniformity")))
+        if r["epoch"] == 0 and key in seen:
+            continue
+        seen.add(key)
+        out.append(r)
+    return out
+
+
 def correlations(rows: list[dict]) -> dict[str, dict]:
     """Spearman rho (and p) of each number with kNN top-1, over the rows that have it."""
     out = {}
@@ -99,6 +117,7 @@ def main() -> None:
         rows += train_variant(name, VARIANTS[name], params=args.params, shards=args.shards,
                               epochs=args.epochs, work=args.work)
         print(json.dumps(rows[-1]), flush=True)
+    rows = distinct(rows)
     result = {"encoders": rows, "spearman_with_knn_top1": correlations(rows),
               "epochs_per_variant": args.epochs, "variants": args.variants.split(","),
               "wall_s": round(time.time() - t0)}

@@ -112,3 +112,19 @@ def test_pretrain__labelfree_without_labels(tmp_path):
     knn = (tmp_path / "out/knn.tsv").read_text().splitlines()
     lf = (tmp_path / "out/labelfree.tsv").read_text().splitlines()
     assert knn == ["epoch\tstep\tknn_top1\tknn_top5"] and len(lf) == 3
+
+
+def test_study__constants_are_the_results_file_and_decide_signal_or_diagnostic():
+    import json
+
+    from pipeline.codegraph import REPO
+    from pipeline.evaluate import labelfree as lf
+
+    study = json.loads((REPO / lf.STUDY_FILE).read_text())
+    found = {k: (v["spearman_rho"], v["encoders"])
+             for k, v in study["spearman_with_knn_top1"].items() if k in lf.METRICS}
+    assert lf.STUDY == found
+    assert len(study["encoders"]) >= 8  # the floor: at least 8 encoders
+    # by hand from the file: uniformity -0.75 (lower = better, so a signal); RankMe +0.68 and
+    # alignment +0.25 stay under 0.7 in their expected direction: diagnostics
+    assert [lf.is_signal(k) for k in lf.METRICS] == [False, False, True]
