@@ -2,7 +2,7 @@
 
 ``clean-checkpoints [--keep N]`` deletes pretraining resume state of the repo (see
 :mod:`pipeline.train.resume_store`). ``relocate-mlflow [--from OLD] [--to NEW]`` repoints the
-MLflow database at a moved repo (see :mod:`pipeline.relocate`).
+MLflow database at a moved repo (see :mod:`pipeline.tracking.relocate`).
 
 ``check-params`` validates a whole params file (every key present, typed and in range) and
 prints the resolved config; the ``check_params`` DVC stage (``stages/check_params.py``) runs the
@@ -52,7 +52,7 @@ def _main(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     setup_logging()
     if args.cmd == "relocate-mlflow":
-        from pipeline.relocate import relocate_main
+        from pipeline.tracking.relocate import relocate_main
 
         return relocate_main(args.old, args.new)
     if args.cmd == "check-params":

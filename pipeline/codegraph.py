@@ -31,11 +31,33 @@ NOT_OUTPUT_CODE: dict[str, str] = {
                        "nothing the stage reads",
     "pipeline/signals.py": "SIGTERM/SIGINT become Terminated, and exit codes: it decides when "
                            "training stops (after a checkpoint), never what a step computes",
-    "pipeline/tracking.py": "MLflow runs: it receives logged numbers, params and file paths, "
-                            "writes only runs/<stage>.json (a new run id at every execution)",
-    "pipeline/model_registry.py": "the encoder as an MLflow logged model and registry version: "
-                                  "called after the encoder file is written, it only reads it",
+    "pipeline/tracking/": "MLflow: runs receive logged numbers, params and file paths and write "
+                          "only runs/<stage>.json (a new run id at every execution); the logged "
+                          "model and the registry are called after the encoder file is written "
+                          "and only read it",
 }
+
+
+def not_output_code(module: str) -> str | None:
+    """The reason ``module`` (a root-relative path) is in :data:`NOT_OUTPUT_CODE`, else None.
+
+    A key ending in ``/`` covers every module of that package.
+    """
+    for key, reason in NOT_OUTPUT_CODE.items():
+        if module == key or (key.endswith("/") and module.startswith(key)):
+            return reason
+    return None
+
+
+def exempt_files(root: Path = REPO) -> list[str]:
+    """Every file :data:`NOT_OUTPUT_CODE` covers, root-relative (packages expanded)."""
+    out = []
+    for key in NOT_OUTPUT_CODE:
+        if key.endswith("/"):
+            out += sorted(f.relative_to(root).as_posix() for f in (root / key).rglob("*.py"))
+        else:
+            out.append(key)
+    return out
 
 
 def _type_checking_block(node: ast.AST) -> bool:
@@ -104,7 +126,7 @@ def import_closure(script: Path, root: Path = REPO) -> set[str]:
         if rel in seen:
             continue
         seen.add(rel)
-        if rel in NOT_OUTPUT_CODE:
+        if not_output_code(rel) is not None:
             continue
         for name in imported_modules(f):
             todo.extend(module_files(name, root))
@@ -131,7 +153,7 @@ def output_code(script: str, root: Path = REPO) -> list[str]:
         raise FileNotFoundError(f"{path}: the stage script is not beside {root / 'pipeline'} "
                                 "(run the pipeline from its repo: `pip install -e .`)")
     closure = import_closure(path, root)
-    return [script] + sorted(m for m in closure if m not in NOT_OUTPUT_CODE)
+    return [script] + sorted(m for m in closure if not_output_code(m) is None)
 
 
 def code_digest(files: list[str], root: Path = REPO) -> str:

@@ -16,8 +16,8 @@ def run(p: Params) -> None:
     from pipeline.atomic import write_metrics
     from pipeline.data.remote import shards_location
     from pipeline.evaluate.run.embed import embed
-    from pipeline.model_registry import link_encoder_input, trusted_encoder
     from pipeline.tracking import stage_run
+    from pipeline.tracking.registry import link_encoder_input, trusted_encoder
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("embed", p, upstream=("pretrain",)) as mlrun:

@@ -16,8 +16,8 @@ def run(p: Params) -> None:
     from pipeline.atomic import write_metrics
     from pipeline.data.remote import shards_location
     from pipeline.evaluate.run.knn import knn_eval
-    from pipeline.model_registry import attach_scores, trusted_encoder
     from pipeline.tracking import stage_run
+    from pipeline.tracking.registry import attach_scores, trusted_encoder
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("knn", p, upstream=("embed", "pretrain")) as mlrun:

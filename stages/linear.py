@@ -16,8 +16,8 @@ def run(p: Params) -> None:
     from pipeline.atomic import write_metrics
     from pipeline.data.remote import shards_location
     from pipeline.evaluate.run.linear import linear_probe
-    from pipeline.model_registry import attach_scores, trusted_encoder, update_champion
     from pipeline.tracking import stage_run
+    from pipeline.tracking.registry import attach_scores, trusted_encoder, update_champion
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
     with stage_run("linear", p, upstream=("embed", "pretrain")) as mlrun:

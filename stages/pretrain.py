@@ -28,9 +28,9 @@ def run(p: Params) -> None:
     from pipeline.data.index import index_location, pretrain_manifest
     from pipeline.data.remote import shards_location
     from pipeline.data.shards import read_manifest
-    from pipeline.model_registry import publish_encoder
     from pipeline.signals import Terminated
     from pipeline.tracking import stage_run
+    from pipeline.tracking.registry import publish_encoder
     from pipeline.train.checkpoint import checkpoint_fingerprint, resumable_run_id
     from pipeline.train.engine import pretrain
     from pipeline.train.resume_store import CHECKPOINT_NAME, open_entry, watch_workspace

@@ -8,13 +8,13 @@ from pathlib import Path
 from helpers import build_tiny_shards, run_pretrain
 
 from pipeline.config import Params, from_dict
-from pipeline.model_registry import (
+from pipeline.tracking import stage_run
+from pipeline.tracking.registry import (
     attach_scores,
     publish_encoder,
     trusted_encoder,
     update_champion,
 )
-from pipeline.tracking import stage_run
 
 # 16 px with the stride-2 stem: a 1 x 1 last map; the tests compare with load_encoder's layer 4
 PARAMS = {"embed": {"layer": 4, "pool_grid": 1}}

@@ -12,10 +12,11 @@ import torch
 from helpers import TINY, run_pretrain
 
 from pipeline.codegraph import (
-    NOT_OUTPUT_CODE,
     PRETRAIN_SCRIPT,
     REPO,
+    exempt_files,
     imported_modules,
+    not_output_code,
     output_code,
 )
 from pipeline.config import from_dict
@@ -50,7 +51,7 @@ def test_output_code__pretrain_holds_the_pixel_path_and_the_math_not_the_exempt(
                                 "pipeline/moco/momentum.py", "pipeline/data/views.py",
                                 "pipeline/data/loader.py", "pipeline/seeds.py"):
         assert module in code, module
-    assert not set(NOT_OUTPUT_CODE) & set(code)
+    assert [m for m in code if not_output_code(m)] == []
     assert "pipeline/report/build.py" not in code  # the report is not imported by pretraining
 
 
@@ -78,7 +79,7 @@ def test_fingerprint__a_comment_in_the_tracking_module_leaves_it(tiny_shards, tm
     manifest = read_manifest(tiny_shards / "pretrain")
     root = _copy_code(tmp_path)
     before = _key(root, manifest)
-    f = root / "pipeline/tracking.py"
+    f = root / "pipeline/tracking/runs.py"
     f.write_text(f.read_text() + "\n# a comment\n")
     assert _key(root, manifest).fingerprint == before.fingerprint
 
@@ -121,7 +122,7 @@ def test_not_output_code__no_tensor_passes_through_an_exempt_module(tiny_shards,
     # or an optimizer (it could then change them, or what training reads back).
     from pipeline.tracking import StageRun
 
-    files = {str((REPO / m).resolve()): m for m in NOT_OUTPUT_CODE}
+    files = {str((REPO / m).resolve()): m for m in exempt_files()}
     calls: dict[str, int] = {}
     carried: list[str] = []
 
@@ -144,9 +145,10 @@ def test_not_output_code__no_tensor_passes_through_an_exempt_module(tiny_shards,
         sys.setprofile(None)
     assert carried == []
     # not vacuous: training did call into the tracking and signal modules
-    assert calls.get("pipeline/tracking.py", 0) > 0 and calls.get("pipeline/signals.py", 0) > 0
+    assert calls.get("pipeline/tracking/runs.py", 0) > 0 and calls.get("pipeline/signals.py", 0) > 0
     # the stage entry and the registry are never called by training itself
-    assert "pipeline/cli.py" not in calls and "pipeline/model_registry.py" not in calls
+    assert not {"pipeline/cli.py", "pipeline/tracking/model.py",
+                "pipeline/tracking/registry.py"} & set(calls)
 
 
 def _calls(tree: ast.AST, name: str) -> list[int]:
@@ -155,7 +157,7 @@ def _calls(tree: ast.AST, name: str) -> list[int]:
 
 
 def test_not_output_code__the_registry_runs_after_the_encoder_is_written():
-    # model_registry's reason: called after the encoder file is written. In the stage script
+    # the registry's reason: called after the encoder file is written. In the stage script
     # every call into it comes after the training call; no module of the training code
     # imports it.
     tree = ast.parse((REPO / PRETRAIN_SCRIPT).read_text())
@@ -163,7 +165,8 @@ def test_not_output_code__the_registry_runs_after_the_encoder_is_written():
     published = _calls(tree, "publish_encoder")
     assert published and min(published) > train_call
     for module in output_code(PRETRAIN_SCRIPT)[1:]:
-        assert "pipeline.model_registry" not in imported_modules(REPO / module), module
+        assert not {"pipeline.tracking.model", "pipeline.tracking.registry"} & imported_modules(
+            REPO / module), module
 
 
 def test_not_output_code__the_stage_entry_is_imported_by_no_library_module():

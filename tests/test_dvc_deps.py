@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.codegraph import NOT_OUTPUT_CODE, REPO, import_closure
+from pipeline.codegraph import REPO, import_closure, not_output_code
 
 
 def _stage_script(cmd: str) -> Path:
@@ -50,7 +50,7 @@ def missing_deps(stage: dict) -> list[str]:
     deps = [d if isinstance(d, str) else next(iter(d)) for d in stage.get("deps", [])]
     assert script.relative_to(REPO).as_posix() in deps, f"{script} is not a dep of its stage"
     return sorted(m for m in import_closure(script)
-                  if m not in NOT_OUTPUT_CODE and not _covered(m, deps)
+                  if not_output_code(m) is None and not _covered(m, deps)
                   and not docstring_only(m))
 
 

@@ -31,7 +31,7 @@ LAYERS = [
     (6, ["pipeline.evaluate"]),  # features, pooling, metrics, heldout, knn, linear
     (7, ["pipeline.train"]),
     (8, ["pipeline.evaluate.run"]),
-    (9, ["pipeline.tracking", "pipeline.model_registry", "pipeline.relocate"]),
+    (9, ["pipeline.tracking"]),
     (10, ["pipeline.report"]),  # shows the MLflow runs: builds their UI links with tracking
     (11, ["pipeline.cli", "pipeline.__main__"]),
 ]

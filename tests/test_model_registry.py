@@ -26,18 +26,17 @@ from registryhelpers import PARAMS, publish, score, train_tiny
 
 from pipeline.config import from_dict
 from pipeline.evaluate.run.embed import load_encoder
-from pipeline.model_registry import (
+from pipeline.tracking import StageRun, stage_run
+from pipeline.tracking.model import pickled_globals, plain_encoder
+from pipeline.tracking.registry import (
     CHAMPION,
     NEWEST,
     choose_champion,
     link_encoder_input,
     params_digest,
-    pickled_globals,
-    plain_encoder,
     publish_encoder,
     trusted_encoder,
 )
-from pipeline.tracking import StageRun, stage_run
 
 NAME = "moco-encoder"
 
@@ -275,7 +274,7 @@ def test_publish_encoder__registry_failure__one_warning_run_finished(wd, monkeyp
     monkeypatch.setattr(mlflow, "register_model", refuse)
     rec = publish()
     warnings = [r for r in caplog.records if r.levelname == "WARNING"
-                and r.name == "pipeline.model_registry"]
+                and r.name == "pipeline.tracking.registry"]
     assert [w.getMessage() for w in warnings] == [
         f"could not register model '{NAME}' in the MLflow registry: MlflowException: registry "
         "is read-only; the stage's outputs are kept"]

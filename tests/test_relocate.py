@@ -20,8 +20,8 @@ import pytest
 import torch
 from registryhelpers import publish, score, train_tiny
 
-from pipeline.relocate import _moved
 from pipeline.tracking import find_experiment_id, open_experiment
+from pipeline.tracking.relocate import _moved
 
 LOAD = """
 import sys, torch, mlflow

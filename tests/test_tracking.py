@@ -14,20 +14,19 @@ from mlflow.tracking import MlflowClient
 from pipeline.config import from_dict
 from pipeline.tracking import (
     TrackingError,
-    check_reachable,
     error_summary,
     experiment_ui_url,
     find_experiment_id,
     git_state,
     loggable_params,
-    mark_stale_runs,
     open_experiment,
-    pipeline_outputs,
-    process_tags,
     stage_run,
     tracking_uri,
     ui_url,
 )
+from pipeline.tracking.provenance import pipeline_outputs, process_tags
+from pipeline.tracking.runs import mark_stale_runs
+from pipeline.tracking.store import check_reachable
 
 
 @pytest.fixture()

@@ -2,7 +2,8 @@
 
 A tiny Fashion-MNIST repo is trained once. Then, in turn:
 
-* a comment added to ``pipeline/tracking.py`` (no dep of pretrain, outside the fingerprint):
+* a comment added to ``pipeline/tracking/runs.py`` (no dep of pretrain, outside the
+  fingerprint):
   ``dvc repro`` reruns nothing that trains, and the encoder is the same file;
 * a change of ``pretrain.log_every_steps`` (a dep of pretrain, outside the fingerprint): DVC
   reruns pretrain, the engine reuses the finished checkpoint and says so in one line, the
@@ -40,7 +41,7 @@ def test_stale_weights__pixel_path_edit_retrains_tracking_comment_does_not(tmp_p
     trained = _md5(encoder)
     first_folders = {d.name for d in (repo / ".checkpoints/pretrain").iterdir()}
 
-    tracking = repo / "pipeline/tracking.py"
+    tracking = repo / "pipeline/tracking/runs.py"
     tracking.write_text(tracking.read_text() + "\n# a comment: no output changes\n")
     again = out(sh(["dvc", "repro", "pretrain"], repo, env))
     assert "pretrain" not in ran(again) and _md5(encoder) == trained

@@ -206,7 +206,7 @@ def test_params__password_key__refused_without_echoing_value(section):
 
 
 def test_loggable_params__secret_looking_name__refused(monkeypatch):
-    import pipeline.tracking as tracking
+    import pipeline.tracking.provenance as tracking
 
     real = tracking.to_dict
     monkeypatch.setattr(tracking, "to_dict",

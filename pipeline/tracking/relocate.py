@@ -7,7 +7,7 @@ every registered version fails to load (``No such artifact: ''``) and the stages
 experiment ``<name> (<repo2>)``. :func:`relocate` rewrites the old root to the new one wherever
 the database names it as a location: the experiments' artifact locations, the runs' artifact
 URIs, the logged models' artifact locations, the model versions' storage locations and sources,
-and the ``repo.root`` tags of experiments and runs (:mod:`pipeline.tracking` sets them). The
+and the ``repo.root`` tags of experiments and runs (:mod:`pipeline.tracking.runs` sets them). The
 datasets' sources (where the shards were read) stay as recorded: they are history.
 
 The rewrite goes through SQLAlchemy with MLflow's own table definitions, in one transaction.
@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pipeline.tracking import ARTIFACTS_DIR, TrackingError, _uri_path, repo_root, tracking_uri
+from pipeline.tracking.store import ARTIFACTS_DIR, TrackingError, repo_root, tracking_uri, uri_path
 
 ROOT_TAG = "repo.root"
 
@@ -85,7 +85,7 @@ def moved_roots(uri: str, new: Path) -> list[Path]:
         locations = con.execute(sqlalchemy.select(table.c.artifact_location)).scalars().all()
     roots = set()
     for location in locations:
-        path = _uri_path(location)
+        path = uri_path(location)
         if path and Path(path).name == ARTIFACTS_DIR:
             roots.add(Path(path).parent)
     return sorted(r for r in roots if r != new and not r.exists())
