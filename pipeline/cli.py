@@ -6,10 +6,10 @@ imports are local, + ``stage_entry("<name>", run)``: the signal handlers
 point of the stage gives one ``error:`` line and exit 128 + signum (143 / 130).
 
 Every failure we can name ends in ONE ``error: <Type>: <what>`` line and a non-zero exit, in
-every stage (:func:`error_line`): the project's own error types, a DataLoader worker that died
-(named signal, whether it looks like the out-of-memory killer), and a ``ValueError``,
-``RuntimeError``, ``FloatingPointError`` or ``OSError`` raised by the project's own code (its
-input checks). Anything else is a bug and keeps its traceback.
+every stage (:func:`error_line`): a :class:`~pipeline.errors.PipelineError` (the project's
+own error types: bad input, an unusable backend, a guarded stop), a DataLoader worker that died
+(named signal, whether it looks like the out-of-memory killer), a missing file. The type
+decides, not where it was raised: anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from pipeline import signals
+from pipeline.errors import PipelineError
 
 if TYPE_CHECKING:
     from pipeline.config import Params
@@ -31,11 +32,6 @@ EXIT_BAD_INPUT = 2
 EXIT_TERMINATED = 143  # 128 + SIGTERM
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_FAILED = 1
-_OWN_CODE = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d)
-                  + os.sep for d in ("pipeline", "stages"))
-# raised by our own input checks; raised anywhere else they are bugs (traceback kept)
-_OWN_CHECK_TYPES = (ValueError, RuntimeError, FloatingPointError, OSError)
-_BUG_TYPES = (AssertionError, NotImplementedError, RecursionError)
 
 log = logging.getLogger(__name__)
 
@@ -138,54 +134,27 @@ def rerun_hint() -> str:
 def error_line(e: BaseException) -> str | None:
     """``<Type>: <what>`` on one line for a failure we can name, None for a bug.
 
-    Named: the project's error types (:func:`_user_errors`), a dead DataLoader worker
-    (:func:`pipeline.data.workers.worker_death`), and the built-in error types of input checks
-    (:data:`_OWN_CHECK_TYPES`) when raised by the project's own code (the innermost frame of the
-    traceback, or of a DataLoader worker's re-raised traceback, lies in ``pipeline/`` or
-    ``stages/``).
+    Named, by type alone: a :class:`~pipeline.errors.PipelineError` (bad input the code
+    refused, a backend that cannot be used, a guarded stop), also when PyTorch re-raises one from
+    a DataLoader worker (its message is then the worker's traceback: the last line is kept), a
+    dead DataLoader worker (:func:`pipeline.data.workers.worker_death`), and a missing file.
+    Any other exception is a bug: None, and the caller lets the traceback through.
     """
     from pipeline.data.workers import worker_death
 
-    if isinstance(e, _user_errors()):
-        return f"{type(e).__name__}: {_one_line(str(e))}"
     died = worker_death(e)
     if died is not None:
         return f"{type(died).__name__}: {died}"
-    if isinstance(e, _BUG_TYPES) or not isinstance(e, _OWN_CHECK_TYPES):
+    if isinstance(e, FileNotFoundError):
+        return f"{type(e).__name__}: {_one_line(str(e))}"
+    if not isinstance(e, PipelineError):
         return None
     text = str(e)
     worker = re.match(r"Caught (\w+) in DataLoader worker process \d+\.", text)
     if worker:  # PyTorch re-raises a worker's exception with its traceback as the message
-        files = re.findall(r'File "([^"]+)"', text)
-        if not files or not _own_file(files[-1]):
-            return None
         return f"{worker.group(1)}: {_one_line(text.rstrip().splitlines()[-1].split(': ', 1)[-1])}"
-    tb = e.__traceback__
-    if tb is None:
-        return None
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    if not _own_file(tb.tb_frame.f_code.co_filename):
-        return None
     return f"{type(e).__name__}: {_one_line(text)}"
-
-
-def _own_file(filename: str) -> bool:
-    return os.path.abspath(filename).startswith(_OWN_CODE)
 
 
 def _one_line(text: str) -> str:
     return re.sub(r"\s*\n\s*", " ", text.strip())
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that describe bad input or a guarded stop, not a bug."""
-    from pipeline.data.remote import RemoteError
-    from pipeline.data.shards import ShardError
-    from pipeline.data.sources import SourceError
-    from pipeline.tracking import TrackingError
-    from pipeline.train.checkpoint import NonFiniteError
-    from pipeline.train.plan import PlanError
-
-    return (ShardError, SourceError, TrackingError, NonFiniteError, PlanError, RemoteError,
-            FileNotFoundError)

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from pipeline.errors import InputError
+
 if TYPE_CHECKING:
     from pipeline.data.index import PretrainPlan
 
@@ -50,7 +52,7 @@ class Choice(str, Enum):
         try:
             return cls(str(value))
         except ValueError:
-            raise ValueError(f"{key} must be one of {', '.join(cls.names())}; got {value!r}"
+            raise InputError(f"{key} must be one of {', '.join(cls.names())}; got {value!r}"
                              ) from None
 
 
@@ -196,7 +198,7 @@ FORBIDDEN_KEYS = ("size", "nfiles")  # DVC's run cache ignores params with these
 log = logging.getLogger(__name__)
 
 
-class ParamsError(ValueError):
+class ParamsError(InputError):
     """A params file that does not satisfy the schema (message names the key).
 
     Args:

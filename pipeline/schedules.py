@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 
 from pipeline.config import LrSchedule
+from pipeline.errors import InputError
 
 LR_REFERENCE_BATCH = 256  # ``lr`` params are per 256 images (linear scaling, Goyal et al. 2017)
 
@@ -43,7 +44,7 @@ def lr_schedule(*, base_lr: float, batch_size: int, total_steps: int, steps_per_
     for name, v in (("base_lr", base_lr), ("batch_size", batch_size),
                     ("total_steps", total_steps), ("steps_per_epoch", steps_per_epoch)):
         if not (v > 0 and math.isfinite(v)):
-            raise ValueError(f"lr_schedule: '{name}' = {v!r} is invalid; allowed: > 0")
+            raise InputError(f"lr_schedule: '{name}' = {v!r} is invalid; allowed: > 0")
     peak = base_lr * batch_size / LR_REFERENCE_BATCH
     warm = int(round(warmup_epochs * steps_per_epoch))
     out = []

@@ -4,21 +4,22 @@ import pytest
 
 from pipeline.cli import error_line, rerun_hint, stage_main
 from pipeline.data.shards import ShardError
+from pipeline.errors import InputError
 
 
 def _raise(exc):
     raise exc
 
 
-def test_error_line__own_value_error__one_line():
+def test_error_line__own_input_check__one_line():
     from pipeline.evaluate.heldout import split_train_val
 
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError) as e:  # an InputError is a ValueError
         split_train_val(10, 1.5, seed=0)
-    assert error_line(e.value) == "ValueError: val_fraction = 1.5; allowed: 0 <= x < 1"
+    assert error_line(e.value) == "InputError: val_fraction = 1.5; allowed: 0 <= x < 1"
 
 
-def test_error_line__library_value_error_or_bug__none():
+def test_error_line__by_type_not_by_where_it_was_raised():
     import torch
 
     with pytest.raises(RuntimeError) as e:
@@ -26,6 +27,11 @@ def test_error_line__library_value_error_or_bug__none():
     assert error_line(e.value) is None
     assert error_line(AssertionError("bug")) is None
     assert error_line(KeyError("k")) is None
+    # a plain ValueError is a bug wherever it comes from, our own code included
+    with pytest.raises(ValueError) as e:
+        int("x")
+    assert error_line(e.value) is None
+    assert error_line(InputError("a.tar: bad")) == "InputError: a.tar: bad"
 
 
 def test_error_line__project_types_and_multiline_message():
@@ -33,13 +39,14 @@ def test_error_line__project_types_and_multiline_message():
     assert line == "ShardError: a.tar: bad second line"
 
 
-def test_error_line__worker_exception_reraised_from_our_code__one_line():
-    text = ('Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent '
+def test_error_line__worker_exception_reraised__named_by_its_type():
+    text = ('Caught InputError in DataLoader worker process 0.\nOriginal Traceback (most recent '
             'call last):\n  File "/x/torch/utils/data/_utils/worker.py", line 1, in _worker_loop'
-            f'\n  File "{__import__("pipeline.data.loader").data.loader.__file__}", line 2, in f'
-            '\nValueError: loader: bad thing')
-    assert error_line(ValueError(text)) == "ValueError: loader: bad thing"
-    assert error_line(ValueError(text.replace("pipeline/data/loader.py", "numpy/x.py"))) is None
+            '\n  File "/x/pipeline/data/loader.py", line 2, in f'
+            '\npipeline.errors.InputError: loader: bad thing')
+    assert error_line(InputError(text)) == "InputError: loader: bad thing"
+    # PyTorch re-raises with the worker's exception type: a plain ValueError stays a bug
+    assert error_line(ValueError(text.replace("InputError", "ValueError"))) is None
 
 
 def test_error_line__dead_worker__named():

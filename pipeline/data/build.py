@@ -66,6 +66,7 @@ from pipeline.data.sources import (
     UnlabelledTree,
     open_source,
 )
+from pipeline.errors import InputError
 
 if TYPE_CHECKING:
     from pipeline.config import DataParams
@@ -139,7 +140,7 @@ def encode_member(sample: Sample, shard_format: str) -> tuple[str, bytes, str]:
         ValueError: an unknown ``shard_format``.
     """
     if shard_format not in ShardFormat.names():
-        raise ValueError(f"data.shard_format must be one of {', '.join(ShardFormat.names())}; "
+        raise InputError(f"data.shard_format must be one of {', '.join(ShardFormat.names())}; "
                          f"got {shard_format!r}")
     file = sample.file
     jpeg_file = file is not None and file.format == "JPEG"
@@ -270,9 +271,9 @@ def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, 
             or a count different from ``expected_count``.
     """
     if mode not in CHANNELS:
-        raise ValueError(f"mode must be one of {list(CHANNELS)}, got {mode!r}")
+        raise InputError(f"mode must be one of {list(CHANNELS)}, got {mode!r}")
     if samples_per_shard < 1:
-        raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+        raise InputError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
     out_dir = Path(out_dir)
     it = iter(samples)
     first = next(it, None)

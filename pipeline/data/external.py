@@ -39,6 +39,7 @@ from PIL import Image, UnidentifiedImageError
 
 from pipeline.data import remote
 from pipeline.data.remote import RemoteError, is_transient, is_url, retry_transient
+from pipeline.errors import InputError
 
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 LABEL_MEMBER = "cls"
@@ -56,7 +57,7 @@ def _brace_expand(spec: str) -> list[str]:
     try:
         return list(braceexpand(spec))
     except Exception as e:  # noqa: BLE001 (braceexpand raises plain exceptions on bad ranges)
-        raise ValueError(f"{spec!r}: bad brace expression ({e})") from None
+        raise InputError(f"{spec!r}: bad brace expression ({e})") from None
 
 
 def _list_url(url: str) -> list[str]:
@@ -109,7 +110,7 @@ def expand_shards(spec: str, *, key: str) -> list[str]:
             out.append(item)
     unique = list(dict.fromkeys(out))
     if not unique:
-        raise ValueError(f"{key} = {spec!r}: no shards found")
+        raise InputError(f"{key} = {spec!r}: no shards found")
     return unique
 
 
@@ -198,7 +199,7 @@ def sample_label(record: dict[str, Any], field: str) -> int | str | None:
         try:
             value: int | str = int(record[name].decode("ascii").strip())
         except (UnicodeDecodeError, ValueError):
-            raise ValueError(f"{where}: .cls is not an integer ({param})") from None
+            raise InputError(f"{where}: .cls is not an integer ({param})") from None
     else:
         name = _member(record, ("json",))
         if name is None:
@@ -206,16 +207,16 @@ def sample_label(record: dict[str, Any], field: str) -> int | str | None:
         try:
             meta = json.loads(record[name].decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{where}: .json does not parse ({e}; {param})") from None
+            raise InputError(f"{where}: .json does not parse ({e}; {param})") from None
         found = meta.get(field) if isinstance(meta, dict) else None
         if found is None:
             return None
         if isinstance(found, bool) or not isinstance(found, int | str):
-            raise ValueError(f"{where}: .json field {field!r} is {found!r}, not an integer or "
+            raise InputError(f"{where}: .json field {field!r} is {found!r}, not an integer or "
                              f"a string ({param})")
         value = found
     if isinstance(value, int) and value < -1:
-        raise ValueError(f"{where}: label {value} is below -1 (-1 = unlabelled; {param})")
+        raise InputError(f"{where}: label {value} is below -1 (-1 = unlabelled; {param})")
     return value
 
 

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pipeline.errors import InputError
+
 JPEG_MAGIC = b"\xff\xd8\xff"  # SOI + the first marker's 0xFF: every JPEG starts so
 Box = tuple[int, int, int, int]  # (top, left, height, width) in px of the full image
 DRAFT_SCALES = (8, 4, 2)  # the reductions libjpeg's scaled IDCT offers below 1 (PIL draft)
@@ -45,7 +47,7 @@ def reduction(full_size: tuple[int, int], size: tuple[int, int]) -> int:
     for k in (1, *reversed(DRAFT_SCALES)):
         if size == (-(-w // k), -(-h // k)):
             return k
-    raise ValueError(f"image of {size[0]}x{size[1]} px is no DCT reduction of {w}x{h} px")
+    raise InputError(f"image of {size[0]}x{size[1]} px is no DCT reduction of {w}x{h} px")
 
 
 def decode_jpeg_bytes(data: torch.Tensor | Sequence[torch.Tensor], channels: int,

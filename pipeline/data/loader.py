@@ -60,6 +60,7 @@ from pipeline.data.shards import (
 )
 from pipeline.data.sources.modes import to_mode
 from pipeline.data.workers import worker_death
+from pipeline.errors import InputError
 from pipeline.seeds import derive_seed
 
 if TYPE_CHECKING:  # views imports kornia: the evaluation stages never need it
@@ -591,17 +592,17 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
                 skip_batches=(skip_batches, 0), shuffle_buffer=(shuffle_buffer, 0),
                 views=(views, 1))
     if rank >= world_size:
-        raise ValueError(f"rank must be < world_size ({world_size}), got {rank}")
+        raise InputError(f"rank must be < world_size ({world_size}), got {rank}")
     if decode not in (DECODE_WORKERS, DECODE_DEVICE):
-        raise ValueError(f"decode must be {DECODE_WORKERS!r} or {DECODE_DEVICE!r}, got "
+        raise InputError(f"decode must be {DECODE_WORKERS!r} or {DECODE_DEVICE!r}, got "
                          f"{decode!r} (pretrain.decode)")
     if skip_batches > steps:
-        raise ValueError(f"skip_batches must be <= steps ({steps}), got {skip_batches}")
+        raise InputError(f"skip_batches must be <= steps ({steps}), got {skip_batches}")
     directory = shards_location(manifest_dir)
     manifest = read_manifest(directory) if manifest is None else manifest
     n = int(manifest["num_samples"])
     if steps * batch_size * world_size > n:
-        raise ValueError(f"{directory}: an epoch of {steps} steps x {batch_size} images x "
+        raise InputError(f"{directory}: an epoch of {steps} steps x {batch_size} images x "
                          f"{world_size} ranks needs {steps * batch_size * world_size} images, "
                          f"the split has {n} (lower pretrain.steps_per_epoch or batch_size)")
     stream = _TrainStream(_shard_list(directory, manifest), manifest["mode"],
@@ -670,7 +671,7 @@ def _worker_message(text: str) -> str:
 def _check_args(**values: tuple[int, int]) -> None:
     for name, (v, low) in values.items():
         if not isinstance(v, int) or v < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+            raise InputError(f"{name} must be an int >= {low}, got {v!r}")
 
 
 class _EvalStream(IterableDataset):

@@ -44,6 +44,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pipeline.errors import InputError, PipelineError
+
 __all__ = ["RemoteError", "ShardURL", "is_transient", "is_url", "open_stream", "read_url",
            "retry_transient", "shards_location"]
 
@@ -57,7 +59,7 @@ _CHUNK = 1 << 20
 T = TypeVar("T")
 
 
-class RemoteError(Exception):
+class RemoteError(PipelineError):
     """A URL could not be read; the message is one line that names the URL.
 
     ``str()`` stays that line even when a library appends to ``args`` on the way up
@@ -83,7 +85,7 @@ class ShardURL:
 
     def __init__(self, url: str) -> None:
         if not _URL_RE.match(url):
-            raise ValueError(f"not a URL (scheme://...): {url!r}")
+            raise InputError(f"not a URL (scheme://...): {url!r}")
         self.url = url.rstrip("/")
 
     def __truediv__(self, name: str | Path) -> ShardURL:

@@ -29,6 +29,7 @@ from typing import Any
 from PIL import Image
 
 from pipeline.data.remote import RemoteError, ShardURL, open_stream, read_url, shards_location
+from pipeline.errors import PipelineError
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "moco-pipeline-shards/1"
@@ -43,7 +44,7 @@ _PICKLE_EXTS = ("pyd", "pickle", "pkl", "pth", "pt", "npy", "npz")
 CHANNELS = {"L": 1, "RGB": 3}
 
 
-class ShardError(Exception):
+class ShardError(PipelineError):
     """Shards or a manifest that are missing, inconsistent or corrupt (message names the path)."""
 
 

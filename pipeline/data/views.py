@@ -47,6 +47,7 @@ from torchvision import transforms as T
 
 from pipeline.config import AugPreset
 from pipeline.data.jpeg import DRAFT_SCALES, Box
+from pipeline.errors import InputError
 
 BLUR_KERNEL = 13  # 2 * ceil(3 * sigma_max) + 1 for sigma_max = 2 px (MoCo v2)
 EVAL_CROP_RATIO = 0.875  # resize 256 -> center-crop 224, the ImageNet evaluation protocol
@@ -55,7 +56,7 @@ CROP_RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect-ratio range (torchvisi
 
 def _check_stats(mean: Sequence[float], std: Sequence[float]) -> None:
     if len(mean) != len(std) or not mean:
-        raise ValueError(f"mean and std must have one entry per channel, got {mean} and {std}")
+        raise InputError(f"mean and std must have one entry per channel, got {mean} and {std}")
 
 
 def flip_normalize(mean: Sequence[float], std: Sequence[float]) -> nn.Sequential:
@@ -104,10 +105,10 @@ def build_batch_view(preset: str, image_size: int, mean: Sequence[float], std: S
     """
     preset = AugPreset.parse(preset, "augment.preset")
     if not 0 < crop_min_scale <= crop_max_scale <= 1:
-        raise ValueError(f"crop scale range must satisfy 0 < min <= max <= 1, got "
+        raise InputError(f"crop scale range must satisfy 0 < min <= max <= 1, got "
                          f"({crop_min_scale}, {crop_max_scale}) (augment.crop_min_scale)")
     if image_size < 1:
-        raise ValueError(f"image_size must be >= 1, got {image_size}")
+        raise InputError(f"image_size must be >= 1, got {image_size}")
     tail = flip_normalize(mean, std)
     rrc = K.RandomResizedCrop((image_size, image_size), scale=(crop_min_scale, crop_max_scale),
                               ratio=CROP_RATIO, cropping_mode="resample")
@@ -181,7 +182,7 @@ class BatchTwoCrop(BatchView):
                  small_view: nn.Module | None = None, small_crops: int = 0) -> None:
         super().__init__(view, memory_format)
         if small_crops and small_view is None:
-            raise ValueError("small_crops > 0 needs a small_view")
+            raise InputError("small_crops > 0 needs a small_view")
         self.small_view, self.small_crops = small_view, small_crops
 
     def __call__(self, images: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,7 +226,7 @@ def _check_uint8(images: torch.Tensor, dims: tuple[int, ...]) -> None:
     two = images.dim() == 5 and images.shape[1] == 2
     if images.dtype != torch.uint8 or not (images.dim() == 4 or (5 in dims and two)):
         shapes = "(B, C, H, W)" + (" or (B, 2, C, S, S)" if 5 in dims else "")
-        raise ValueError(f"expected a {shapes} uint8 batch, got {images.dtype} "
+        raise InputError(f"expected a {shapes} uint8 batch, got {images.dtype} "
                          f"{tuple(images.shape)}")
 
 
@@ -250,11 +251,11 @@ class SeededRandomResizedCrop:
     def __init__(self, size: int, scale: tuple[float, float] = (0.2, 1.0),
                  ratio: tuple[float, float] = CROP_RATIO) -> None:
         if size < 1:
-            raise ValueError(f"size must be >= 1, got {size}")
+            raise InputError(f"size must be >= 1, got {size}")
         if not 0 < scale[0] <= scale[1] <= 1:
-            raise ValueError(f"scale must satisfy 0 < low <= high <= 1, got {scale}")
+            raise InputError(f"scale must satisfy 0 < low <= high <= 1, got {scale}")
         if not 0 < ratio[0] <= ratio[1]:
-            raise ValueError(f"ratio must satisfy 0 < low <= high, got {ratio}")
+            raise InputError(f"ratio must satisfy 0 < low <= high, got {ratio}")
         self.crop = T.RandomResizedCrop(size, scale=tuple(scale), ratio=tuple(ratio),
                                         interpolation=T.InterpolationMode.BILINEAR,
                                         antialias=True)
@@ -335,7 +336,7 @@ def build_eval_transform(image_size: int, mean: Sequence[float], std: Sequence[f
         ValueError: ``image_size < 1`` or ``mean``/``std`` of different lengths.
     """
     if image_size < 1:
-        raise ValueError(f"image_size must be >= 1, got {image_size}")
+        raise InputError(f"image_size must be >= 1, got {image_size}")
     _check_stats(mean, std)
     resize = int(image_size / EVAL_CROP_RATIO) if image_size >= 128 else image_size
     return T.Compose([T.Resize(resize), T.CenterCrop(image_size), T.ToTensor(),

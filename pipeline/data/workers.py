@@ -24,6 +24,8 @@ import signal
 from collections.abc import Iterable
 from typing import Any
 
+from pipeline.errors import PipelineError
+
 _KILLED = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signal: ([^.]+)\.")
 _EXITED = re.compile(r"DataLoader worker \(pid\(s\) ([\d, ]+)\) exited unexpectedly")
 _EXIT_CODE = re.compile(r"DataLoader worker \(pid (\d+)\) exited unexpectedly with exit code "
@@ -32,7 +34,7 @@ _EXIT_CODE = re.compile(r"DataLoader worker \(pid (\d+)\) exited unexpectedly wi
 _BY_TEXT = {signal.strsignal(s): int(s) for s in signal.Signals if signal.strsignal(s)}
 
 
-class LoaderWorkerError(RuntimeError):
+class LoaderWorkerError(PipelineError, RuntimeError):
     """A DataLoader worker process died (killed by a signal, or exited).
 
     Args:

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from pipeline.atomic import save_torch
+from pipeline.errors import InputError
 
 FORMAT_VERSION = 1
 
@@ -66,14 +67,14 @@ def check_feature_set(fs: FeatureSet, where: str = "FeatureSet") -> None:
     f, y, keys = fs.features, fs.labels, fs.keys
     if not isinstance(f, Tensor) or f.ndim != 2 or f.dtype != torch.float32:
         desc = f"{tuple(f.shape)} {f.dtype}" if isinstance(f, Tensor) else type(f).__name__
-        raise ValueError(f"{where}: 'features' must be an (N, D) float32 tensor, got {desc}")
+        raise InputError(f"{where}: 'features' must be an (N, D) float32 tensor, got {desc}")
     n = f.shape[0]
     if not isinstance(y, Tensor) or y.shape != (n,) or y.dtype != torch.int64:
         desc = f"{tuple(y.shape)} {y.dtype}" if isinstance(y, Tensor) else type(y).__name__
-        raise ValueError(f"{where}: 'labels' must be an (N,) = ({n},) int64 tensor, got {desc}")
+        raise InputError(f"{where}: 'labels' must be an (N,) = ({n},) int64 tensor, got {desc}")
     if not isinstance(keys, list) or len(keys) != n or not all(isinstance(k, str) for k in keys):
         got = f"{len(keys)} items" if isinstance(keys, list) else type(keys).__name__
-        raise ValueError(f"{where}: 'keys' must be a list of N = {n} strings, got {got}")
+        raise InputError(f"{where}: 'keys' must be a list of N = {n} strings, got {got}")
 
 
 @torch.no_grad()
@@ -125,14 +126,14 @@ def extract_features(
             b = images.shape[0]
             y = torch.as_tensor(y, dtype=torch.long).cpu()
             if y.shape != (b,) or len(k) != b:
-                raise ValueError(
+                raise InputError(
                     f"batch {len(feats)}: {b} images but labels {tuple(y.shape)} and {len(k)} keys"
                 )
             f = backbone(images.to(device, non_blocking=True))
             if head is not None:
                 f = head(f)
             if f.ndim != 2 or f.shape[0] != b:
-                raise ValueError(
+                raise InputError(
                     f"batch {len(feats)}: the model returned {tuple(f.shape)}, expected (B, D) "
                     f"with B = {b} (flatten pooled features in the model)"
                 )
@@ -143,7 +144,7 @@ def extract_features(
         for mod, was_training in modes:
             mod.training = was_training
     if not feats:
-        raise ValueError("extract_features: no batches")
+        raise InputError("extract_features: no batches")
     return FeatureSet(torch.cat(feats), torch.cat(labels), keys)
 
 
@@ -192,11 +193,11 @@ def load_features(path: str | Path) -> FeatureSet:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # zip/pickle errors come in several classes
-        raise ValueError(f"{path}: not a readable feature file: {e}") from None
+        raise InputError(f"{path}: not a readable feature file: {e}") from None
     if not isinstance(data, dict) or not {"features", "labels", "keys"} <= data.keys():
-        raise ValueError(f"{path}: expected a dict with 'features', 'labels' and 'keys'")
+        raise InputError(f"{path}: expected a dict with 'features', 'labels' and 'keys'")
     if data.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
+        raise InputError(
             f"{path}: format_version {data.get('format_version')!r}, expected {FORMAT_VERSION}"
         )
     fs = FeatureSet.__new__(FeatureSet)  # validate with the file name in the message
@@ -205,7 +206,7 @@ def load_features(path: str | Path) -> FeatureSet:
     bad = (~torch.isfinite(fs.features).all(dim=1)).nonzero().flatten()
     if len(bad):
         first = int(bad[0])
-        raise ValueError(f"{path}: {len(bad)} of {len(fs)} feature rows hold NaN or Inf (first: "
+        raise InputError(f"{path}: {len(bad)} of {len(fs)} feature rows hold NaN or Inf (first: "
                          f"row {first}, key {fs.keys[first]!r}); the encoder gave non-finite "
                          "features: check models/encoder.pt, then rerun embed")
     return fs

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pipeline.errors import InputError
+
 # Share of TRAIN held out to choose a kNN's k and T: the tuned raw-pixel baseline always, the
 # MoCo kNN with knn.select = val. Same seed, same split.
 KNN_SELECT_VAL_FRACTION = 0.1
@@ -31,9 +33,9 @@ def split_train_val(n: int, val_fraction: float, seed: int) -> tuple[Tensor, Ten
         ValueError: ``val_fraction`` out of range, or a split that leaves a side empty.
     """
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction = {val_fraction!r}; allowed: 0 <= x < 1")
+        raise InputError(f"val_fraction = {val_fraction!r}; allowed: 0 <= x < 1")
     n_val = 0 if val_fraction == 0 else max(1, round(n * val_fraction))
     if n - n_val < 1:
-        raise ValueError(f"val_fraction {val_fraction} of {n} samples leaves no train set")
+        raise InputError(f"val_fraction {val_fraction} of {n} samples leaves no train set")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     return perm[n_val:].sort().values, perm[:n_val].sort().values

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pipeline.errors import InputError
 from pipeline.evaluate.heldout import KNN_SELECT_VAL_FRACTION, split_train_val
 from pipeline.evaluate.metrics import (
     ClassificationMetrics,
@@ -49,29 +50,29 @@ GRID_T = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 def _check_inputs(train_features: Tensor, train_labels: Tensor, test_features: Tensor,
                   k: int, T: float, chunk_size: int, bank_chunk_size: int) -> None:
     if train_features.ndim != 2 or test_features.ndim != 2:
-        raise ValueError(
+        raise InputError(
             f"features must be 2-D (N, D) and (M, D), got {tuple(train_features.shape)} and "
             f"{tuple(test_features.shape)}"
         )
     if train_features.shape[1] != test_features.shape[1]:
-        raise ValueError(
+        raise InputError(
             f"feature dimension differs: train D = {train_features.shape[1]}, "
             f"test D = {test_features.shape[1]}"
         )
     if train_features.shape[0] == 0:
-        raise ValueError("the train bank is empty (N = 0)")
+        raise InputError("the train bank is empty (N = 0)")
     if train_labels.shape != (train_features.shape[0],):
-        raise ValueError(
+        raise InputError(
             f"train_labels must have shape (N,) = ({train_features.shape[0]},), "
             f"got {tuple(train_labels.shape)}"
         )
     if train_labels.dtype.is_floating_point or train_labels.dtype == torch.bool:
-        raise ValueError(f"train_labels must be integer class indices, got {train_labels.dtype}")
+        raise InputError(f"train_labels must be integer class indices, got {train_labels.dtype}")
     for name, v in (("k", k), ("chunk_size", chunk_size), ("bank_chunk_size", bank_chunk_size)):
         if int(v) != v or v < 1:
-            raise ValueError(f"knn: '{name}' = {v!r} is invalid; allowed: an integer >= 1")
+            raise InputError(f"knn: '{name}' = {v!r} is invalid; allowed: an integer >= 1")
     if not (T > 0 and np.isfinite(T)):
-        raise ValueError(f"knn: 'T' = {T!r} is invalid; allowed: a finite number > 0")
+        raise InputError(f"knn: 'T' = {T!r} is invalid; allowed: a finite number > 0")
 
 
 @torch.no_grad()
@@ -183,7 +184,7 @@ def knn_neighbours(
     n, m = bank_features.shape[0], query_features.shape[0]
     queries = l2_normalize(query_features.to(device, torch.float32))  # M x D
     if not torch.isfinite(queries).all():
-        raise ValueError("test_features contain NaN or Inf")
+        raise InputError("test_features contain NaN or Inf")
     # running top-k over the bank blocks seen so far; -inf slots are filled by the first blocks
     # (N >= k rows in total, so none survives the last merge)
     top_sim = torch.full((m, k), float("-inf"), device=device)  # M x k
@@ -192,7 +193,7 @@ def knn_neighbours(
         bank = bank_features[b0 : b0 + bank_chunk_size].to(device, torch.float32)
         bank = l2_normalize(bank)  # B x D
         if not torch.isfinite(bank).all():
-            raise ValueError(f"train_features contain NaN or Inf (rows {b0}..{b0 + len(bank) - 1})")
+            raise InputError(f"train_features contain NaN or Inf (rows {b0}..{b0 + len(bank) - 1})")
         kb = min(k, bank.shape[0])
         for q0 in range(0, m, chunk_size):
             q1 = min(q0 + chunk_size, m)
@@ -225,7 +226,7 @@ def _labelled_bank(features: Tensor, labels: Tensor, num_classes: int | None
     if bool(keep.all()):
         return features, labels  # no copy of a large bank
     if not bool(keep.any()):
-        raise ValueError(f"knn: the train bank has no labelled row (all {len(labels)} are -1)")
+        raise InputError(f"knn: the train bank has no labelled row (all {len(labels)} are -1)")
     return features[keep.to(features.device)], labels[keep]
 
 
@@ -293,7 +294,7 @@ def knn_classify(
             labelled row), an invalid label (named), or k / T / chunk sizes out of range.
     """
     if test_labels.shape != (test_features.shape[0],):
-        raise ValueError(
+        raise InputError(
             f"test_labels must have shape (M,) = ({test_features.shape[0]},), "
             f"got {tuple(test_labels.shape)}"
         )
@@ -303,7 +304,7 @@ def knn_classify(
     if not bool(keep.all()):
         test_features, test_labels = test_features[keep.to(test_features.device)], test_labels[keep]
     if test_features.shape[0] == 0:
-        raise ValueError("cannot compute kNN accuracy on an empty test set (M = 0 labelled rows)")
+        raise InputError("cannot compute kNN accuracy on an empty test set (M = 0 labelled rows)")
     classes, (train_idx, test_idx) = contiguous_labels(train_labels, test_labels)
     scores = knn_predict(
         train_features, train_idx, test_features, k=k, T=T, num_classes=len(classes),
@@ -365,14 +366,14 @@ def select_k_T(
         ValueError: empty or mismatched inputs, an empty grid, or invalid labels (named).
     """
     if not ks or not Ts:
-        raise ValueError("knn: the (k, T) grid is empty")
+        raise InputError("knn: the (k, T) grid is empty")
     _check_inputs(bank_features, bank_labels, val_features, max(ks), min(Ts), chunk_size,
                   DEFAULT_BANK_CHUNK_SIZE)
     bank_features, bank_labels = _labelled_bank(bank_features, bank_labels, None)
     keep = labelled_mask(val_labels, what="knn: val_labels", num_classes=None)
     val_features, val_labels = val_features[keep.to(val_features.device)], val_labels[keep]
     if val_features.shape[0] == 0:
-        raise ValueError("knn: the validation split has no labelled row")
+        raise InputError("knn: the validation split has no labelled row")
     ks = tuple(k for k in ks if k <= bank_features.shape[0]) or (bank_features.shape[0],)
     classes, (bank_idx, val_idx) = contiguous_labels(bank_labels, val_labels)
     sim, idx = knn_neighbours(bank_features, val_features, k=max(ks), chunk_size=chunk_size,

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pipeline.config import LinearParams
+from pipeline.errors import InputError
 from pipeline.evaluate.features import FeatureSet
 from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, knn_classify
 from pipeline.evaluate.linear import train_linear_on_features
@@ -50,7 +51,7 @@ def draw_per_class(labels: torch.Tensor, n: int, *, seed: int, draw: int) -> lis
         ValueError: ``n < 1``.
     """
     if n < 1:
-        raise ValueError(f"label efficiency: images per class must be >= 1, got {n}")
+        raise InputError(f"label efficiency: images per class must be >= 1, got {n}")
     rng = np.random.default_rng([seed, n, draw])
     y = labels.numpy()
     picked: list[int] = []
@@ -83,7 +84,7 @@ def probe_top1(train: FeatureSet, test: FeatureSet, *, probe: str, num_classes: 
             batch_size=linear.batch_size, lr=linear.lr, lr_schedule=linear.lr_schedule,
             milestones=linear.lr_milestones, weight_decay=linear.weight_decay,
             feature_norm=linear.feature_norm, seed=seed, device=device).top1
-    raise ValueError(f"label efficiency: unknown probe {probe!r}; known: {', '.join(PROBES)}")
+    raise InputError(f"label efficiency: unknown probe {probe!r}; known: {', '.join(PROBES)}")
 
 
 def curve(kinds: Mapping[str, Callable[[list[int]], FeatureSet]],

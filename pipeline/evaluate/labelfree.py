@@ -30,6 +30,7 @@ import math
 import torch
 from torch import Tensor
 
+from pipeline.errors import InputError
 from pipeline.evaluate.normalize import l2_normalize
 
 RANKME_EPS = 1e-7  # Garrido et al. 2023, the epsilon added to each normalised singular value
@@ -74,9 +75,9 @@ def effective_rank(features: Tensor, eps: float = RANKME_EPS) -> float:
         ValueError: ``features`` is not 2-D with at least one row, or holds a NaN/inf.
     """
     if features.ndim != 2 or features.shape[0] < 1:
-        raise ValueError(f"effective_rank: expected (N, D) features, got {tuple(features.shape)}")
+        raise InputError(f"effective_rank: expected (N, D) features, got {tuple(features.shape)}")
     if not bool(torch.isfinite(features).all()):
-        raise ValueError("effective_rank: the features hold a NaN or an infinity")
+        raise InputError("effective_rank: the features hold a NaN or an infinity")
     s = torch.linalg.svdvals(features.double())  # (min(N, D),)
     if float(s.sum()) == 0.0:
         return 1.0
@@ -99,7 +100,7 @@ def alignment(a: Tensor, b: Tensor, alpha: int = ALIGN_ALPHA) -> float:
         ValueError: shapes differ or are not ``(N, D)`` with N >= 1.
     """
     if a.shape != b.shape or a.ndim != 2 or a.shape[0] < 1:
-        raise ValueError(f"alignment: expected two (N, D) tensors of one shape, got "
+        raise InputError(f"alignment: expected two (N, D) tensors of one shape, got "
                          f"{tuple(a.shape)} and {tuple(b.shape)}")
     za, zb = l2_normalize(a.double()), l2_normalize(b.double())
     return float((za - zb).norm(dim=1).pow(alpha).mean())
@@ -119,7 +120,7 @@ def uniformity(features: Tensor, t: float = UNIFORM_T) -> float:
         ValueError: fewer than two rows.
     """
     if features.ndim != 2 or features.shape[0] < 2:
-        raise ValueError(f"uniformity: expected (N, D) features with N >= 2, got "
+        raise InputError(f"uniformity: expected (N, D) features with N >= 2, got "
                          f"{tuple(features.shape)}")
     z = l2_normalize(features.double())
     sq = torch.pdist(z).pow(2)  # (N (N - 1) / 2,) squared distances of the pairs i < j

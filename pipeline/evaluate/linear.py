@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from pipeline.config import FeatureNorm
+from pipeline.errors import InputError, NonFiniteError
 from pipeline.evaluate.features import FeatureSet
 from pipeline.evaluate.heldout import split_train_val
 from pipeline.evaluate.metrics import (
@@ -67,6 +68,10 @@ Batch = Sequence[Any]
 
 
 @dataclass
+class ProbeDivergedError(NonFiniteError, FloatingPointError):
+    """The linear probe's loss became NaN or Inf (the message names the epoch and linear.lr)."""
+
+
 class LinearResult(ClassificationMetrics):
     """Linear-probe accuracy of the final-epoch classifier on the test set.
 
@@ -126,7 +131,7 @@ def _scores(clf: nn.Linear, encode: Callable[[Tensor], Tensor], batches: Iterabl
         scores.append(clf(_normalize(encode(x.to(device)), feature_norm)).float().cpu())
         labels.append(torch.as_tensor(y, dtype=torch.long).cpu())
     if not scores:
-        raise ValueError("linear: an evaluation set yielded no batches")
+        raise InputError("linear: an evaluation set yielded no batches")
     return torch.cat(scores), torch.cat(labels)
 
 
@@ -165,7 +170,7 @@ def _fit(
             logits = clf(feats)  # B x C
             loss = F.cross_entropy(logits, y)
             if not torch.isfinite(loss):
-                raise FloatingPointError(
+                raise ProbeDivergedError(
                     f"linear probe: non-finite loss {loss.item()} at epoch {epoch + 1}, step "
                     f"{step} (lr {lr}); lower linear.lr"
                 )
@@ -176,7 +181,7 @@ def _fit(
             correct += int((logits.argmax(dim=1) == y).sum())
             seen += len(y)
         if seen == 0:
-            raise ValueError(f"linear: the training batches of epoch {epoch} were empty")
+            raise InputError(f"linear: the training batches of epoch {epoch} were empty")
         clf.eval()
         row = {"epoch": epoch + 1, "lr": lr, "loss": loss_sum / seen,
                "train_top1": 100.0 * correct / seen}
@@ -192,9 +197,9 @@ def _fit(
 def _check_common(feature_norm: str, momentum: float, weight_decay: float) -> None:
     FeatureNorm.parse(feature_norm, "linear.feature_norm")
     if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"linear: 'momentum' = {momentum!r}; allowed: 0 <= x < 1")
+        raise InputError(f"linear: 'momentum' = {momentum!r}; allowed: 0 <= x < 1")
     if not (weight_decay >= 0 and math.isfinite(weight_decay)):
-        raise ValueError(f"linear: 'weight_decay' = {weight_decay!r}; allowed: >= 0")
+        raise InputError(f"linear: 'weight_decay' = {weight_decay!r}; allowed: >= 0")
 
 
 def _result(clf: nn.Linear, history: list[dict[str, float]], scores: Tensor, targets: Tensor,
@@ -263,16 +268,16 @@ def train_linear_on_features(
     Raises:
         ValueError: mismatched feature dimensions, out-of-range settings, an invalid label
             (named), or a set without labelled rows.
-        FloatingPointError: the loss became NaN or Inf.
+        ProbeDivergedError: the loss became NaN or Inf (a ``FloatingPointError``).
     """
     _check_common(feature_norm, momentum, weight_decay)
     if train.features.shape[1] != test.features.shape[1]:
-        raise ValueError(f"linear: train D = {train.features.shape[1]} differs from test D = "
+        raise InputError(f"linear: train D = {train.features.shape[1]} differs from test D = "
                          f"{test.features.shape[1]}")
     train = _labelled(train, "linear: train labels", num_classes)
     test = _labelled(test, "linear: test labels", num_classes)
     if len(train) == 0 or len(test) == 0:
-        raise ValueError("linear: the train and test sets must not be empty (labelled rows)")
+        raise InputError("linear: the train and test sets must not be empty (labelled rows)")
     device = torch.device(device)
     lrs = lr_schedule_(base_lr=lr, batch_size=batch_size, total_steps=epochs,
                        steps_per_epoch=1, schedule=lr_schedule, milestones=milestones)
@@ -349,7 +354,7 @@ def _frozen_encoder(backbone: nn.Module, num_features: int) -> Callable[[Tensor]
     def encode(images: Tensor) -> Tensor:
         feats = backbone(images)  # B x D
         if feats.ndim != 2 or feats.shape[1] != num_features:
-            raise ValueError(f"linear: the backbone returned {tuple(feats.shape)}, expected "
+            raise InputError(f"linear: the backbone returned {tuple(feats.shape)}, expected "
                              f"(B, num_features = {num_features})")
         return feats.float()
 
@@ -463,12 +468,12 @@ def train_linear_augment(
         ValueError: out-of-range settings, a label outside ``[0, num_classes)`` other than -1
             (named), a backbone output that is not (B, num_features), or an empty epoch / test
             set.
-        FloatingPointError: the loss became NaN or Inf.
+        ProbeDivergedError: the loss became NaN or Inf (a ``FloatingPointError``).
         RuntimeError: a backbone parameter or buffer changed during the probe (names listed).
     """
     _check_common(feature_norm, momentum, weight_decay)
     if num_features < 1 or num_classes < 1:
-        raise ValueError(f"linear: num_features = {num_features}, num_classes = {num_classes}; "
+        raise InputError(f"linear: num_features = {num_features}, num_classes = {num_classes}; "
                          "allowed: >= 1")
     device = torch.device(device)
     lrs = lr_schedule_(base_lr=lr, batch_size=batch_size, total_steps=epochs,

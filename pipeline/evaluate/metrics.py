@@ -27,6 +27,8 @@ import torch
 from sklearn.metrics import confusion_matrix
 from torch import Tensor
 
+from pipeline.errors import InputError
+
 __all__ = [
     "UNLABELLED",
     "ClassificationMetrics",
@@ -60,7 +62,7 @@ def labelled_mask(labels: Tensor, *, what: str, num_classes: int | None = None) 
             ``num_classes``) at least ``num_classes``; the message names the first such value.
     """
     if labels.ndim != 1 or labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise ValueError(
+        raise InputError(
             f"{what}: labels must be a 1-D integer tensor, got {tuple(labels.shape)} {labels.dtype}"
         )
     bad = labels < UNLABELLED
@@ -70,7 +72,7 @@ def labelled_mask(labels: Tensor, *, what: str, num_classes: int | None = None) 
         row = int(bad.nonzero()[0, 0])
         allowed = "a class index >= 0" if num_classes is None else (
             f"a class index in 0..{num_classes - 1} (num_classes = {num_classes})")
-        raise ValueError(f"{what}: label {int(labels[row])} at row {row} is invalid; allowed: "
+        raise InputError(f"{what}: label {int(labels[row])} at row {row} is invalid; allowed: "
                          f"{allowed}, or -1 for an unlabelled row (ignored)")
     mask = labels != UNLABELLED
     ignored = len(labels) - int(mask.sum())
@@ -154,9 +156,9 @@ def contiguous_labels(*label_sets: Tensor) -> tuple[Tensor, list[Tensor]]:
     """
     for y in label_sets:
         if y.ndim != 1 or y.dtype.is_floating_point or y.dtype == torch.bool:
-            raise ValueError(f"labels must be a 1-D integer tensor, got {tuple(y.shape)} {y.dtype}")
+            raise InputError(f"labels must be a 1-D integer tensor, got {tuple(y.shape)} {y.dtype}")
         if len(y) and int(y.min()) < 0:
-            raise ValueError(f"labels must be class indices >= 0, got {int(y.min())}; drop "
+            raise InputError(f"labels must be class indices >= 0, got {int(y.min())}; drop "
                              "unlabelled rows (-1) first (labelled_mask)")
     classes = torch.unique(torch.cat([y.detach().cpu().long() for y in label_sets]))  # sorted
     indices = [torch.searchsorted(classes.to(y.device), y.long()) for y in label_sets]
@@ -190,7 +192,7 @@ def classification_metrics(
     """
     m_c = tuple(scores.shape)
     if scores.ndim != 2 or targets.shape != m_c[:1] or classes.shape != m_c[1:]:
-        raise ValueError(
+        raise InputError(
             f"scores (M, C) = {tuple(scores.shape)}, targets (M,) = {tuple(targets.shape)} and "
             f"classes (C,) = {tuple(classes.shape)} do not match"
         )
@@ -200,7 +202,7 @@ def classification_metrics(
         scores, targets = scores[keep], targets[keep]
     m, c = scores.shape
     if m == 0:
-        raise ValueError("cannot compute accuracy on an empty test set (M = 0 labelled rows)")
+        raise InputError("cannot compute accuracy on an empty test set (M = 0 labelled rows)")
     targets = targets.long()
     top5_k = min(5, c)
     ranking = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :top5_k]  # M x 5

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pipeline.config import EMBED_LAYERS
+from pipeline.errors import InputError
 
 
 class GridPool(nn.Module):
@@ -33,14 +34,14 @@ class GridPool(nn.Module):
     def __init__(self, grid: int) -> None:
         super().__init__()
         if grid < 1:
-            raise ValueError(f"embed.pool_grid must be >= 1, got {grid}")
+            raise InputError(f"embed.pool_grid must be >= 1, got {grid}")
         self.grid = grid
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(N, C, H, W) → (N, C, grid, grid), each cell the mean of its region."""
         h, w = x.shape[-2:]
         if h < self.grid or w < self.grid:
-            raise ValueError(
+            raise InputError(
                 f"embed.pool_grid = {self.grid} needs a map of at least {self.grid} x "
                 f"{self.grid} at the pooled stage (embed.layer), but these images give "
                 f"{h} x {w}: lower "
@@ -72,12 +73,12 @@ def set_pool_grid(backbone: nn.Module, grid: int, layer: int = 4) -> int:
             ``num_features``.
     """
     if not hasattr(backbone, "avgpool") or not hasattr(backbone, "num_features"):
-        raise ValueError(f"{type(backbone).__name__} has no avgpool/num_features to re-pool")
+        raise InputError(f"{type(backbone).__name__} has no avgpool/num_features to re-pool")
     if layer not in EMBED_LAYERS:
-        raise ValueError(f"embed.layer must be one of {EMBED_LAYERS}, got {layer}")
+        raise InputError(f"embed.layer must be one of {EMBED_LAYERS}, got {layer}")
     pooled = int(getattr(backbone, "pooled_layer", 4))
     if layer > pooled:
-        raise ValueError(f"embed.layer = {layer}: layer{pooled + 1}..4 were already removed "
+        raise InputError(f"embed.layer = {layer}: layer{pooled + 1}..4 were already removed "
                          "from this backbone; rebuild it")
     pool = GridPool(grid)
     last = int(getattr(backbone, "last_channels", backbone.num_features))

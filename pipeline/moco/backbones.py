@@ -16,6 +16,7 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
 from pipeline.config import Backbone, Head
+from pipeline.errors import InputError
 
 _BACKBONES: dict[str, Callable[..., nn.Module]] = {}
 
@@ -33,7 +34,7 @@ def register_backbone(name: str) -> Callable[[Callable[..., nn.Module]], Callabl
 
     def decorator(factory: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         if name in _BACKBONES:
-            raise ValueError(f"backbone {name!r} is already registered")
+            raise InputError(f"backbone {name!r} is already registered")
         _BACKBONES[name] = factory
         return factory
 
@@ -80,14 +81,14 @@ class WideResNet(ResNet):
         stem_stride: int = 1,
     ) -> None:
         if stem_stride not in (1, 2):
-            raise ValueError(f"model.stem_stride must be 1 or 2, got {stem_stride}")
+            raise InputError(f"model.stem_stride must be 1 or 2, got {stem_stride}")
         if stem_stride != 1 and not small_stem:
-            raise ValueError("model.stem_stride 2 needs the small 3x3 stem (model.small_stem true, "
+            raise InputError("model.stem_stride 2 needs the small 3x3 stem (model.small_stem true, "
                              "or auto below 64 px); the ImageNet stem already has stride 4")
         if width < 1:
-            raise ValueError(f"model.width must be >= 1, got {width}")
+            raise InputError(f"model.width must be >= 1, got {width}")
         if in_channels < 1:
-            raise ValueError(f"in_channels must be >= 1, got {in_channels}")
+            raise InputError(f"in_channels must be >= 1, got {in_channels}")
         nn.Module.__init__(self)  # ResNet.__init__ hard-codes 64 channels and 3 inputs
         # attributes used by ResNet._make_layer
         self._norm_layer = nn.BatchNorm2d
@@ -171,7 +172,7 @@ def build_backbone(
         ValueError: unknown name (the message lists the known ones) or invalid width/channels.
     """
     if name not in _BACKBONES:
-        raise ValueError(
+        raise InputError(
             f"unknown backbone {name!r} (model.backbone); known backbones: "
             f"{', '.join(known_backbones())}"
         )
@@ -212,9 +213,9 @@ def resolve_small_stem(setting: str | bool, image_size: int) -> bool:
     if setting == "false":
         return False
     if setting != "auto":
-        raise ValueError(f"model.small_stem must be auto, true or false; got {setting!r}")
+        raise InputError(f"model.small_stem must be auto, true or false; got {setting!r}")
     if image_size < 1:
-        raise ValueError(f"resolve_small_stem: image_size must be >= 1, got {image_size}")
+        raise InputError(f"resolve_small_stem: image_size must be >= 1, got {image_size}")
     return image_size < 64
 
 
@@ -235,7 +236,7 @@ def build_head(kind: str, in_dim: int, hidden: int, dim: int) -> nn.Sequential:
     """
     kind = Head.parse(kind, "model.head")
     if min(in_dim, dim) < 1 or (kind == Head.mlp and hidden < 1):
-        raise ValueError(
+        raise InputError(
             f"build_head: widths must be >= 1, got in_dim={in_dim}, hidden={hidden}, dim={dim}"
         )
     if kind == Head.linear:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import BnMode
+from pipeline.errors import InputError
 
 
 class SplitBatchNorm2d(nn.BatchNorm2d):
@@ -48,7 +49,7 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
     def __init__(self, num_features: int, num_splits: int, **kwargs) -> None:
         super().__init__(num_features, **kwargs)
         if num_splits < 1:
-            raise ValueError(f"SplitBatchNorm2d: bn_splits must be >= 1, got {num_splits}")
+            raise InputError(f"SplitBatchNorm2d: bn_splits must be >= 1, got {num_splits}")
         self.num_splits = num_splits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +70,7 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
         n, c, h, w = x.shape
         s = self.num_splits
         if n % s != 0:
-            raise ValueError(
+            raise InputError(
                 f"SplitBatchNorm2d: the batch of {n} images is not divisible by "
                 f"bn_splits (moco.bn_splits) = {s}; use a per-rank batch that is a multiple of it"
             )
@@ -141,7 +142,7 @@ def convert_split_bn(module: nn.Module, num_splits: int) -> nn.Module:
         new = SplitBatchNorm2d(module.num_features, num_splits, **_bn_kwargs(module))
         return _copy_state(module, new)
     if num_splits < 1:
-        raise ValueError(f"convert_split_bn: bn_splits must be >= 1, got {num_splits}")
+        raise InputError(f"convert_split_bn: bn_splits must be >= 1, got {num_splits}")
     for name, child in module.named_children():
         module.add_module(name, convert_split_bn(child, num_splits))
     return module
@@ -219,17 +220,17 @@ def check_bn_mode(bn: str, batch_per_rank: int | None, bn_splits: int, world_siz
     """
     bn = BnMode.parse(bn, "moco.bn")
     if (batch_per_rank is not None and batch_per_rank < 1) or world_size < 1:
-        raise ValueError(
+        raise InputError(
             f"batch per rank ({batch_per_rank}) and world size ({world_size}) must be >= 1"
         )
     if bn == "split":
         if bn_splits < 1 or (batch_per_rank is not None and batch_per_rank % bn_splits != 0):
-            raise ValueError(
+            raise InputError(
                 f"moco.bn='split' needs a per-rank batch divisible by moco.bn_splits: the batch "
                 f"per rank is {batch_per_rank}, bn_splits is {bn_splits}"
             )
     elif bn in ("shuffle", "sync") and world_size == 1:
-        raise ValueError(
+        raise InputError(
             f"moco.bn={bn!r} needs several processes (DDP), but world_size is 1; on one device "
             "use moco.bn='split' (SplitBatchNorm + shuffle, as the MoCo CIFAR-10 demo)"
         )

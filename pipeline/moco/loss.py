@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pipeline.errors import InputError
+
 
 def info_nce(
     q: torch.Tensor, k: torch.Tensor, queue: torch.Tensor, T: float
@@ -33,13 +35,13 @@ def info_nce(
         ValueError: mismatched shapes or ``T <= 0``.
     """
     if q.ndim != 2 or q.shape != k.shape:
-        raise ValueError(
+        raise InputError(
             f"info_nce: q and k must both be (N, D); got {tuple(q.shape)} and {tuple(k.shape)}"
         )
     if queue.ndim != 2 or queue.shape[0] != q.shape[1]:
-        raise ValueError(f"info_nce: queue must be (D={q.shape[1]}, K); got {tuple(queue.shape)}")
+        raise InputError(f"info_nce: queue must be (D={q.shape[1]}, K); got {tuple(queue.shape)}")
     if not T > 0:
-        raise ValueError(f"info_nce: temperature T (moco.T) must be > 0, got {T}")
+        raise InputError(f"info_nce: temperature T (moco.T) must be > 0, got {T}")
     with torch.autocast(device_type=q.device.type, enabled=False):
         q, k, queue = q.float(), k.float(), queue.float()
         l_pos = (q * k).sum(dim=1, keepdim=True)  # (N, 1)
@@ -70,9 +72,9 @@ def instance_accuracy(
         ValueError: ``logits`` is not 2-D, or a k is < 1.
     """
     if logits.ndim != 2:
-        raise ValueError(f"instance_accuracy: logits must be (N, 1 + K), got {tuple(logits.shape)}")
+        raise InputError(f"instance_accuracy: logits must be (N, 1 + K), got {tuple(logits.shape)}")
     if any(k < 1 for k in topk):
-        raise ValueError(f"instance_accuracy: every k must be >= 1, got {topk}")
+        raise InputError(f"instance_accuracy: every k must be >= 1, got {topk}")
     kmax = min(max(topk), logits.shape[1])
     ranked = logits.topk(kmax, dim=1).indices  # (N, kmax)
     hit = ranked == 0  # (N, kmax), at most one True per row

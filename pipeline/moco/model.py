@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import BnMode
+from pipeline.errors import InputError
 from pipeline.moco.backbones import export_state_dict
 from pipeline.moco.batchnorm import check_bn_mode, prepare_bn, shuffle_batch, unshuffle
 from pipeline.moco.distributed import batch_shuffle_ddp, batch_unshuffle_ddp, concat_all_gather
@@ -55,7 +56,7 @@ class MocoOutput:
 def _out_dim(head: nn.Module) -> int:
     linears = [m for m in head.modules() if isinstance(m, nn.Linear)]
     if not linears:
-        raise ValueError(
+        raise InputError(
             "MoCo: cannot infer the key dimension D from the head (no nn.Linear); pass dim="
         )
     return linears[-1].out_features
@@ -110,12 +111,12 @@ class MoCo(nn.Module):
     ) -> None:
         super().__init__()
         if not 0.0 <= m <= 1.0:
-            raise ValueError(f"moco.m must be in [0, 1], got {m}")
+            raise InputError(f"moco.m must be in [0, 1], got {m}")
         if not T > 0:
-            raise ValueError(f"moco.T must be > 0, got {T}")
+            raise InputError(f"moco.T must be > 0, got {T}")
         bn = BnMode.parse(bn, "moco.bn")
         if bn_splits < 1:
-            raise ValueError(f"moco.bn_splits must be >= 1, got {bn_splits}")
+            raise InputError(f"moco.bn_splits must be >= 1, got {bn_splits}")
         if world_size is not None:
             check_bn_mode(bn, None, bn_splits, world_size)
         self.m, self.T, self.symmetric = float(m), float(T), bool(symmetric)
@@ -190,12 +191,12 @@ class MoCo(nn.Module):
                 (``bn='split'``, training) a batch not divisible by ``bn_splits``.
         """
         if im_q.shape[0] != im_k.shape[0] or any(x.shape[0] != im_q.shape[0] for x in im_small):
-            raise ValueError(
+            raise InputError(
                 f"MoCo: im_q, im_k and im_small must have the same batch size; got "
                 f"{im_q.shape[0]}, {im_k.shape[0]} and {[x.shape[0] for x in im_small]}"
             )
         if im_small and self.symmetric:
-            raise ValueError("MoCo: small crops (augment.small_crops) with moco.symmetric are "
+            raise InputError("MoCo: small crops (augment.small_crops) with moco.symmetric are "
                              "not supported")
         m = self.m if m is None else m
         negatives = self.queue.negatives()  # (D, K), the dictionary BEFORE this step

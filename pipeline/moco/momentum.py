@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pipeline.config import MSchedule
+from pipeline.errors import InputError
 
 
 def make_key_encoder(query_encoder: nn.Module) -> nn.Module:
@@ -49,11 +50,11 @@ def momentum_update(key_encoder: nn.Module, query_encoder: nn.Module, m: float) 
             (different names or shapes).
     """
     if not 0.0 <= m <= 1.0:
-        raise ValueError(f"momentum_update: m (moco.m) must be in [0, 1], got {m}")
+        raise InputError(f"momentum_update: m (moco.m) must be in [0, 1], got {m}")
     named_k = list(key_encoder.named_parameters())
     named_q = list(query_encoder.named_parameters())
     if [(n, p.shape) for n, p in named_k] != [(n, p.shape) for n, p in named_q]:
-        raise ValueError("momentum_update: key and query encoders have different parameters")
+        raise InputError("momentum_update: key and query encoders have different parameters")
     params_k = [p for _, p in named_k]
     params_q = [p.detach() for _, p in named_q]
     # lerp_(θk, θq, w) = θk + w·(θq − θk) = (1 − w)·θk + w·θq with w = 1 − m
@@ -81,9 +82,9 @@ def momentum_schedule(base_m: float, total_steps: int, kind: str = "constant") -
         ValueError: ``base_m`` outside [0, 1], ``total_steps < 1`` or an unknown ``kind``.
     """
     if not 0.0 <= base_m <= 1.0:
-        raise ValueError(f"momentum_schedule: base_m (moco.m) must be in [0, 1], got {base_m}")
+        raise InputError(f"momentum_schedule: base_m (moco.m) must be in [0, 1], got {base_m}")
     if total_steps < 1:
-        raise ValueError(f"momentum_schedule: total_steps must be >= 1, got {total_steps}")
+        raise InputError(f"momentum_schedule: total_steps must be >= 1, got {total_steps}")
     if MSchedule.parse(kind, "moco.m_schedule") == MSchedule.constant:
         schedule = [float(base_m)] * total_steps
     else:

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.errors import InputError
+
 
 class KeyQueue(nn.Module):
     """FIFO dictionary of the ``K`` most recent keys, stored in place as a ``(D, K)`` ring buffer.
@@ -39,9 +41,9 @@ class KeyQueue(nn.Module):
     def __init__(self, dim: int, K: int, generator: torch.Generator | None = None) -> None:
         super().__init__()
         if dim < 1:
-            raise ValueError(f"KeyQueue: dim (model.dim) must be >= 1, got {dim}")
+            raise InputError(f"KeyQueue: dim (model.dim) must be >= 1, got {dim}")
         if K < 1:
-            raise ValueError(f"KeyQueue: K (moco.K) must be >= 1, got {K}")
+            raise InputError(f"KeyQueue: K (moco.K) must be >= 1, got {K}")
         init = F.normalize(torch.randn(dim, K, generator=generator), dim=0)  # unit columns
         self.register_buffer("keys", init.float())  # (D, K)
         self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
@@ -88,7 +90,7 @@ class KeyQueue(nn.Module):
             ValueError: ``keys`` is not 2-D with ``D`` columns.
         """
         if keys.ndim != 2 or keys.shape[1] != self.dim:
-            raise ValueError(
+            raise InputError(
                 f"KeyQueue.enqueue: expected keys of shape (N, {self.dim}), got {tuple(keys.shape)}"
             )
         n = keys.shape[0]

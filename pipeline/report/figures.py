@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pipeline.errors import InputError
 from pipeline.evaluate.normalize import l2_normalize
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -348,9 +349,9 @@ def nearest_neighbours(queries: Tensor, bank: Tensor, k: int) -> tuple[Tensor, T
         ValueError: ``k < 1`` or the feature dimensions differ.
     """
     if k < 1:
-        raise ValueError(f"nearest_neighbours: k must be >= 1, got {k}")
+        raise InputError(f"nearest_neighbours: k must be >= 1, got {k}")
     if queries.shape[1] != bank.shape[1]:
-        raise ValueError(
+        raise InputError(
             f"nearest_neighbours: query dim {queries.shape[1]} != bank dim {bank.shape[1]}"
         )
     q = l2_normalize(queries.float())  # (Q, D)

@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 from pipeline.config import Params, flatten, to_dict
+from pipeline.errors import InputError
 from pipeline.tracking.store import error_summary
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def loggable_params(params: Params) -> dict[str, str]:
     flat = flatten(to_dict(params))
     for k in flat:
         if any(w in k.lower() for w in _SECRET_WORDS):
-            raise ValueError(f"refusing to log param '{k}': looks like a secret")
+            raise InputError(f"refusing to log param '{k}': looks like a secret")
     return {k: str(v) for k, v in flat.items()}
 
 

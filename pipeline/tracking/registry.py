@@ -38,6 +38,7 @@ from typing import Any
 
 from pipeline.config import Params, to_dict
 from pipeline.data.remote import ShardURL
+from pipeline.errors import InputError
 from pipeline.tracking.model import log_encoder
 from pipeline.tracking.provenance import git_state
 from pipeline.tracking.runs import StageRun, read_run_record
@@ -112,7 +113,7 @@ def choose_champion(scores: dict[int, float], current: int | None) -> int:
         ValueError: ``scores`` is empty.
     """
     if not scores:
-        raise ValueError("choose_champion: no scored versions")
+        raise InputError("choose_champion: no scored versions")
     best = max(scores.values())
     if current is not None and scores.get(current) == best:
         return current

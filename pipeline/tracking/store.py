@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import PipelineError
+
 log = logging.getLogger(__name__)
 
 
@@ -40,7 +42,7 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 
 
-class TrackingError(RuntimeError):
+class TrackingError(PipelineError, RuntimeError):
     """The tracking server or database cannot be used."""
 
 

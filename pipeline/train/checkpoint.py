@@ -33,6 +33,7 @@ from pipeline.config import (
     flatten,
     to_dict,
 )
+from pipeline.errors import NonFiniteError
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,6 @@ log = logging.getLogger(__name__)
 NOT_FINGERPRINTED = ("checkpoint_every_epochs", "checkpoint_every_steps", "knn_every_epochs",
                      "knn_monitor_train_images", "knn_monitor_test_images", "log_every_steps",
                      "labelfree_images", "compile", "num_threads")
-
-
-class NonFiniteError(RuntimeError):
-    """Training produced a NaN or an infinity (in the loss, or in the state to be saved)."""
 
 
 @dataclass(frozen=True)

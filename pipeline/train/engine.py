@@ -36,6 +36,7 @@ from pipeline.data.views import (
     build_eval_transform,
 )
 from pipeline.data.workers import LoaderWorkerError, shut_down, worker_death
+from pipeline.errors import InputError
 from pipeline.moco.model import MoCo, MocoOutput
 from pipeline.seeds import batch_seed
 from pipeline.signals import StopFlag, Terminated, signal_name, stop_on_signals
@@ -416,7 +417,7 @@ def _restore(ckpt: Checkpointer, net: MoCo, optimizer: torch.optim.Optimizer,
         ValueError: the checkpoint's key was computed for another number of processes.
     """
     if ckpt.key.train_params["world_size"] != rt.world_size:
-        raise ValueError(f"resume_key was computed for {ckpt.key.train_params['world_size']} "
+        raise InputError(f"resume_key was computed for {ckpt.key.train_params['world_size']} "
                          f"processes, this run has {rt.world_size}")
     state = ckpt.restore(net, optimizer, precision.scaler)
     if state.step >= total_steps and rt.is_main:  # DVC reran a stage whose training is done

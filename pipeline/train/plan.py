@@ -22,6 +22,7 @@ from pipeline.config import (
 )
 from pipeline.data.remote import ShardURL
 from pipeline.data.shards import ImageSpec, image_spec
+from pipeline.errors import InputError
 from pipeline.moco.backbones import (
     build_backbone,
     build_head,
@@ -36,7 +37,7 @@ from pipeline.schedules import lr_schedule
 log = logging.getLogger(__name__)
 
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """The run's sizes do not fit the data or the processes (the message names the param)."""
 
 

@@ -52,7 +52,7 @@ def test_knn_stage__nan_in_features__one_error_line(workdir):
     assert error_lines(r.stderr) == [r.stderr.strip().splitlines()[-1]]
     # by hand: one bad row of eight, the sixth (row 5), key 'k5'
     assert r.stderr.strip().splitlines()[-1] == (
-        "error: ValueError: features/train.pt: 1 of 8 feature rows hold NaN or Inf (first: row "
+        "error: InputError: features/train.pt: 1 of 8 feature rows hold NaN or Inf (first: row "
         "5, key 'k5'); the encoder gave non-finite features: check models/encoder.pt, then "
         "rerun embed")
     assert not (workdir / "metrics").exists()

@@ -18,6 +18,8 @@ from types import MappingProxyType
 import numpy as np
 from PIL import Image
 
+from pipeline.errors import InputError
+
 SPLITS = ("pretrain", "train", "test")
 DEFAULT_ROOTS = {
     "fashion_mnist": "/usr/share/datasets/fashion-mnist",  # Debian package dataset-fashion-mnist
@@ -31,7 +33,7 @@ MAX_NAMED = 10  # files named in one error line; the rest are counted there and 
 log = logging.getLogger(__name__)
 
 
-class SourceError(ValueError):
+class SourceError(InputError):
     """Raw data that is missing, malformed or fails verification (message names the file)."""
 
 
@@ -174,7 +176,7 @@ def select_indices(labels: np.ndarray, max_images: int, seed: int) -> np.ndarray
     """
     n = len(labels)
     if max_images < 0:
-        raise ValueError(f"max_images must be >= 0, got {max_images}")
+        raise InputError(f"max_images must be >= 0, got {max_images}")
     if max_images == 0 or max_images >= n:
         return np.arange(n, dtype=np.int64)
     classes, counts = np.unique(labels, return_counts=True)
@@ -221,7 +223,7 @@ class Source:
 
     def _check_split(self, split: str) -> None:
         if split not in SPLITS:
-            raise ValueError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
+            raise InputError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
 
     def count(self, split: str) -> int:
         """Number of images in a split."""

@@ -27,6 +27,7 @@ from pipeline.data.sources.base import (
     shown_path,
 )
 from pipeline.data.sources.modes import SUPPORTED_MODES, ModeError, folder_mode, image_kind, to_mode
+from pipeline.errors import InputError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 EXIF_ORIENTATION = 0x0112  # the EXIF/TIFF Orientation tag
@@ -229,7 +230,7 @@ def split_files(scan: FolderScan, test_fraction: float, seed: int,
             split left empty.
     """
     if not 0 < test_fraction < 1:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+        raise InputError(f"test_fraction must be in (0, 1), got {test_fraction}")
     kept, n_left_out = [], 0
     for tree, classes, files in zip(scan.trees, scan.classes, scan.files):
         good = [(path, y) for path, y in files if not is_excluded(path, scan.root, exclude)]

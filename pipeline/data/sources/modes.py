@@ -58,6 +58,7 @@ import numpy as np
 from PIL import Image
 
 from pipeline.data.sources.base import SourceError
+from pipeline.errors import InputError
 
 BACKGROUND = 255  # white; see the module docstring
 I16_MODES = ("I;16", "I;16B", "I;16L", "I;16N")
@@ -123,7 +124,7 @@ def to_mode(image: Image.Image, mode: str) -> Image.Image:
         ValueError: ``mode`` is not ``"L"`` or ``"RGB"``.
     """
     if mode not in ("L", "RGB"):
-        raise ValueError(f"mode must be 'L' or 'RGB', got {mode!r}")
+        raise InputError(f"mode must be 'L' or 'RGB', got {mode!r}")
     _check_supported(image.mode)
     image = _to_8bit(image)
     if image.mode == "La":  # premultiplied alpha (in-memory only): PIL converts it only to LA

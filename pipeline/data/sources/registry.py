@@ -15,6 +15,7 @@ from pipeline.data.sources.imagefolder import ImageFolderSource
 from pipeline.data.sources.stl10 import Stl10Source
 from pipeline.data.sources.unlabelled import NoLabelsSource
 from pipeline.data.sources.webdataset import WebDatasetSource
+from pipeline.errors import InputError
 
 
 def open_source(name: str, root: str | Path = "", *, download: bool = False,
@@ -62,4 +63,4 @@ def open_source(name: str, root: str | Path = "", *, download: bool = False,
                                 seed=seed, max_broken_fraction=max_broken_fraction, index=index)
     if name == "none":
         return NoLabelsSource()
-    raise ValueError(f"unknown data source {name!r}; known: {', '.join(DataSource.names())}")
+    raise InputError(f"unknown data source {name!r}; known: {', '.join(DataSource.names())}")

@@ -15,6 +15,7 @@ from pipeline.data.loader import eval_loader
 from pipeline.data.remote import ShardURL
 from pipeline.data.shards import image_spec, read_manifest
 from pipeline.data.views import build_eval_transform
+from pipeline.errors import InputError
 from pipeline.evaluate.features import FeatureSet, extract_features, pick_device, save_features
 from pipeline.evaluate.pooling import set_pool_grid
 from pipeline.moco.backbones import build_backbone, build_head
@@ -36,7 +37,7 @@ def load_encoder(encoder_path: Path, *, pool_grid: int = 1,
 
     Raises:
         FileNotFoundError: a file is missing.
-        RuntimeError: the weights do not fit the recorded architecture.
+        InputError: the weights do not fit the recorded architecture.
         ValueError: ``pool_grid < 1`` or ``layer`` not 1..4.
     """
     meta = json.loads(Path(encoder_path).with_suffix(".json").read_text())
@@ -65,7 +66,7 @@ def build_encoder(state_dict: dict[str, Tensor], meta: dict[str, Any], *, pool_g
         ``layer``).
 
     Raises:
-        RuntimeError: the weights do not fit the architecture (anything but ``fc.*`` missing,
+        InputError: the weights do not fit the architecture (anything but ``fc.*`` missing,
             or unexpected keys).
         ValueError: ``pool_grid < 1`` or ``layer`` not 1..4.
     """
@@ -74,8 +75,8 @@ def build_encoder(state_dict: dict[str, Tensor], meta: dict[str, Any], *, pool_g
                               stem_stride=meta.get("stem_stride", 1))
     missing, unexpected = backbone.load_state_dict(state_dict, strict=False)
     if unexpected or any(not k.startswith("fc.") for k in missing):
-        raise RuntimeError(f"{where} does not fit {meta['backbone']} width "
-                           f"{meta['width']}: missing {missing}, unexpected {unexpected}")
+        raise InputError(f"{where} does not fit {meta['backbone']} width "
+                         f"{meta['width']}: missing {missing}, unexpected {unexpected}")
     meta = {**meta, "num_features": set_pool_grid(backbone, pool_grid, layer),
             "pool_grid": pool_grid, "layer": layer}
     return backbone, meta
@@ -110,7 +111,7 @@ def embed(*, encoder_path: Path, shards_dir: Path | ShardURL, out_dir: Path, bat
     """
     t_start = time.time()
     if use_head and (pool_grid != 1 or layer != 4):
-        raise ValueError(f"embed.pool_grid = {pool_grid}, embed.layer = {layer} with "
+        raise InputError(f"embed.pool_grid = {pool_grid}, embed.layer = {layer} with "
                          "embed.use_head: the projection head takes the last stage globally "
                          "pooled; set embed.pool_grid: 1 and embed.layer: 4")
     device = pick_device()

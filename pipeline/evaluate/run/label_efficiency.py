@@ -22,6 +22,7 @@ from pipeline.data.loader import eval_loader
 from pipeline.data.remote import ShardURL
 from pipeline.data.shards import image_spec, read_manifest
 from pipeline.data.views import build_eval_transform
+from pipeline.errors import InputError
 from pipeline.evaluate.features import extract_features, load_features, pick_device
 from pipeline.evaluate.label_efficiency import curve, draw_per_class
 from pipeline.evaluate.run.baselines import Flatten, random_encoder
@@ -42,7 +43,7 @@ def _drawn_images(split: Path | ShardURL, rows: set[int], transform: Any, batch_
     for x, _, k in eval_loader(split, transform=transform, batch_size=batch_size):
         for j, key in enumerate(k):
             if keys[at + j] != key:
-                raise ValueError(f"{split}: sample {at + j} is '{key}', the features hold "
+                raise InputError(f"{split}: sample {at + j} is '{key}', the features hold "
                                  f"'{keys[at + j]}' (features/train.pt is of other shards: "
                                  "rerun embed)")
             if at + j in rows:

@@ -19,6 +19,7 @@ from pipeline.data.views import (
     build_eval_transform,
     flip_normalize,
 )
+from pipeline.errors import InputError
 from pipeline.evaluate.features import load_features, pick_device
 from pipeline.evaluate.heldout import split_train_val
 from pipeline.evaluate.linear import train_linear_augment, train_linear_on_features
@@ -114,7 +115,7 @@ def _linear_augment(*, shards_dir: Path | ShardURL, encoder_path: Path, features
     feats = load_features(features_dir / "train.pt")
     n = int(m["num_samples"])
     if len(feats) != n:
-        raise ValueError(f"{features_dir / 'train.pt'} has {len(feats)} rows, "
+        raise InputError(f"{features_dir / 'train.pt'} has {len(feats)} rows, "
                          f"{shards_dir / 'train'} has {n} samples: rerun the embed stage")
     label_of = dict(zip(feats.keys, feats.labels.tolist()))
     val_keys: set[str] = set()
