@@ -67,11 +67,11 @@ INIT_STD = 0.01  # classifier weight init N(0, 0.01), bias 0, as in MoCo's main_
 Batch = Sequence[Any]
 
 
-@dataclass
 class ProbeDivergedError(NonFiniteError, FloatingPointError):
     """The linear probe's loss became NaN or Inf (the message names the epoch and linear.lr)."""
 
 
+@dataclass
 class LinearResult(ClassificationMetrics):
     """Linear-probe accuracy of the final-epoch classifier on the test set.
 
