@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pipeline.config import Params
+from pipeline.evaluate.knn import knn_neighbours
 from pipeline.report import figures as fg
 from pipeline.report.document import (
     NOT_AVAILABLE,
@@ -434,8 +435,9 @@ def _retrieval_block(
     if not (shards / "test").is_dir() or not (shards / "train").is_dir():
         return Paragraph(f"Retrieval: {NOT_AVAILABLE} (shards in {p.data.shards_dir}).")
     q_idx = fg.seeded_subsample(len(test.labels), p.report.retrieval_queries, p.seed)
-    nn_idx, nn_sim = fg.nearest_neighbours(
-        test.features[q_idx], train.features, p.report.retrieval_neighbours
+    nn_sim, nn_idx = knn_neighbours(
+        train.features, test.features[q_idx],
+        k=min(p.report.retrieval_neighbours, len(train.features)),
     )  # (Q, k) each
     q_keys = [test.keys[i] for i in q_idx]
     n_keys = [[train.keys[j] for j in row] for row in nn_idx.tolist()]
