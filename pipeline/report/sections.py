@@ -2,7 +2,8 @@
 
 A report is a :class:`~pipeline.report.document.Document` of sections
 (:mod:`pipeline.report.document`); the quality sections (no labels, few labels) are
-:mod:`pipeline.report.quality`'s. A number that is missing from the inputs is shown as
+:mod:`pipeline.report.quality`'s, the near-duplicates and outliers
+:mod:`pipeline.report.insights`'. A number that is missing from the inputs is shown as
 :data:`~pipeline.report.document.NOT_AVAILABLE`.
 """
 
@@ -25,10 +26,11 @@ from pipeline.report.document import (
     Table,
 )
 from pipeline.report.inputs import Embeddings, Metrics, RunOutputs, load_shard_images
+from pipeline.report.insights import insights_section
 from pipeline.report.quality import label_efficiency_section, labelfree_section
 from pipeline.report.references import PROTOCOL_NAMES, published_reference, reference_note
 
-COST_STAGES = ("pretrain", "embed", "baselines", "knn", "linear")
+COST_STAGES = ("pretrain", "data_insights", "embed", "baselines", "knn", "linear")
 
 
 def build_document(
@@ -54,6 +56,7 @@ def build_document(
         labelfree_section(outputs, fig_dir),
         evaluation_section(outputs, fig_dir),
         label_efficiency_section(outputs, fig_dir),
+        insights_section(outputs, params.report.insight_images, fig_dir),
         embedding_section(params, outputs, fig_dir),
         cost_section(m),
         runs_section(outputs),
