@@ -2,10 +2,15 @@
 
 import io
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers import TINY, build_tiny_shards, img2dataset_shards, make_samples, run_pretrain
 from PIL import Image
 
@@ -18,6 +23,7 @@ from pipeline.evaluate.features import load_features
 from pipeline.evaluate.run.data_insights import data_insights
 from pipeline.evaluate.run.embed import embed
 
+ROOT = Path(__file__).resolve().parents[2]
 TINY_EMBED = from_dict(json.loads(json.dumps(TINY))).embed  # layer 3, global pool
 
 
@@ -54,6 +60,9 @@ def test_data_insights__train_split_same_shards__embed_reuses_the_features(encod
     fresh = embed(encoder_path=encoder, shards_dir=shards, out_dir=tmp_path / "b", batch_size=32,
                   **same)
     assert reused["train_reused"] == 1 and fresh["train_reused"] == 0
+    for name in ("train", "train_global"):  # copied byte for byte: one DVC cache entry
+        assert (tmp_path / "a" / f"{name}.pt").read_bytes() == (
+            tmp_path / "features" / f"{name.replace('train', 'pretrain')}.pt").read_bytes()
     assert "train_images_per_s" not in reused
     for name in ("train", "train_global", "test"):
         a, b = (load_features(tmp_path / d / f"{name}.pt") for d in "ab")
@@ -120,3 +129,23 @@ def test_data_insights__no_pretraining_images(encoder, tmp_path):
     with pytest.raises(ShardError, match="no pretraining images"):
         _run(encoder, shards, tmp_path)
     assert not (tmp_path / "eval").exists()
+
+
+def test_stages__data_insights_then_embed_reuse_its_features(encoder, tmp_path):
+    # the stage scripts as DVC runs them: data_insights writes the train split's features in the
+    # default layout (pretrain split = train split), the embed stage copies them
+    shards = build_tiny_shards(tmp_path / "data/shards", n_pretrain=64, n_train=64, n_test=32)
+    shutil.rmtree(shards / "pretrain")
+    shutil.copytree(shards / "train", shards / "pretrain")
+    shutil.copytree(encoder.parent, tmp_path / "models", ignore=shutil.ignore_patterns("ckpt"))
+    tree = {**json.loads(json.dumps(TINY)), "mlflow": {"enabled": False}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tree))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for stage in ("data_insights", "embed"):
+        r = subprocess.run([sys.executable, str(ROOT / f"stages/{stage}.py")], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+    insights = json.loads((tmp_path / "metrics/data_insights.json").read_text())
+    assert insights["images"] == 64 and insights["features_for_embed"] == 1
+    assert json.loads((tmp_path / "metrics/embed.json").read_text())["train_reused"] == 1
+    assert json.loads((tmp_path / "runs/data_insights.json").read_text())["run_id"] is None

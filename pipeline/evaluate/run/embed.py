@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import Tensor, nn
 
+from pipeline.atomic import write_atomic
 from pipeline.data.loader import eval_loader
 from pipeline.data.remote import ShardURL
 from pipeline.data.shards import image_spec, read_manifest
@@ -182,9 +184,10 @@ def embed(*, encoder_path: Path, shards_dir: Path | ShardURL, out_dir: Path, bat
     is no head).
 
     The train split's features are copied from ``reuse_dir/pretrain{,_global}.pt`` (the
-    ``data_insights`` stage's, computed by the same :class:`Embedder` with the same params) when
-    the train split is the pretrain split's shards (:func:`same_shards`) and those files hold
-    them; ``train_reused`` says so (1) in the returned metrics.
+    ``data_insights`` stage's, computed by the same :class:`Embedder` with the same params),
+    byte for byte (one DVC cache entry for both), when the train split is the pretrain split's
+    shards (:func:`same_shards`) and those files hold them (:func:`reused_features`);
+    ``train_reused`` says so (1) in the returned metrics.
 
     Returns:
         ``{split}_images``, ``{split}_images_per_s`` (extraction only; absent for a reused
@@ -228,7 +231,11 @@ def embed(*, encoder_path: Path, shards_dir: Path | ShardURL, out_dir: Path, bat
         metrics["dim"] = fs.features.shape[1]
     # written only once both splits are embedded: a failure leaves the previous pair intact
     for split, fs in done.items():
-        save_features(fs, out_dir / f"{split}.pt")
+        if metrics["train_reused"] and split.startswith("train"):  # the same bytes: one
+            source = reuse_dir / f"{split.replace('train', 'pretrain')}.pt"  # DVC cache entry
+            write_atomic(out_dir / f"{split}.pt", _copy_from(source))
+        else:
+            save_features(fs, out_dir / f"{split}.pt")
     n_images = sum(len(done[s]) for s in embed_s)
     metrics["images_per_s"] = n_images / max(sum(embed_s.values()), 1e-9)
     metrics["wall_time_s"] = time.time() - t_start
@@ -265,6 +272,15 @@ def reused_features(embedder: Embedder, shards_dir: Path | ShardURL, reuse_dir: 
                     "split: embedding it", reuse_dir)
         return None
     return fs, pooled
+
+
+def _copy_from(source: Path) -> Callable[[IO[bytes]], None]:
+    """A :func:`~pipeline.atomic.write_atomic` writer that streams ``source``'s bytes."""
+    def write(f: IO[bytes]) -> None:
+        with source.open("rb") as src:
+            shutil.copyfileobj(src, f, 16 * 2**20)
+
+    return write
 
 
 def _load_head(payload: dict[str, Any]) -> nn.Module:
