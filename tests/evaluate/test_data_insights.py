@@ -95,6 +95,8 @@ def test_data_insights__pretrain_shards_read_in_place(encoder, tmp_path):
     # layout, grey, one cut short). The built pretrain split holds the same 20 images decoded
     # from those JPEGs: the same pixels, so each pair has cosine 1 up to float rounding, and
     # the 19 decodable in-place samples are found as near-duplicates of their built twins.
+    # Shard 00002 holds colour photos: read in the pretraining set's grey mode, as pretraining
+    # reads them.
     shards = build_tiny_shards(tmp_path / "shards")
     twins = [Sample(f"b{i:04d}", _jpeg_decoded(s.image), -1)
              for i, s in enumerate(make_samples(20, seed=0))]
@@ -103,6 +105,7 @@ def test_data_insights__pretrain_shards_read_in_place(encoder, tmp_path):
                  class_names=["a", "b", "c", "d"], mode="L", samples_per_shard=64,
                  progress=False)
     img2dataset_shards(tmp_path / "ext", shards=2, per_shard=20, colour=False, broken={0: 1})
+    img2dataset_shards(tmp_path / "ext", shards=1, per_shard=20, start=2, colour=True)
     manifest, _ = index_shards(str(tmp_path / "ext"), split="pretrain",
                                key="data.pretrain_shards", max_broken_fraction=0.1)
     (tmp_path / "index").mkdir()
@@ -110,7 +113,7 @@ def test_data_insights__pretrain_shards_read_in_place(encoder, tmp_path):
     m = _run(encoder, shards, tmp_path, index_dir=tmp_path / "index", duplicate_cosine=0.9999,
              listed=100)
     d = json.loads((tmp_path / "eval/data_insights.json").read_text())
-    assert m["images"] == 20 + 39 and d["parts"] == {"built": 20, "read_in_place": 39}
+    assert m["images"] == 20 + 59 and d["parts"] == {"built": 20, "read_in_place": 59}
     ext0 = str(tmp_path / "ext/00000.tar")
     found = {(p["a"]["key"], p["b"]["key"]): (p["a"]["shard"], p["b"]["shard"])
              for p in d["pairs"]}

@@ -54,8 +54,9 @@ def _embed_set(*, encoder_path: Path, head_path: Path | None, shards_dir: Path |
         None, images of the built split)``.
     """
     built = read_manifest(shards_dir / "pretrain")
-    spec = image_spec(pretrain_manifest(shards_dir, index_dir, image_size=image_size),
-                      shards_dir / "pretrain")
+    # the set as pretraining reads it: one mode, size and normalisation for both parts
+    pretrain_set = pretrain_manifest(shards_dir, index_dir, image_size=image_size)
+    spec = image_spec(pretrain_set, shards_dir / "pretrain")
     tf = build_eval_transform(spec.size, spec.mean, spec.std)
     reuse = same_shards(built, read_manifest(shards_dir / "train"))
     parts: list[FeatureSet] = []
@@ -74,8 +75,11 @@ def _embed_set(*, encoder_path: Path, head_path: Path | None, shards_dir: Path |
     if ext is not None and ext["num_samples"]:
         log.info("data_insights: %d images of data.pretrain_shards, read in place",
                  ext["num_samples"])
+        # the indexed shards in the pretraining set's mode (e.g. RGB photos beside grey images)
+        in_place = {**pretrain_set, "num_samples": ext["num_samples"],
+                    "shards": pretrain_set["shards"][len(built["shards"]):]}
         _, pooled = Embedder(encoder_path, device=device)(eval_loader(
-            index_dir, transform=tf, batch_size=embed.batch_size, manifest=ext),
+            index_dir, transform=tf, batch_size=embed.batch_size, manifest=in_place),
             desc="embed data.pretrain_shards")
         parts.append(pooled)
         where += _locations(index_dir, ext)
