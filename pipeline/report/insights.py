@@ -108,11 +108,13 @@ def _summary(ins: Mapping[str, Any]) -> str:
     parts = ins.get("parts") or {}
     where = (f" ({parts.get('built', 0)} built, {parts.get('read_in_place', 0)} read in place "
              "from data.pretrain_shards)" if parts.get("read_in_place") else "")
-    return (f"{ins['images']} pretraining images{where}, embedded with the exported encoder "
+    in_pairs = ins.get("images_in_pairs")
+    return (f"{ins['images']:,} pretraining images{where}, embedded with the exported encoder "
             f"(global pool of the last stage, eval transform), each compared with its "
-            f"{ins['k']} most cosine-similar others. {ins['duplicate_pairs']} pairs reach "
+            f"{ins['k']} most cosine-similar others. {ins['duplicate_pairs']:,} pairs reach "
             f"cosine >= {ins['duplicate_cosine']:g} (insights.duplicate_cosine), involving "
-            f"{ins.get('images_in_pairs', NOT_AVAILABLE)} images. No labels are used.")
+            f"{NOT_AVAILABLE if in_pairs is None else f'{in_pairs:,}'} images. No labels are "
+            "used.")
 
 
 def _pair_blocks(ins: Mapping[str, Any], shown: int, root: Path, fig_dir: Path) -> list[Block]:
@@ -127,7 +129,7 @@ def _pair_blocks(ins: Mapping[str, Any], shown: int, root: Path, fig_dir: Path) 
              else f"{p['a']['shard']} / {p['b']['shard']}"] for n, p in enumerate(pairs)]
     return [
         FigureRef("duplicates.png",
-                  f"The {len(pairs)} most similar of the {ins['duplicate_pairs']} near-duplicate "
+                  f"The {len(pairs)} most similar of the {ins['duplicate_pairs']:,} near-duplicate "
                   "pairs, side by side (same frame colour = one pair), with their cosine and "
                   "keys. Cosine 1.0000: the same pixels; just below: the same picture resized, "
                   "re-compressed or cropped a little; lower: similar-looking items."),

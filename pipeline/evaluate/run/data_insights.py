@@ -138,8 +138,8 @@ def data_insights(*, encoder_path: Path, head_path: Path | None, shards_dir: Pat
     Returns:
         ``metrics/data_insights.json``: ``images``, ``duplicate_pairs``, ``images_in_pairs``,
         ``duplicate_cosine``, ``k``, ``outlier_score_median``, ``features_for_embed`` (1 when
-        the features were written for ``embed``), ``embed_s``, ``search_s`` and
-        ``wall_time_s`` (seconds).
+        the features were written for ``embed``), ``embed_s``, ``images_per_s`` (embedding
+        only), ``search_s`` and ``wall_time_s`` (seconds).
 
     Raises:
         ShardError: no pretraining images, or a shard missing or altered.
@@ -167,4 +167,5 @@ def data_insights(*, encoder_path: Path, head_path: Path | None, shards_dir: Pat
             "images_in_pairs": details["images_in_pairs"], "duplicate_cosine": nb.duplicate_cosine,
             "k": nb.k, "outlier_score_median": details["outlier_score"]["median"],
             "features_for_embed": int(for_embed is not None), "embed_s": t_embed,
+            "images_per_s": len(features) / max(t_embed, 1e-9),
             "search_s": t_search, "wall_time_s": time.time() - t0}
