@@ -48,44 +48,48 @@ def _embed_set(*, encoder_path: Path, head_path: Path | None, shards_dir: Path |
                device: torch.device) -> tuple[FeatureSet, list[str], FeatureSet | None, int]:
     """Global features of the whole pretraining set, and ``embed``'s of the built split.
 
+    Both parts are read as pretraining reads them (:func:`pipeline.data.index.
+    pretrain_manifest`: one mode, size and normalisation, e.g. colour shards read in place
+    beside grey images are read grey).
+
     Returns:
         ``(global features (N, C) of the built split then the shards read in place, the
         shard of every row, (features, global features) of the built split for ``embed`` or
         None, images of the built split)``.
     """
     built = read_manifest(shards_dir / "pretrain")
-    # the set as pretraining reads it: one mode, size and normalisation for both parts
     pretrain_set = pretrain_manifest(shards_dir, index_dir, image_size=image_size)
     spec = image_spec(pretrain_set, shards_dir / "pretrain")
     tf = build_eval_transform(spec.size, spec.mean, spec.std)
     reuse = same_shards(built, read_manifest(shards_dir / "train"))
-    parts: list[FeatureSet] = []
-    where: list[str] = []
-    for_embed = None
-    if built["num_samples"]:
-        embedder = (Embedder(encoder_path, pool_grid=embed.pool_grid, layer=embed.layer,
-                             head_path=head_path if embed.use_head else None, device=device)
-                    if reuse else Embedder(encoder_path, device=device))
-        fs, pooled = embedder(eval_loader(shards_dir / "pretrain", transform=tf,
-                                          batch_size=embed.batch_size), desc="embed pretrain")
-        parts.append(pooled)
-        where += _locations(shards_dir / "pretrain", built)
-        for_embed = (fs, pooled) if reuse else None
+    cut = len(built["shards"])  # pretrain_set's shards: the built split's, then the indexed
+    parts: list[tuple[Path | ShardURL, dict[str, Any], str]] = [
+        (shards_dir / "pretrain", built, "pretrain")]
     ext = read_manifest(index_dir) if index_dir is not None else None
     if ext is not None and ext["num_samples"]:
         log.info("data_insights: %d images of data.pretrain_shards, read in place",
                  ext["num_samples"])
-        # the indexed shards in the pretraining set's mode (e.g. RGB photos beside grey images)
-        in_place = {**pretrain_set, "num_samples": ext["num_samples"],
-                    "shards": pretrain_set["shards"][len(built["shards"]):]}
-        _, pooled = Embedder(encoder_path, device=device)(eval_loader(
-            index_dir, transform=tf, batch_size=embed.batch_size, manifest=in_place),
-            desc="embed data.pretrain_shards")
-        parts.append(pooled)
-        where += _locations(index_dir, ext)
-    features = FeatureSet(torch.cat([p.features for p in parts]),
-                          torch.cat([p.labels for p in parts]),
-                          [k for p in parts for k in p.keys])
+        parts.append((index_dir, ext, "data.pretrain_shards"))
+    pooled: list[FeatureSet] = []
+    where: list[str] = []
+    for_embed = None
+    for n, (directory, manifest, name) in enumerate(parts):
+        if not manifest["num_samples"]:
+            continue
+        as_pretrained = {**pretrain_set, "num_samples": manifest["num_samples"],
+                         "shards": pretrain_set["shards"][cut:] if n else
+                         pretrain_set["shards"][:cut]}
+        embedder = (Embedder(encoder_path, pool_grid=embed.pool_grid, layer=embed.layer,
+                             head_path=head_path if embed.use_head else None, device=device)
+                    if reuse and n == 0 else Embedder(encoder_path, device=device))
+        fs, g = embedder(eval_loader(directory, transform=tf, batch_size=embed.batch_size,
+                                     manifest=as_pretrained), desc=f"embed {name}")
+        for_embed = (fs, g) if reuse and n == 0 else for_embed
+        pooled.append(g)
+        where += _locations(directory, manifest)
+    features = FeatureSet(torch.cat([p.features for p in pooled]),
+                          torch.cat([p.labels for p in pooled]),
+                          [k for p in pooled for k in p.keys])
     return features, where, for_embed, int(built["num_samples"])
 
 
