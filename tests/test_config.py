@@ -430,3 +430,17 @@ def test_load_params__yaml_boolean_word_on_a_text_key__hint_quotes_the_word(tmp_
     with pytest.raises(ParamsError) as e:
         load_params(f)
     assert str(e.value).endswith("write 'off' in quotes")
+
+
+@pytest.mark.parametrize("section, key, value, allowed", [
+    ("insights", "duplicate_cosine", 1.5, "a cosine similarity, -1 < x <= 1"),
+    ("insights", "duplicate_cosine", -1.0, "a cosine similarity, -1 < x <= 1"),
+    ("insights", "neighbours", 0, "> 0"),
+    ("insights", "listed", -1, ">= 0"),
+    ("report", "insight_images", -2, ">= 0"),
+])
+def test_validate__insights_out_of_range__names_key(section, key, value, allowed):
+    with pytest.raises(ParamsError, match=rf"'{section}.{key}' = {value} is invalid; "
+                                          rf"allowed: {re.escape(allowed)}"):
+        from_dict({section: {key: value}})
+    assert from_dict({"insights": {"duplicate_cosine": 1.0, "listed": 0}}).insights.listed == 0
