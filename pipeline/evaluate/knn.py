@@ -9,7 +9,11 @@ T=0.1 as in InstDisc / the MoCo CIFAR demo.
 
 Memory is bounded independently of the bank size: the bank is processed in chunks of
 ``bank_chunk_size`` rows and a running top-k is merged across chunks, the test set in chunks of
-``chunk_size`` rows. See :func:`knn_predict` for the bound.
+``chunk_size`` rows. See :func:`knn_predict` for the bound. This search
+(:func:`knn_neighbours`, the block merge of :class:`_RunningTopK`) is the code base's one
+neighbour search: :func:`self_neighbours` runs it with one set as bank and queries (the
+near-duplicates and outliers of :mod:`pipeline.evaluate.insights`), the report's retrieval
+figure calls it too.
 
 The top-1/top-5/per-class/confusion summary is :mod:`pipeline.evaluate.metrics`, shared with the
 linear probe, and so is the rule for unlabelled rows: label -1 rows are ignored (left out of the
