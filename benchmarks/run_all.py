@@ -22,6 +22,7 @@ BENCHES = {
     "width_precision": ["width_precision.py"],
     "queue": ["queue_bench.py"],
     "knn": ["knn_bench.py"],
+    "near_duplicates": ["near_duplicates.py", "--sizes", "60000x256"],
     "linear_probe": ["linear_probe.py"],
     "step_profile": ["step_profile.py"],
     "gpu": ["gpu.py"],
@@ -66,6 +67,10 @@ def table(res: dict) -> str:
         rows += [(f"enqueue, K={r['K']} (us)", f"{r['enqueue_us']}") for r in q["results"]]
     if "error" not in k:
         rows.append(("kNN 10k x 60k, D=512 (s)", f"{k['seconds_median']}"))
+    nd = res.get("near_duplicates", {})
+    for r in nd.get("runs", []):
+        rows.append((f"near-duplicate search {r['images']} x {r['dim']} (s; MiB over the "
+                     "features)", f"{r['seconds']}; {r['search_peak_extra_mib']}"))
     lp = res.get("linear_probe", {})
     if "seconds_median" in lp:
         rows.append((f"linear probe {lp['n']} x {lp['dim']}, {lp['epochs']} epochs, rows "

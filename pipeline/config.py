@@ -390,12 +390,28 @@ class LabelEfficiencyParams:
 
 
 @dataclass
+class InsightsParams:
+    """Near-duplicates and outliers of the pretraining images (the ``data_insights`` stage)."""
+
+    # A pair whose global-pool features have at least this cosine is a near-duplicate. 0.998,
+    # measured with the default encoder on the 60,000 Fashion-MNIST images plus planted copies:
+    # every exact copy and 99 % of JPEG re-encodes (q 75-90), 83 pairs of distinct real images
+    # (results/near-duplicates-2026-12-06.md)
+    duplicate_cosine: float = 0.998
+    # Neighbours per image: pairs are looked for among them, and the outlier score is the mean
+    # cosine to them (k-nearest-neighbour outlier score, Ramaswamy et al. 2000)
+    neighbours: int = 10
+    listed: int = 1000  # pairs and outliers listed in eval/data_insights.json (counts cover all)
+
+
+@dataclass
 class ReportParams:
     """Report figures."""
 
     tsne_points: int = 2000
     retrieval_queries: int = 8
     retrieval_neighbours: int = 8
+    insight_images: int = 12  # near-duplicate pairs and outliers shown as thumbnails, each
 
 
 @dataclass
@@ -413,6 +429,7 @@ class Params:
     knn: KnnParams = field(default_factory=KnnParams)
     linear: LinearParams = field(default_factory=LinearParams)
     label_efficiency: LabelEfficiencyParams = field(default_factory=LabelEfficiencyParams)
+    insights: InsightsParams = field(default_factory=InsightsParams)
     report: ReportParams = field(default_factory=ReportParams)
 
 
@@ -793,6 +810,15 @@ def _validate_label_efficiency(p: Params) -> None:
     _pos("label_efficiency.draws", le.draws)
 
 
+def _validate_insights(p: Params) -> None:
+    ins = p.insights
+    _check(math.isfinite(ins.duplicate_cosine) and -1 < ins.duplicate_cosine <= 1,
+           "insights.duplicate_cosine", "a cosine similarity, -1 < x <= 1", ins.duplicate_cosine)
+    _pos("insights.neighbours", ins.neighbours)
+    _pos("insights.listed", ins.listed, strict=False)
+    _pos("report.insight_images", p.report.insight_images, strict=False)
+
+
 def validate(p: Params) -> Params:
     """Check every range and name constraint of a loaded :class:`Params`.
 
@@ -806,7 +832,7 @@ def validate(p: Params) -> Params:
         ParamsError: the first violated constraint, naming the dotted key.
     """
     for section in (_validate_mlflow, _validate_data, _validate_model, _validate_pretrain,
-                    _validate_evaluation, _validate_label_efficiency):
+                    _validate_evaluation, _validate_label_efficiency, _validate_insights):
         section(p)
     return p
 

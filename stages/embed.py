@@ -30,7 +30,8 @@ def run(p: Params) -> None:
         metrics = embed(encoder_path=Path("models/encoder.pt"), shards_dir=shards,
                         out_dir=Path("features"), batch_size=p.embed.batch_size,
                         use_head=p.embed.use_head, head_path=Path("models/head.pt"),
-                        pool_grid=p.embed.pool_grid, layer=p.embed.layer)
+                        pool_grid=p.embed.pool_grid, layer=p.embed.layer,
+                        reuse_dir=Path("features"))  # data_insights' features of the same shards
         write_metrics(Path("metrics/embed.json"), metrics)
         mlrun.log_metrics(metrics)
 

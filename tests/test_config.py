@@ -449,3 +449,17 @@ def test_validate__shard_format_and_decode_choices__name_key(key, value):
     section, name = key.split(".")
     with pytest.raises(ParamsError, match=rf"'{key}'"):
         from_dict({section: {name: value}})
+
+
+@pytest.mark.parametrize("section, key, value, allowed", [
+    ("insights", "duplicate_cosine", 1.5, "a cosine similarity, -1 < x <= 1"),
+    ("insights", "duplicate_cosine", -1.0, "a cosine similarity, -1 < x <= 1"),
+    ("insights", "neighbours", 0, "> 0"),
+    ("insights", "listed", -1, ">= 0"),
+    ("report", "insight_images", -2, ">= 0"),
+])
+def test_validate__insights_out_of_range__names_key(section, key, value, allowed):
+    with pytest.raises(ParamsError, match=rf"'{section}.{key}' = {value} is invalid; "
+                                          rf"allowed: {re.escape(allowed)}"):
+        from_dict({section: {key: value}})
+    assert from_dict({"insights": {"duplicate_cosine": 1.0, "listed": 0}}).insights.listed == 0

@@ -76,9 +76,9 @@ COMMANDS = {
     "cp configs/cifar10-r18.yaml params.yaml": Ran(
         E2E, 'shutil.copy(ROOT / "configs/ci.yaml", dst / "params.yaml")', "the ci preset"),
     "dvc repro": Ran(E2E, 'out = sh(["dvc", "repro"], dst, env)'),
-    "dvc repro pretrain": Ran("tests/e2e/test_own_folders.py",
-                              'sh(["dvc", "repro", "pretrain"], dst, env)',
-                              "data.source none with an unlabelled tree"),
+    "dvc repro data_insights": Ran("tests/e2e/test_own_folders.py",
+                                   'sh(["dvc", "repro", "data_insights"], dst, env)',
+                                   "data.source none with an unlabelled tree"),
     "dvc exp run -S pretrain.lr=0.06": Ran(
         E2E, '["dvc", "exp", "run", "-S", "pretrain.lr=0.05"]', "lr 0.05"),
     "dvc exp run -S linear.lr=10": Parsed(),  # + its `# reruns` comment against dvc.yaml
@@ -150,6 +150,8 @@ COMMANDS = {
     "cd moco": Ran(EXP, 'sh(["dvc", "pull"], clone, env)', "the next commands run in the clone"),
     "dvc pull": Ran(EXP, 'sh(["dvc", "pull"], clone, env)'),
     # docs/performance.md
+    # docs/insights.md
+    "python benchmarks/near_duplicates.py": Parsed(),
     "python benchmarks/pretrain_step.py --precision fp32": Parsed(),
     "python benchmarks/width_precision.py --widths 16 32 48": Parsed(),
     "python benchmarks/gpu.py": Parsed(),
@@ -357,8 +359,9 @@ def test_docs__reruns_comment_matches_dvc_yaml(doc, line, cmd, comment):
 def test_rerun_set__matches_the_e2e_tests():
     # the sets tests/e2e/test_pipeline.py measured with `dvc exp run`
     assert rerun_set(["knn.k"]) == {"check_params", "index_shards", "knn", "report"}
-    assert rerun_set(["pretrain.lr"]) == {"check_params", "index_shards", "pretrain", "embed",
-                                          "knn", "linear", "label_efficiency", "report"}
+    assert rerun_set(["pretrain.lr"]) == {"check_params", "index_shards", "pretrain",
+                                          "data_insights", "embed", "knn", "linear",
+                                          "label_efficiency", "report"}
 
 
 # --- README tables ---------------------------------------------------------------------------

@@ -688,7 +688,8 @@ class _EvalStream(IterableDataset):
         b = self.batch_size
         start = 0
         pending: list[tuple[torch.Tensor, int, str]] = []
-        for url, count, expect, *_ in self.shards:
+        for shard in self.shards:
+            url, count = shard.url, shard.count
             end = min(start + count, self.total)
             if start >= end:
                 break
@@ -697,7 +698,7 @@ class _EvalStream(IterableDataset):
                 start += count
                 continue
             seen = 0
-            for record in iter_shard(url, expect=expect):
+            for record in shard.records():  # broken samples of a shard read in place left out
                 g = start + seen  # global position in manifest order
                 seen += 1
                 if g >= end:
@@ -707,7 +708,11 @@ class _EvalStream(IterableDataset):
                 i = g // b
                 if i % num_workers != worker:
                     continue
-                key, image, label = decode_record(record, self.mode)
+                if shard.layout == LAYOUT_OWN:
+                    key, image, label = decode_record(record, self.mode)
+                else:  # read in place: the image only, unlabelled
+                    record["__layout__"] = shard.layout
+                    (key, image), label = _decode_any(record, self.mode), -1
                 pending.append((self.transform(image), label, key))
                 if g == min((i + 1) * b, self.total) - 1:  # last sample of batch i
                     yield _collate_eval(pending)
@@ -726,12 +731,13 @@ def _collate_eval(items: list[tuple[torch.Tensor, int, str]]
 
 def eval_loader(manifest_dir: str | Path | ShardURL, *, transform: EvalTransform, batch_size: int,
                 num_workers: int = 0, max_images: int = 0,
-                pin_memory: bool = False) -> DataLoader:
+                pin_memory: bool = False, manifest: dict[str, Any] | None = None) -> DataLoader:
     """Every sample of a split exactly once, in manifest order.
 
     "Deterministic order" means the order the samples were written at build time (a seeded
     shuffle of the source), identical for every ``num_workers``; the returned keys let callers
-    align outputs with samples.
+    align outputs with samples. Shards read in place (``layout: "webdataset"``, e.g. the index
+    of ``data.pretrain_shards``) give their image member only, label -1, broken samples skipped.
 
     Args:
         manifest_dir: the split directory (``<shards_dir>/train`` or ``/test``), or its URL.
@@ -740,6 +746,8 @@ def eval_loader(manifest_dir: str | Path | ShardURL, *, transform: EvalTransform
         num_workers: DataLoader worker processes (0 = in-process).
         max_images: only the first ``max_images`` samples in manifest order (0 = all).
         pin_memory: DataLoader ``pin_memory``.
+        manifest: the manifest to read instead of ``manifest_dir``'s (e.g.
+            :func:`pipeline.data.index.pretrain_manifest`'s, whose entries carry their ``url``).
 
     Returns:
         A DataLoader (``len()`` = number of batches) yielding ``(images (B, C, H, W), labels
@@ -753,7 +761,7 @@ def eval_loader(manifest_dir: str | Path | ShardURL, *, transform: EvalTransform
     _check_args(batch_size=(batch_size, 1), num_workers=(num_workers, 0),
                 max_images=(max_images, 0))
     directory = shards_location(manifest_dir)
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory) if manifest is None else manifest
     require_images(manifest, directory)
     total = min(max_images, manifest["num_samples"]) if max_images else manifest["num_samples"]
     stream = _EvalStream(_shard_list(directory, manifest), manifest["mode"], transform,

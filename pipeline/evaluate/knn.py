@@ -9,7 +9,11 @@ T=0.1 as in InstDisc / the MoCo CIFAR demo.
 
 Memory is bounded independently of the bank size: the bank is processed in chunks of
 ``bank_chunk_size`` rows and a running top-k is merged across chunks, the test set in chunks of
-``chunk_size`` rows. See :func:`knn_predict` for the bound.
+``chunk_size`` rows. See :func:`knn_predict` for the bound. This search
+(:func:`knn_neighbours`, the block merge of :class:`_RunningTopK`) is the code base's one
+neighbour search: :func:`self_neighbours` runs it with one set as bank and queries (the
+near-duplicates and outliers of :mod:`pipeline.evaluate.insights`), the report's retrieval
+figure calls it too.
 
 The top-1/top-5/per-class/confusion summary is :mod:`pipeline.evaluate.metrics`, shared with the
 linear probe, and so is the rule for unlabelled rows: label -1 rows are ignored (left out of the
@@ -41,6 +45,10 @@ log = logging.getLogger(__name__)
 DEFAULT_K = 200  # InstDisc / MoCo CIFAR demo
 DEFAULT_T = 0.1  # InstDisc / MoCo CIFAR demo
 DEFAULT_BANK_CHUNK_SIZE = 65536  # bank rows per similarity block
+# rows per side of a self_neighbours block: 2048 x 2048 fp32 = 16 MiB. CPU time at 12,000 x 256,
+# k 10, one thread: 1024 -> 1.1 s, 2048 -> 0.97 s, 4096 -> 1.15 s
+# (results/near-duplicates-2026-12-06.md)
+DEFAULT_SELF_BLOCK_SIZE = 2048
 # The grid of select_k_T (the raw-pixel baseline): k from 1-NN to the protocol's 200, T from
 # nearly hard votes (0.02: the nearest neighbour dominates) to nearly uniform ones (1.0).
 GRID_K = (1, 3, 5, 10, 20, 50, 100, 200)
@@ -164,6 +172,11 @@ def knn_neighbours(
 ) -> tuple[Tensor, Tensor]:
     """The ``k`` most cosine-similar bank rows of every query, most similar first.
 
+    The one neighbour search of the code base (the kNN classifier, the report's retrieval
+    figure, and, through :func:`self_neighbours`, the near-duplicates and outliers of the
+    pretraining images): a running top-k per query merged over bank blocks, never an (M, N)
+    matrix.
+
     Args:
         bank_features: (N, D) bank, N >= k (any float dtype; computed in fp32, L2-normalised here).
         query_features: (M, D) queries.
@@ -181,30 +194,110 @@ def knn_neighbours(
         ValueError: NaN or Inf in either feature set.
     """
     device = torch.device(device) if device is not None else query_features.device
-    n, m = bank_features.shape[0], query_features.shape[0]
-    queries = l2_normalize(query_features.to(device, torch.float32))  # M x D
-    if not torch.isfinite(queries).all():
-        raise InputError("test_features contain NaN or Inf")
-    # running top-k over the bank blocks seen so far; -inf slots are filled by the first blocks
-    # (N >= k rows in total, so none survives the last merge)
-    top_sim = torch.full((m, k), float("-inf"), device=device)  # M x k
-    top_idx = torch.zeros(m, k, dtype=torch.long, device=device)  # M x k, bank rows
-    for b0 in range(0, n, bank_chunk_size):
-        bank = bank_features[b0 : b0 + bank_chunk_size].to(device, torch.float32)
-        bank = l2_normalize(bank)  # B x D
-        if not torch.isfinite(bank).all():
-            raise InputError(f"train_features contain NaN or Inf (rows {b0}..{b0 + len(bank) - 1})")
-        kb = min(k, bank.shape[0])
-        for q0 in range(0, m, chunk_size):
-            q1 = min(q0 + chunk_size, m)
-            sim = queries[q0:q1] @ bank.T  # chunk x B
-            s, i = sim.topk(kb, dim=1)  # chunk x kb
-            s = torch.cat([top_sim[q0:q1], s], dim=1)  # chunk x (k + kb)
-            i = torch.cat([top_idx[q0:q1], i + b0], dim=1)
-            s, j = s.topk(k, dim=1)  # chunk x k
-            top_sim[q0:q1] = s
-            top_idx[q0:q1] = i.gather(1, j)
-    return top_sim, top_idx
+    queries = _normalized(query_features, device, "test_features contain NaN or Inf")  # M x D
+    top = _RunningTopK(queries.shape[0], k, device)
+    for b0 in range(0, bank_features.shape[0], bank_chunk_size):
+        bank = bank_features[b0 : b0 + bank_chunk_size]
+        bank = _normalized(bank, device, f"train_features contain NaN or Inf (rows {b0}.."
+                           f"{b0 + len(bank) - 1})")  # B x D
+        for q0 in range(0, queries.shape[0], chunk_size):
+            top.merge(q0, queries[q0 : q0 + chunk_size] @ bank.T, b0)  # chunk x B
+    return top.sim, top.idx
+
+
+@torch.no_grad()
+def self_neighbours(
+    features: Tensor,
+    *,
+    k: int,
+    block_size: int = DEFAULT_SELF_BLOCK_SIZE,
+    device: torch.device | str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The ``k`` most cosine-similar OTHER rows of every row of one set, most similar first.
+
+    The search of :func:`knn_neighbours` with the set as both bank and queries, each row's own
+    entry left out, and each similarity block computed once: block ``(I, J)`` of ``X X^T``
+    updates the running top-k of the rows of ``I`` and, transposed, of ``J``, so only the
+    blocks on and above the diagonal are multiplied (half the work of two separate sets).
+
+    Memory: the L2-normalised copy of ``features`` (``4 N D`` bytes), two ``block_size x
+    block_size`` fp32 blocks (a block and its transposed copy: 32 MiB at the default 2048) and
+    the running top-k (``12 N k`` bytes): linear in N, never an (N, N) matrix
+    (``benchmarks/near_duplicates.py``: 60,000 x 256 adds ~0.1 GB, where the (N, N) fp32 matrix
+    would be 14.4 GB).
+
+    Args:
+        features: (N, D) rows (any float dtype; computed in fp32, L2-normalised here).
+        k: neighbours per row, ``1 <= k <= N - 1``.
+        block_size: rows per similarity block on each side (default
+            :data:`DEFAULT_SELF_BLOCK_SIZE`, from ``benchmarks/near_duplicates.py``).
+        device: where to compute; default the device of ``features``.
+
+    Returns:
+        ``(similarities, indices)``: (N, k) float32 cosines sorted descending and (N, k) int64
+        row indices (never the row itself), on ``device``.
+
+    Raises:
+        ValueError: fewer than ``k + 1`` rows, ``k`` or ``block_size`` below 1, or NaN / Inf
+            in ``features``.
+    """
+    n = features.shape[0]
+    for name, v in (("k", k), ("block_size", block_size)):
+        if int(v) != v or v < 1:
+            raise InputError(f"self_neighbours: '{name}' = {v!r} is invalid; allowed: an "
+                             "integer >= 1")
+    if n < k + 1:
+        raise InputError(f"self_neighbours: {n} rows cannot give k = {k} other rows each")
+    device = torch.device(device) if device is not None else features.device
+    x = _normalized(features, device, "self_neighbours: features contain NaN or Inf")  # N x D
+    top = _RunningTopK(n, k, device)
+    for b0 in range(0, n, block_size):
+        for q0 in range(0, b0 + 1, block_size):  # blocks on and above the diagonal
+            sim = x[q0 : q0 + block_size] @ x[b0 : b0 + block_size].T  # bq x bb
+            if q0 == b0:
+                sim.fill_diagonal_(float("-inf"))  # a row is not its own neighbour
+            top.merge(q0, sim, b0)
+            if q0 != b0:
+                top.merge(b0, sim.T.contiguous(), q0)  # the mirrored block: bb x bq
+    return top.sim, top.idx
+
+
+def _normalized(x: Tensor, device: torch.device, error: str, rows: int = 8192) -> Tensor:
+    """``x`` in fp32 on ``device``, rows L2-normalised ``rows`` at a time (no N x D temporaries).
+
+    Raises:
+        ValueError: ``error`` when a row holds NaN or Inf.
+    """
+    out = torch.empty(x.shape, dtype=torch.float32, device=device)  # N x D
+    for r0 in range(0, x.shape[0], rows):
+        chunk = l2_normalize(x[r0 : r0 + rows].to(device, torch.float32))  # rows x D
+        if not torch.isfinite(chunk).all():  # per chunk: isfinite makes float temporaries
+            raise InputError(error)
+        out[r0 : r0 + rows] = chunk
+    return out
+
+
+class _RunningTopK:
+    """The best ``k`` (similarity, column) of each of ``m`` rows over the blocks seen so far.
+
+    Slots start at -inf and are filled by the first blocks (a search sees at least ``k``
+    finite candidates per row, so none survives the last merge).
+    """
+
+    def __init__(self, m: int, k: int, device: torch.device) -> None:
+        self.k = k
+        self.sim = torch.full((m, k), float("-inf"), device=device)  # M x k
+        self.idx = torch.zeros(m, k, dtype=torch.long, device=device)  # M x k, columns
+
+    def merge(self, row0: int, sim: Tensor, col0: int) -> None:
+        """Merge a block: ``sim`` (r, c) holds rows ``row0..row0+r-1``, columns from ``col0``."""
+        rows = slice(row0, row0 + sim.shape[0])
+        s, i = sim.topk(min(self.k, sim.shape[1]), dim=1)  # r x kb
+        s = torch.cat([self.sim[rows], s], dim=1)  # r x (k + kb)
+        i = torch.cat([self.idx[rows], i + col0], dim=1)
+        s, j = s.topk(self.k, dim=1)  # r x k
+        self.sim[rows] = s
+        self.idx[rows] = i.gather(1, j)
 
 
 def _vote(top_sim: Tensor, top_idx: Tensor, labels: Tensor, *, T: float, num_classes: int,

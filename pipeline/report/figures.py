@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline.errors import InputError
 from pipeline.evaluate.normalize import l2_normalize
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,16 +31,16 @@ DPI = 100
 MIN_TSNE_POINTS = 10  # below this a t-SNE map says nothing; the figure is skipped
 MATCH_COLOUR = "#2ca02c"
 MISMATCH_COLOUR = "#d62728"
-_BANK_CHUNK_ROWS = 65536  # bank rows normalised at a time by nearest_neighbours
 
 
-def _figure(width: float, height: float, ncols: int = 1) -> tuple[Figure, list[Any]]:
-    """A fresh Agg-backed figure with ``ncols`` side-by-side axes."""
+def _figure(width: float, height: float, ncols: int = 1,
+            nrows: int = 1) -> tuple[Figure, list[Any]]:
+    """A fresh Agg-backed figure with an ``nrows x ncols`` grid of axes, listed row by row."""
     from matplotlib.figure import Figure  # lazy: no matplotlib work at import time
 
     fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
-    axes = fig.subplots(1, ncols, squeeze=False)[0]
-    return fig, list(axes)
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    return fig, [ax for row in axes for ax in row]
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -328,41 +327,6 @@ def plot_tsne(
     if num_classes <= 20:
         ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), markerscale=2, frameon=False)
     return _save(fig, path)
-
-
-@torch.no_grad()
-def nearest_neighbours(queries: Tensor, bank: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The ``k`` most cosine-similar bank rows of each query (features L2-normalised first).
-
-    The bank is normalised in blocks of rows, so no full normalised copy of it is made.
-
-    Args:
-        queries: (Q, D) query features.
-        bank: (N, D) bank features.
-        k: neighbours per query; clipped to N.
-
-    Returns:
-        ``(indices, similarities)``, both (Q, k'), ``k' = min(k, N)``, most similar first;
-        indices are rows of ``bank``, similarities are cosines in [-1, 1].
-
-    Raises:
-        ValueError: ``k < 1`` or the feature dimensions differ.
-    """
-    if k < 1:
-        raise InputError(f"nearest_neighbours: k must be >= 1, got {k}")
-    if queries.shape[1] != bank.shape[1]:
-        raise InputError(
-            f"nearest_neighbours: query dim {queries.shape[1]} != bank dim {bank.shape[1]}"
-        )
-    q = l2_normalize(queries.float())  # (Q, D)
-    sims = torch.cat(
-        [
-            l2_normalize(block.float()) @ q.t()  # (n_block, Q)
-            for block in torch.split(bank, _BANK_CHUNK_ROWS)
-        ]
-    )  # (N, Q)
-    top = torch.topk(sims.t(), min(k, len(bank)), dim=1)  # (Q, k')
-    return top.indices, top.values
 
 
 def _show_image(ax: Any, image: Image.Image | None) -> None:

@@ -8,8 +8,9 @@ except for the few shard images that the retrieval figure picks, which they load
 
 Inputs, all relative to the repo root::
 
-    metrics/{pretrain,embed,baselines,knn,linear}.json   Metrics
+    metrics/{pretrain,data_insights,embed,baselines,knn,linear}.json   Metrics
     metrics/label_efficiency.json                        the label-efficiency curve
+    eval/data_insights.json                              near-duplicates and outliers
     plots/{pretrain,knn_monitor,labelfree,linear}.tsv    columns of floats
     eval/{knn,linear}_details.json                       EvalDetails
     features/{train,test}.pt                             Embeddings
@@ -34,15 +35,17 @@ import numpy as np
 from torch import Tensor
 
 from pipeline.atomic import read_json
+from pipeline.data.external import IMAGE_MEMBERS
 from pipeline.data.remote import is_url, shards_location
-from pipeline.data.shards import ShardError, read_manifest
+from pipeline.data.shards import ShardError, member_key, read_manifest
 
 log = logging.getLogger(__name__)
 
-TRACKED_STAGES = ("build_shards", "pretrain", "embed", "baselines", "knn", "linear",
-                  "label_efficiency")
+TRACKED_STAGES = ("build_shards", "pretrain", "data_insights", "embed", "baselines", "knn",
+                  "linear", "label_efficiency")
 METRICS_FILES = {  # metric-name prefix -> metrics file (relative to the repo root)
     "pretrain": "metrics/pretrain.json",
+    "data_insights": "metrics/data_insights.json",
     "embed": "metrics/embed.json",
     "baselines": "metrics/baselines.json",
     "knn": "metrics/knn.json",
@@ -147,6 +150,8 @@ class RunOutputs:
         shards_dir: the shard directory (``<root>/<data.shards_dir>``); retrieval images are
             read from its ``train`` and ``test`` splits.
         label_efficiency: ``metrics/label_efficiency.json`` (:func:`read_label_efficiency`).
+        data_insights: ``eval/data_insights.json`` (:func:`read_data_insights`).
+        root: the repo root (shard paths recorded relative to it are read from there).
     """
 
     metrics: Mapping[str, Metrics | None]
@@ -159,6 +164,8 @@ class RunOutputs:
     shards_dir: Path
     shards_are_url: bool = False
     label_efficiency: Mapping[str, Any] | None = None
+    data_insights: Mapping[str, Any] | None = None
+    root: Path = Path(".")
 
 
 def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
@@ -191,6 +198,8 @@ def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
         shards_dir=root / shards_dir,
         shards_are_url=is_url(shards_dir),
         label_efficiency=read_label_efficiency(root / "metrics/label_efficiency.json"),
+        data_insights=read_data_insights(root / "eval/data_insights.json"),
+        root=root,
     )
 
 
@@ -327,10 +336,10 @@ def _shard_paths(shard_dir: Path) -> list[Path]:
 
 
 def load_shard_images(shard_dir: Path, keys: Iterable[str]) -> dict[str, Any]:
-    """Decode the ``<key>.png`` members of the requested keys from a split's tar shards.
+    """Decode the image members of the requested keys from a split's tar shards.
 
-    Only PNG members are decoded (with PIL); nothing is unpickled. Reading stops as soon as every
-    key is found.
+    Only image members (:data:`pipeline.data.external.IMAGE_MEMBERS`) are decoded (with PIL);
+    nothing is unpickled. Reading stops as soon as every key is found.
 
     Args:
         shard_dir: a split directory (``data/shards/test``) holding ``*.tar`` shards.
@@ -344,27 +353,68 @@ def load_shard_images(shard_dir: Path, keys: Iterable[str]) -> dict[str, Any]:
     for shard in _shard_paths(Path(shard_dir)):
         if len(found) == len(wanted):
             break
-        if shard.is_file():
-            found.update(_png_members(shard, wanted - set(found)))
+        found.update(shard_images(shard, wanted - set(found)))
     return found
 
 
-def _png_members(shard: Path, wanted: set[str]) -> dict[str, Any]:
-    """The decoded images of the wanted keys' PNG members in one tar shard, by key."""
+def shard_images(shard: Path, wanted: set[str]) -> dict[str, Any]:
+    """The decoded images of the wanted keys in one local tar shard, by key.
+
+    A sample's key and extension are split as every reader splits them
+    (:func:`pipeline.data.shards.member_key`), so shards read in place (img2dataset layout)
+    work too. A missing file or a member that does not decode gives no entry.
+
+    Args:
+        shard: the tar file.
+        wanted: the sample keys wanted.
+
+    Returns:
+        key -> PIL image (mode ``L`` or ``RGB``).
+    """
     from PIL import Image
 
     found: dict[str, Any] = {}
+    if not wanted or not Path(shard).is_file():
+        return found
     with tarfile.open(shard, "r") as tar:
         for member in tar:
-            key = member.name[: -len(".png")]
-            if member.isfile() and member.name.endswith(".png") and key in wanted:
-                data = tar.extractfile(member).read()  # type: ignore[union-attr]
-                image = Image.open(io.BytesIO(data))
+            key, ext = member_key(member.name)
+            if not member.isfile() or (ext or "").lower() not in IMAGE_MEMBERS or key not in wanted:
+                continue
+            try:
+                image = Image.open(io.BytesIO(tar.extractfile(member).read()))  # type: ignore[union-attr]
                 image.load()
-                found[key] = image if image.mode in ("L", "RGB") else image.convert("RGB")
-                if len(found) == len(wanted):
-                    break
+            except OSError as e:  # PIL's UnidentifiedImageError is an OSError
+                log.warning("report: %s: sample %r does not decode (%s)", shard, key, e)
+                continue
+            found[key] = image if image.mode in ("L", "RGB") else image.convert("RGB")
+            if len(found) == len(wanted):
+                break
     return found
+
+
+def read_data_insights(path: Path) -> dict[str, Any] | None:
+    """``eval/data_insights.json`` when it has the fields the report shows, else None.
+
+    Needed: ``images``, ``duplicate_pairs``, ``duplicate_cosine``, ``k``, ``pairs`` (each with
+    a ``cosine`` and ``a`` / ``b`` holding ``key`` and ``shard``) and ``outliers`` (each with
+    ``key``, ``shard`` and ``score``).
+    """
+    data = read_json(path)
+    try:
+        ok = (all(_finite(data[f]) for f in ("images", "duplicate_pairs", "duplicate_cosine", "k"))
+              and all(_finite(p["cosine"]) and all(isinstance(p[s][f], str) for s in "ab"
+                                                   for f in ("key", "shard"))
+                      for p in data["pairs"])
+              and all(_finite(o["score"]) and isinstance(o["key"], str)
+                      and isinstance(o["shard"], str) for o in data["outliers"]))
+    except (TypeError, KeyError):
+        ok = False
+    if not ok:
+        if data is not None:
+            log.warning("%s: not a data-insights file; the report leaves it out", path)
+        return None
+    return data
 
 
 def collect_final_metrics(root: Path) -> dict[str, float]:

@@ -2,7 +2,8 @@
 
 A report is a :class:`~pipeline.report.document.Document` of sections
 (:mod:`pipeline.report.document`); the quality sections (no labels, few labels) are
-:mod:`pipeline.report.quality`'s. A number that is missing from the inputs is shown as
+:mod:`pipeline.report.quality`'s, the near-duplicates and outliers
+:mod:`pipeline.report.insights`'. A number that is missing from the inputs is shown as
 :data:`~pipeline.report.document.NOT_AVAILABLE`.
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pipeline.config import Params
+from pipeline.evaluate.knn import knn_neighbours
 from pipeline.report import figures as fg
 from pipeline.report.document import (
     NOT_AVAILABLE,
@@ -24,10 +26,11 @@ from pipeline.report.document import (
     Table,
 )
 from pipeline.report.inputs import Embeddings, Metrics, RunOutputs, load_shard_images
+from pipeline.report.insights import insights_section
 from pipeline.report.quality import label_efficiency_section, labelfree_section
 from pipeline.report.references import PROTOCOL_NAMES, published_reference, reference_note
 
-COST_STAGES = ("pretrain", "embed", "baselines", "knn", "linear")
+COST_STAGES = ("pretrain", "data_insights", "embed", "baselines", "knn", "linear")
 
 
 def build_document(
@@ -53,6 +56,7 @@ def build_document(
         labelfree_section(outputs, fig_dir),
         evaluation_section(outputs, fig_dir),
         label_efficiency_section(outputs, fig_dir),
+        insights_section(outputs, params.report.insight_images, fig_dir),
         embedding_section(params, outputs, fig_dir),
         cost_section(m),
         runs_section(outputs),
@@ -434,8 +438,9 @@ def _retrieval_block(
     if not (shards / "test").is_dir() or not (shards / "train").is_dir():
         return Paragraph(f"Retrieval: {NOT_AVAILABLE} (shards in {p.data.shards_dir}).")
     q_idx = fg.seeded_subsample(len(test.labels), p.report.retrieval_queries, p.seed)
-    nn_idx, nn_sim = fg.nearest_neighbours(
-        test.features[q_idx], train.features, p.report.retrieval_neighbours
+    nn_sim, nn_idx = knn_neighbours(
+        train.features, test.features[q_idx],
+        k=min(p.report.retrieval_neighbours, len(train.features)),
     )  # (Q, k) each
     q_keys = [test.keys[i] for i in q_idx]
     n_keys = [[train.keys[j] for j in row] for row in nn_idx.tolist()]

@@ -72,8 +72,8 @@ def repo(tmp_path_factory, tree):
 def test_fmnist_preset__repro_end_to_end_on_the_tree(repo):
     dst, text = repo
     assert ran(text) == ["check_params", "index_shards", "build_shards", "check_data", "pretrain",
-                         "check_eval", "embed", "baselines", "knn", "linear", "label_efficiency",
-                         "report"]
+                         "data_insights", "check_eval", "embed", "baselines", "knn", "linear",
+                         "label_efficiency", "report"]
     pre = read_manifest(dst / "data/shards/pretrain")
     train = read_manifest(dst / "data/shards/train")
     assert pre["num_samples"] == 600 and pre["label_counts"] == {"-1": 600}

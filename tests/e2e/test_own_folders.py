@@ -22,8 +22,9 @@ from repohelpers import commit, file_digests, make_repo, out, params, ran, sh
 from pipeline.data.shards import iter_shard, read_manifest
 
 pytestmark = pytest.mark.slow
-STAGES = ["check_params", "index_shards", "build_shards", "check_data", "pretrain", "check_eval",
-          "embed", "baselines", "knn", "linear", "label_efficiency", "report"]
+STAGES = ["check_params", "index_shards", "build_shards", "check_data", "pretrain",
+          "data_insights", "check_eval", "embed", "baselines", "knn", "linear",
+          "label_efficiency", "report"]
 
 
 def unlabelled_tree(root, n=300, seed=0):
@@ -290,12 +291,19 @@ def nolabels(tmp_path_factory):
     tree = params({"data": {"source": "none", "unlabelled_root": str(base / "photos")}})
     dst = base / "repo"
     env = make_repo(dst, tree)
-    return dst, env, out(sh(["dvc", "repro", "pretrain"], dst, env))
+    return dst, env, out(sh(["dvc", "repro", "data_insights"], dst, env))
 
 
-def test_no_labels__repro_pretrain_gives_the_encoder(nolabels):
+def test_no_labels__repro_data_insights_gives_the_encoder_and_the_insights(nolabels):
     dst, _, text = nolabels
-    assert ran(text) == ["check_params", "index_shards", "build_shards", "check_data", "pretrain"]
+    assert ran(text) == ["check_params", "index_shards", "build_shards", "check_data", "pretrain",
+                         "data_insights"]
+    # near-duplicates and outliers of the 120 unlabelled images, no labels needed
+    details = json.loads((dst / "eval/data_insights.json").read_text())
+    assert details["images"] == 120 and details["parts"] == {"built": 120, "read_in_place": 0}
+    assert len(details["outliers"]) == 120  # insights.listed 1000 >= 120: every image ranked
+    assert json.loads((dst / "metrics/data_insights.json").read_text())["images"] == 120
+    assert json.loads((dst / "runs/data_insights.json").read_text())["run_id"]
     assert (dst / "models/encoder.pt").is_file() and (dst / "models/encoder.json").is_file()
     assert "kNN monitor off: no labelled train or test images" in text
     # logged and registered in MLflow, the pretraining images as its input example

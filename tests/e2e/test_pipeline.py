@@ -28,8 +28,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
-STAGES = ["build_shards", "check_data", "pretrain", "check_eval", "embed", "baselines", "knn",
-          "linear", "label_efficiency", "report"]
+STAGES = ["build_shards", "check_data", "pretrain", "data_insights", "check_eval", "embed",
+          "baselines", "knn", "linear", "label_efficiency", "report"]
 INDEX = "index_shards"  # always_changed: runs at every `dvc repro`, changes nothing here
 
 pytestmark = [pytest.mark.slow,
@@ -235,8 +235,8 @@ def test_pipeline__knn_param_reruns_only_knn_and_report(repo):
 def test_pipeline__pretrain_param_reruns_pretrain_and_after(repo):
     dst, env, _ = repo
     out = sh(["dvc", "exp", "run", "-S", "pretrain.lr=0.05"], dst, env)
-    assert ran(out) == ["check_params", INDEX, "pretrain", "embed", "knn", "linear",
-                        "label_efficiency", "report"]
+    assert ran(out) == ["check_params", INDEX, "pretrain", "data_insights", "embed", "knn",
+                        "linear", "label_efficiency", "report"]
 
 
 def test_pipeline__second_pretraining__new_version_champion_moves_only_if_higher(repo):

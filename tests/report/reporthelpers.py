@@ -144,6 +144,31 @@ LABEL_EFFICIENCY = {
 }
 
 
+PRETRAIN_SHARD = "data/shards/pretrain/shard-000000.tar"
+IN_PLACE_SHARD = "https://example.org/shards/000000.tar"  # a URL: drawn as a missing tile
+
+
+def _item(i, key=None, shard=PRETRAIN_SHARD):
+    return {"row": i, "key": key or f"pre{i:05d}", "shard": shard}
+
+
+# 30 pretraining images (pre00000..pre00029, image(i) pixels) in one shard: 3 pairs, 3 outliers
+DATA_INSIGHTS = {
+    "images": 31, "parts": {"built": 30, "read_in_place": 1}, "k": 5,
+    "duplicate_cosine": 0.98, "duplicate_pairs": 3, "images_in_pairs": 6,
+    "outlier_score": {"min": 0.125, "p01": 0.125, "median": 0.75, "max": 0.99},
+    "pairs": [
+        {"cosine": 1.0, "a": _item(0), "b": _item(7)},
+        {"cosine": 0.9912, "a": _item(3), "b": _item(30, "000000123", IN_PLACE_SHARD)},
+        {"cosine": 0.9875, "a": _item(12), "b": _item(21)},
+    ],
+    "outliers": [{**_item(11), "score": 0.125}, {**_item(29), "score": 0.25},
+                 {**_item(4), "score": 0.375}],
+}
+DATA_INSIGHTS_METRICS = {"images": 31, "duplicate_pairs": 3, "images_in_pairs": 6,
+                         "duplicate_cosine": 0.98, "k": 5, "wall_time_s": 4.0}
+
+
 def features(n, seed):
     """(n, 8) features around 3 fixed class centres (shared by train and test), noise by seed."""
     centres = torch.randn(3, 8, generator=torch.Generator().manual_seed(123)) * 3
@@ -160,6 +185,7 @@ def make_run(root):
         ("linear", LINEAR),
         ("baselines", BASELINES),
         ("embed", EMBED),
+        ("data_insights", DATA_INSIGHTS_METRICS),
     ):
         write_json(root / f"metrics/{name}.json", obj)
     (root / "plots").mkdir()
@@ -205,6 +231,9 @@ def make_run(root):
     torch.save({"features": test_x, "labels": test_y, "keys": test_keys}, root / "features/test.pt")
     write_shards(root / "data/shards/train", train_keys, train_y, 30, manifest=False)
     write_shards(root / "data/shards/test", test_keys, test_y, 24, manifest=True)
+    write_shards(root / "data/shards/pretrain", [f"pre{i:05d}" for i in range(30)], [-1] * 30, 30,
+                 manifest=False)
+    write_json(root / "eval/data_insights.json", DATA_INSIGHTS)
     (root / "dvc.lock").write_text(DVC_LOCK)
     for i, stage in enumerate(("build_shards", "pretrain", "embed", "baselines", "knn", "linear")):
         write_json(

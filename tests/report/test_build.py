@@ -19,6 +19,8 @@ FIGURES = {
     "knn_monitor",
     "labelfree",
     "label_efficiency",
+    "duplicates",
+    "outliers",
     "linear_curves",
     "confusion_knn",
     "confusion_linear",
@@ -51,7 +53,8 @@ def test_build_report__html_and_markdown_are_twins(full_report):
     titles = re.findall(r"^## (.+)$", md, flags=re.M)
     assert re.findall(r"<h2>(.+?)</h2>", html) == titles
     assert titles == ["Settings", "Results", "Pretraining", "Quality without labels",
-                      "Evaluation", "Label efficiency", "Embeddings",
+                      "Evaluation", "Label efficiency",
+                      "What the embeddings say about the data", "Embeddings",
                       "Throughput and wall time", "MLflow runs", "DVC outputs"]
     md_rows = [ln for ln in md.splitlines() if ln.startswith("| ")]  # header rows included
     assert html.count("<tr>") == len(md_rows)
@@ -102,8 +105,9 @@ def test_build_report__provenance_sections(full_report):
     cost = md_section(md, "Throughput and wall time")
     assert md_row(cost, "pretrain")[1:3] == ["31.5", "812.5"]
     assert md_row(cost, "embed")[1:3] == ["1.5", "2000.0"]
-    # total of the five metrics files' wall times: 31.5 + 1.5 + 0.5 + 2.5 = 36.0
-    assert md_row(cost, "total (available)")[1] == "36.0"
+    assert md_row(cost, "data_insights")[1:3] == ["4.0", ""]
+    # total of the six metrics files' wall times: 31.5 + 4.0 + 1.5 + 0.5 + 2.5 = 40.0
+    assert md_row(cost, "total (available)")[1] == "40.0"
 
 
 def test_build_report__missing_inputs_say_not_available(tmp_path):
@@ -189,8 +193,8 @@ def test_build_report__hostile_inputs_shown_as_text(tmp_path):
     html = report.html.read_text()
     assert "<script" not in html and "onerror=" not in html.replace("onerror=&#34;", "")
     assert "&lt;img src=x onerror=&#34;alert(1)&#34;&gt;" in html
-    assert check_html(report.html) == []  # no image smuggled in: all 11 are the real figures
-    assert html.count("<img ") == 11
+    assert check_html(report.html) == []  # no image smuggled in: all 13 are the real figures
+    assert html.count("<img ") == 13
     md = report.markdown.read_text()
     runs = md_section(md, "MLflow runs")
     assert '| knn | &lt;img src=x onerror="alert(1)"> | &lt;b>7&lt;/b>\\|x |' in runs

@@ -1,49 +1,7 @@
-import numpy as np
-import pytest
-import torch
 from PIL import Image
 from reporthelpers import CLASS_NAMES, features
 
 from pipeline.report import figures as fg
-
-
-def _brute_force_neighbours(q, bank, k):
-    out_idx, out_sim = [], []
-    for row in q.tolist():
-        sims = []
-        for j, b in enumerate(bank.tolist()):
-            dot = sum(x * y for x, y in zip(row, b))
-            nq = sum(x * x for x in row) ** 0.5
-            nb = sum(y * y for y in b) ** 0.5
-            sims.append((dot / (nq * nb), j))
-        sims.sort(key=lambda t: -t[0])
-        out_idx.append([j for _, j in sims[:k]])
-        out_sim.append([s for s, _ in sims[:k]])
-    return out_idx, out_sim
-
-
-@pytest.mark.parametrize("chunk_rows", [65536, 7])
-def test_nearest_neighbours__matches_brute_force(monkeypatch, chunk_rows):
-    monkeypatch.setattr(fg, "_BANK_CHUNK_ROWS", chunk_rows)
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(5, 6, generator=g)
-    bank = torch.randn(50, 6, generator=g) * torch.rand(50, 1, generator=g) * 10  # mixed norms
-    idx, sim = fg.nearest_neighbours(q, bank, 4)
-    ref_idx, ref_sim = _brute_force_neighbours(q, bank, 4)
-    assert idx.tolist() == ref_idx
-    assert np.allclose(sim.numpy(), ref_sim, atol=1e-5)
-
-
-def test_nearest_neighbours__k_clipped_to_bank(tmp_path):
-    # query (1, 1, 1) against (1, 0, 0), (1, 1, 0), (1, 1, 1): cosines 1/sqrt(3), 2/sqrt(6), 1;
-    # k = 10 clipped to the 3 bank rows, most similar first
-    bank = torch.tensor([[1.0, 0, 0], [1, 1, 0], [1, 1, 1]])
-    idx, sim = fg.nearest_neighbours(torch.ones(2, 3), bank, 10)
-    assert idx.tolist() == [[2, 1, 0]] * 2
-    want = [1.0, 2 / 6**0.5, 1 / 3**0.5]
-    assert np.allclose(sim.numpy(), [want, want], atol=1e-6)
-    with pytest.raises(ValueError, match="k must be"):
-        fg.nearest_neighbours(torch.ones(2, 3), torch.eye(3), 0)
 
 
 def test_seeded_subsample__distinct_sorted_reproducible():

@@ -5,6 +5,8 @@ import torch
 from reporthelpers import (
     BASELINES,
     CLASS_NAMES,
+    DATA_INSIGHTS,
+    DATA_INSIGHTS_METRICS,
     DVC_LOCK,
     KNN,
     LINEAR,
@@ -22,10 +24,12 @@ from pipeline.report.inputs import (
     RunRecord,
     collect_final_metrics,
     load_shard_images,
+    read_data_insights,
     read_dvc_lock,
     read_metrics,
     read_outputs,
     read_tsv,
+    shard_images,
 )
 
 
@@ -43,6 +47,7 @@ def test_read_outputs__complete_run_typed(tmp_path):
     assert out.features["train"].features.shape == (60, 8)
     assert out.features["test"].keys[:2] == ["test00000", "test00001"]
     assert out.test_class_names == CLASS_NAMES
+    assert out.data_insights == DATA_INSIGHTS and out.root == root
     assert out.runs["embed"] == RunRecord(None, "7", "https://alice:s3cret@mlflow.example.org")
     assert out.runs["knn"].run_id == "run04abc"
     md5 = "99998888777766665555444433332222"
@@ -99,6 +104,38 @@ def test_load_shard_images__decodes_requested_keys(tmp_path):
     assert got["k001"].mode == "L"
 
 
+def test_shard_images__img2dataset_keys_with_dots_and_jpeg(tmp_path):
+    # a shard read in place: keys end at the LAST dot (photo.2024), JPEG members, a .json beside
+    import io
+
+    import webdataset as wds
+    from PIL import Image
+
+    def jpeg(i):
+        buf = io.BytesIO()
+        Image.fromarray(np.full((8, 8, 3), 40 * i, dtype=np.uint8)).save(buf, format="JPEG",
+                                                                         quality=95)
+        return buf.getvalue()
+
+    with wds.TarWriter(str(tmp_path / "x.tar")) as sink:
+        for i, key in enumerate(["photo.2024", "b", "c"]):
+            sink.write({"__key__": key, "jpg": jpeg(i + 1), "json": b"{}"})
+    got = shard_images(tmp_path / "x.tar", {"photo.2024", "c", "absent"})
+    assert sorted(got) == ["c", "photo.2024"]
+    # JPEG keeps a flat 8x8 block exact up to rounding: 40 * 1 = 40 and 40 * 3 = 120
+    assert abs(int(np.asarray(got["photo.2024"]).mean()) - 40) <= 1
+    assert abs(int(np.asarray(got["c"]).mean()) - 120) <= 1
+    assert shard_images(tmp_path / "absent.tar", {"c"}) == {}
+
+
+def test_read_data_insights__malformed_is_none(tmp_path, caplog):
+    bad = {**DATA_INSIGHTS, "pairs": [{"cosine": "high", "a": {}, "b": {}}]}
+    write_json(tmp_path / "eval/data_insights.json", bad)
+    assert read_data_insights(tmp_path / "eval/data_insights.json") is None
+    assert "not a data-insights file" in caplog.text
+    assert read_data_insights(tmp_path / "absent.json") is None
+
+
 def test_read_dvc_lock__rows(tmp_path):
     (tmp_path / "dvc.lock").write_text(DVC_LOCK)
     assert read_dvc_lock(tmp_path / "dvc.lock") == [
@@ -120,6 +157,7 @@ def test_collect_final_metrics__union_with_prefixes(tmp_path):
     expected |= {f"knn.{k}": float(v) for k, v in KNN.items()}
     expected |= {f"linear.{k}": float(v) for k, v in LINEAR.items()}
     expected |= {f"baselines.{k}": float(v) for k, v in BASELINES.items()}
+    expected |= {f"data_insights.{k}": float(v) for k, v in DATA_INSIGHTS_METRICS.items()}
     expected["linear.nested.a"] = 2.0
     got = collect_final_metrics(root)
     assert got == expected

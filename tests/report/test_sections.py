@@ -16,7 +16,7 @@ from pipeline.report.sections import (
 
 
 def _metrics(**stages):
-    names = ("pretrain", "embed", "baselines", "knn", "linear")
+    names = ("pretrain", "data_insights", "embed", "baselines", "knn", "linear")
     return {s: Metrics(stages[s]) if s in stages else None for s in names}
 
 
@@ -28,16 +28,16 @@ def test_build_document__sections_and_figures(tmp_path):
     doc = build_document(params, read_outputs(root, "data/shards"), fig_dir, "c0ffee")
     assert [s.title for s in doc.sections] == [
         "Settings", "Results", "Pretraining", "Quality without labels", "Evaluation",
-        "Label efficiency", "Embeddings", "Throughput and wall time", "MLflow runs",
-        "DVC outputs",
+        "Label efficiency", "What the embeddings say about the data", "Embeddings",
+        "Throughput and wall time", "MLflow runs", "DVC outputs",
     ]
     assert doc.title == "MoCo report: fashion_mnist / resnet18"
     assert doc.subtitle.endswith("git commit c0ffee.")
     refs = [b.name for s in doc.sections for b in s.blocks if isinstance(b, FigureRef)]
     assert sorted(refs) == sorted(p.name for p in fig_dir.iterdir())
-    assert len(refs) == 11  # all but t-SNE and retrieval
-    assert doc.sections[7].anchor == "throughput-and-wall-time"
-    assert doc.sections[6].blocks[0] == Paragraph(
+    assert len(refs) == 13  # all but t-SNE and retrieval
+    assert doc.sections[8].anchor == "throughput-and-wall-time"
+    assert doc.sections[7].blocks[0] == Paragraph(
         "t-SNE: skipped (report.tsne_points = 0, 24 test embeddings; at least 10 needed)."
     )
 
@@ -68,9 +68,10 @@ def test_cost_section__notes_and_total():
     rows = cost_section(m).blocks[0].rows
     assert rows[0] == ["pretrain", "10.0", "5.0",
                        "data wait 25.0 %, peak memory 3 MiB, 2 process(es)"]
-    assert rows[1] == ["embed", NOT_AVAILABLE, NOT_AVAILABLE, NOT_AVAILABLE]
-    assert rows[3] == ["knn", "0.5", "", "60 train / 24 test"]
-    assert rows[4] == ["linear", NOT_AVAILABLE, "", ""]  # file present, no numbers
+    assert rows[1] == ["data_insights", NOT_AVAILABLE, NOT_AVAILABLE, NOT_AVAILABLE]
+    assert rows[2] == ["embed", NOT_AVAILABLE, NOT_AVAILABLE, NOT_AVAILABLE]
+    assert rows[4] == ["knn", "0.5", "", "60 train / 24 test"]
+    assert rows[5] == ["linear", NOT_AVAILABLE, "", ""]  # file present, no numbers
     assert rows[-1] == ["total (available)", "10.5", "", ""]
 
 
