@@ -88,6 +88,8 @@ def pipeline_outputs(cwd: str, git_top: str) -> tuple[str, ...]:
     from dvc.repo import Repo
 
     found: set[str] = set()
+    quiet = logging.getLogger("dvc")  # DVC's handler keeps the stderr of its first import
+    level, quiet.level = quiet.level, logging.CRITICAL
     try:
         with Repo(cwd) as repo:
             for stage in repo.index.stages:
@@ -101,6 +103,8 @@ def pipeline_outputs(cwd: str, git_top: str) -> tuple[str, ...]:
         log.warning("git.dirty counts every changed file: DVC cannot list the pipeline's "
                     "outputs (%s)", error_summary(e))
         return ()
+    finally:
+        quiet.setLevel(level)
     top = Path(git_top)
     return tuple(sorted(Path(os.path.abspath(p)).relative_to(top).as_posix() for p in found
                         if Path(os.path.abspath(p)).is_relative_to(top)))

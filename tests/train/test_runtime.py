@@ -168,12 +168,12 @@ def test_pretrain__compile_on_cpu_and_resume_bit_identical(tiny_shards, tmp_path
 
 
 def test_plan_error__bad_bn_mode_is_a_one_line_user_error(tiny_shards, tmp_path):
-    from pipeline.cli import _user_errors
+    from pipeline.cli import error_line
     from pipeline.train.plan import PlanError
 
-    with pytest.raises(PlanError, match="moco.bn"):
+    with pytest.raises(PlanError, match="moco.bn") as e:
         run_pretrain(tiny_shards, tmp_path, {"moco": {"bn": "shuffle"}})
-    assert PlanError in _user_errors()  # stage_main prints one `error:` line for it
+    assert error_line(e.value).startswith("PlanError: ")  # stage_main prints this one line
 
 
 @pytest.mark.gpu
