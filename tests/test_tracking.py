@@ -392,7 +392,6 @@ stages:
 @pytest.fixture()
 def pipeline_repo(tmp_path, monkeypatch):
     """A committed git + DVC repo: one stage whose outputs are git-tracked (cache: false)."""
-    from dvc.repo import Repo
 
     for k, v in GIT_ENV.items():
         monkeypatch.setenv(k, v)
@@ -405,7 +404,9 @@ def pipeline_repo(tmp_path, monkeypatch):
         (repo / name).parent.mkdir(parents=True, exist_ok=True)
         (repo / name).write_text(text)
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
-    Repo.init(str(repo)).close()
+    # `dvc init` in its own process: DVC's log handler holds the stderr it first saw, which
+    # pytest has closed by now when an earlier test imported DVC
+    subprocess.run([str(Path(sys.executable).parent / "dvc"), "init", "-q"], cwd=repo, check=True)
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
     subprocess.run(["git", "commit", "-qm", "base"], cwd=repo, check=True)
     pipeline_outputs.cache_clear()

@@ -712,7 +712,7 @@ class _EvalStream(IterableDataset):
                     key, image, label = decode_record(record, self.mode)
                 else:  # read in place: the image only, unlabelled
                     record["__layout__"] = shard.layout
-                    (key, image), label = _decode_any(record, self.mode), -1
+                    key, image, label = str(record["__key__"]), _decode_any(record, self.mode), -1
                 pending.append((self.transform(image), label, key))
                 if g == min((i + 1) * b, self.total) - 1:  # last sample of batch i
                     yield _collate_eval(pending)
