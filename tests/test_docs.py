@@ -37,9 +37,6 @@ from helpers import shipped_versions
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-# Paths the docs name that land with work merged separately; each must still be missing (remove
-# the entry when it lands, and the checks below then cover it).
-PENDING: dict[str, str] = {}
 FENCE = re.compile(r"^```(bash|sh|shell|console)\n(.*?)^```$", re.M | re.S)
 
 
@@ -477,8 +474,6 @@ def test_readme__map_paths_and_names_exist():
         paths = re.findall(r"`([\w./]+/[\w./]*)`", where)
         assert paths, concept
         for p in paths:
-            if p in PENDING:
-                continue
             assert (REPO / p).exists(), f"{concept}: {p}"
         for name in re.findall(r"\(`([\w.]+)`\)", where):
             cls, _, meth = name.partition(".")
@@ -503,18 +498,10 @@ def test_docs__relative_links_resolve(doc):
             continue
         path, _, anchor = target.partition("#")
         dest = (doc.parent / path).resolve() if path else doc
-        rel = dest.relative_to(REPO).as_posix() if dest.is_relative_to(REPO) else str(dest)
-        if rel in PENDING:
-            continue
         assert dest.exists(), f"{doc.name}: {target}"
         if anchor:
             heads = re.findall(r"^#+ (.*)$", dest.read_text(), re.M)
             assert anchor in {_slug(h) for h in heads}, f"{doc.name}: {target}"
-
-
-def test_docs__pending_paths_are_still_missing():
-    landed = [f"{p} ({why})" for p, why in PENDING.items() if (REPO / p).exists()]
-    assert not landed, f"remove from PENDING in tests/test_docs.py: {landed}"
 
 
 def test_readme__size():

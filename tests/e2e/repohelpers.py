@@ -17,6 +17,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# Every stage of dvc.yaml in file order, which is the order a first `dvc repro` runs them in
+# (each stage's deps come from stages above it).
+STAGES: list[str] = list(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
+
 # On top of configs/ci.yaml: 16 px images, a width-4 ResNet, one epoch: seconds per stage.
 TINY: dict[str, dict[str, Any]] = {
     "data": {"image_size": 16, "samples_per_shard": 64, "max_pretrain_images": 0,

@@ -31,12 +31,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from repohelpers import STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
-STAGES = ["check_params", "index_shards", "build_shards", "check_data", "pretrain",
-          "data_insights", "check_eval", "embed", "baselines", "knn", "linear",
-          "label_efficiency", "report"]
 INDEX = "index_shards"  # always_changed: runs at every `dvc repro`; nothing to index here
 # the validations (check_params, check_data, check_eval) and an empty index log no MLflow run
 TRACKED = [s for s in STAGES[2:] if s not in ("check_data", "check_eval")]

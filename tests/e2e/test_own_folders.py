@@ -17,14 +17,11 @@ import numpy as np
 import pytest
 import yaml
 from PIL import Image
-from repohelpers import commit, file_digests, make_repo, out, params, ran, sh
+from repohelpers import STAGES, commit, file_digests, make_repo, out, params, ran, sh
 
 from pipeline.data.shards import iter_shard, read_manifest
 
 pytestmark = pytest.mark.slow
-STAGES = ["check_params", "index_shards", "build_shards", "check_data", "pretrain",
-          "data_insights", "check_eval", "embed", "baselines", "knn", "linear",
-          "label_efficiency", "report"]
 
 
 def unlabelled_tree(root, n=300, seed=0):

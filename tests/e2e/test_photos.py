@@ -16,11 +16,9 @@ import tarfile
 
 import pytest
 from helpers import write_photos
-from repohelpers import commit, make_repo, out, params, ran, sh
+from repohelpers import STAGES, commit, make_repo, out, params, ran, sh
 
 pytestmark = pytest.mark.slow
-STAGES = ["check_params", "index_shards", "build_shards", "check_data", "pretrain", "check_eval",
-          "embed", "baselines", "knn", "linear", "label_efficiency", "report"]
 
 
 @pytest.fixture(scope="module")

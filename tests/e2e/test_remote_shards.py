@@ -22,14 +22,11 @@ import time
 import pytest
 import yaml
 from helpers import img2dataset_shards
-from repohelpers import commit, make_repo, out, params, ran, sh
+from repohelpers import STAGES, commit, make_repo, out, params, ran, sh
 
 from pipeline.data.shards import read_manifest
 
 pytestmark = pytest.mark.slow
-STAGES = ["check_params", "index_shards", "build_shards", "check_data", "pretrain",
-          "data_insights", "check_eval", "embed", "baselines", "knn", "linear",
-          "label_efficiency", "report"]
 AFTER_PRETRAIN = ["index_shards", "check_data", "pretrain", "data_insights", "embed", "knn",
                   "linear", "label_efficiency", "report"]
 
