@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PLOT_FILES = ("plots/pretrain.tsv", "plots/knn_monitor.tsv", "plots/linear.tsv")
+PLOT_FILES = ("plots/pretrain.tsv", "plots/knn_monitor.tsv", "plots/labelfree.tsv",
+              "plots/linear.tsv")
 X_AXES = {"step", "epoch"}
 
 
@@ -49,7 +50,8 @@ def header(f: str) -> list[str]:
 
 def test_dvc_plots_show__every_column_of_every_curve_file_drawn_once(tmp_path):
     expected = {(f, col) for f in PLOT_FILES for col in header(f) if col not in X_AXES}
-    assert len(expected) == 15  # 8 pretraining, 2 kNN-monitor, 5 linear-probe columns
+    # 8 pretraining, 2 kNN-monitor, 3 label-free (RankMe, alignment, uniformity), 5 linear-probe
+    assert len(expected) == 18
 
     data = dvc_plots_json(tmp_path)
     drawn: list[tuple[str, str]] = []
@@ -59,5 +61,5 @@ def test_dvc_plots_show__every_column_of_every_curve_file_drawn_once(tmp_path):
         (source,) = [f for f in PLOT_FILES if set(header(f)) == columns]  # the rows' file
         assert title and x in X_AXES and x in columns, plot_id
         drawn += [(source, y) for y in ys]
-    assert len(data) == 12  # 3 stage-level plots (one y each) + 9 top-level definitions
+    assert len(data) == 15  # 4 stage-level plots (one y each) + 11 top-level definitions
     assert sorted(drawn) == sorted(expected)  # every column drawn, and exactly once

@@ -83,7 +83,7 @@ def probe_top1(train: FeatureSet, test: FeatureSet, *, probe: str, num_classes: 
             train, test, num_classes=num_classes, epochs=linear.epochs,
             batch_size=linear.batch_size, lr=linear.lr, lr_schedule=linear.lr_schedule,
             milestones=linear.lr_milestones, weight_decay=linear.weight_decay,
-            feature_norm=linear.feature_norm, seed=seed, device=device).top1
+            feature_norm=linear.feature_norm, seed=seed, device=device, test_curve=False).top1
     raise InputError(f"label efficiency: unknown probe {probe!r}; known: {', '.join(PROBES)}")
 
 

@@ -63,6 +63,19 @@ def test_train_linear_on_features__reports_final_epoch_not_best():
     assert torch.equal(r.predictions, pred)
 
 
+def test_train_linear_on_features__without_test_curve_same_classifier_and_top1():
+    # Scoring the test set after each epoch draws no random numbers: the weights, and so the
+    # final top-1, are the same bits without the per-epoch curve.
+    train, test = _blobs(0, 200, 1.0, label_noise=0.3), _blobs(100, 200, 1.0, prefix="t")
+    kw = {"epochs": 8, "batch_size": 16, "milestones": (5,), "seed": 3}
+    a = train_linear_on_features(train, test, **kw)
+    b = train_linear_on_features(train, test, test_curve=False, **kw)
+    for k in ("weight", "bias"):
+        assert torch.equal(a.classifier_state[k], b.classifier_state[k]), k
+    assert a.top1 == b.top1 and torch.equal(a.predictions, b.predictions)
+    assert "test_top1" in a.history[-1] and all("test_top1" not in h for h in b.history)
+
+
 def test_lr_per_epoch__step_and_cosine_by_hand():
     # lr 30 per 256 at batch 64 -> 7.5; x0.1 from (0-based) epoch 2 and again from epoch 4
     got = lr_per_epoch(lr=30.0, batch_size=64, epochs=5, lr_schedule="step", milestones=[2, 4])
