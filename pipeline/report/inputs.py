@@ -207,7 +207,8 @@ def read_label_efficiency(path: Path) -> dict[str, Any] | None:
     """``metrics/label_efficiency.json`` when its curve is whole, else None (with a log line).
 
     Whole: ``curve[kind][probe][n]`` holds finite ``mean`` and ``std`` for every kind, both
-    probes and the same ``n`` everywhere.
+    probes and the same ``n`` everywhere. The points come back in increasing ``n`` (the file's
+    keys are text, which JSON writers sort as text: "1", "10", "100", "2").
     """
     data = read_json(path)
     try:
@@ -216,7 +217,10 @@ def read_label_efficiency(path: Path) -> dict[str, Any] | None:
         ok = len(ns) == 1 and all(
             _finite(pt["mean"]) and _finite(pt["std"]) for probes in curve.values()
             for probe in ("knn", "linear") for pt in probes[probe].values())
-    except (TypeError, KeyError, AttributeError):
+        for probes in curve.values():
+            for probe, points in probes.items():
+                probes[probe] = dict(sorted(points.items(), key=lambda kv: int(kv[0])))
+    except (TypeError, KeyError, AttributeError, ValueError):
         ok = False
     if not ok:
         if data is not None:

@@ -6,6 +6,7 @@ import copy
 
 from reporthelpers import LABEL_EFFICIENCY, make_run
 
+from pipeline.atomic import write_json
 from pipeline.evaluate import labelfree
 from pipeline.report.document import FigureRef, Paragraph, Table
 from pipeline.report.inputs import read_outputs
@@ -49,3 +50,22 @@ def test_quality_sections__tables_figures_and_study_verdicts(tmp_path, monkeypat
     assert [b.name for b in le.blocks if isinstance(b, FigureRef)] == ["label_efficiency.png"]
     rows = next(b for b in le.blocks if isinstance(b, Table)).rows
     assert rows[0] == ["MoCo", "knn", "30.00 ± 2.00", "60.50 ± 2.00"]
+
+
+def test_label_efficiency__points_read_in_increasing_n_not_as_sorted_text(tmp_path):
+    # write_json sorts keys as text ("1", "10", "100", "2", "25", "5"): the curve, its figure
+    # and its table must still run 1, 2, 5, 10, 25, 100.
+    root = make_run(tmp_path / "run")
+    ns = [1, 2, 5, 10, 25, 100]
+    point = {"mean": 50.0, "std": 1.0, "min": 49.0, "max": 51.0}
+    curve = {kind: {probe: {str(n): dict(point) for n in ns} for probe in ("knn", "linear")}
+             for kind in ("moco", "raw_pixels", "random_encoder")}
+    write_json(root / "metrics/label_efficiency.json",
+               {"draws": 2, "train_images": 60, "curve": curve})
+    assert '"10"' in (root / "metrics/label_efficiency.json").read_text().split('"2"')[0]
+    out = read_outputs(root, "data/shards")
+    assert list(out.label_efficiency["curve"]["moco"]["knn"]) == [str(n) for n in ns]
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    table = next(b for b in label_efficiency_section(out, figs).blocks if isinstance(b, Table))
+    assert table.headers[2:] == [f"{n}/class" for n in ns]
