@@ -452,7 +452,7 @@ def test_readme__results_table_matches_the_metrics():
     # metrics/ in the workspace or as committed (a rerun with other params changes the former)
     found = [disagreements(m) for m in _metrics_sets()]
     assert [] in found, dict(zip(("metrics/ in the workspace", "metrics/ as committed"), found))
-    for prefix, run in (("MoCo, default", "default-2026-12-04-epyc"),
+    for prefix, run in (("MoCo, default", "default-2026-12-06-epyc-bf16"),
                         ("MoCo, the same encoder at *layer 4*", "default-2026-12-03-epyc"),
                         ("MoCo, `configs/fashion-mnist-long.yaml`", "long"),
                         ("MoCo, the same long encoder at *layer 4*", "long/same-encoder-layer4")):
