@@ -25,7 +25,7 @@ import mlflow
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from registryhelpers import publish, score, train_tiny
+from registryhelpers import other_bytes, publish, score, train_tiny
 
 from pipeline.tracking import ui_url
 
@@ -73,6 +73,7 @@ def server(tmp_path_factory):
             records = [publish()]
             score("knn", 61.0)
             score("linear", 80.0)
+            other_bytes()
             records.append(publish())
             score("linear", 85.0)
         finally:

@@ -22,7 +22,7 @@ import torch
 import torchvision
 import yaml
 from mlflow.tracking import MlflowClient
-from registryhelpers import PARAMS, publish, score, train_tiny
+from registryhelpers import PARAMS, other_bytes, publish, score, train_tiny
 
 from pipeline.config import from_dict
 from pipeline.evaluate.run.embed import load_encoder
@@ -245,12 +245,14 @@ def test_scores_and_champion__moves_only_when_higher(wd):
     knn_run = c.get_run(json.loads(Path("runs/knn.json").read_text())["run_id"])
     assert [i.model_id for i in knn_run.inputs.model_inputs] == [first["model_id"]]
 
+    other_bytes()
     second = publish()
     assert second["model_version"] == "2"
     assert int(c.get_model_version_by_alias(NAME, NEWEST).version) == 2
     assert score("linear", 75.0) == 1  # lower: the champion stays
     assert int(c.get_model_version_by_alias(NAME, CHAMPION).version) == 1
     assert c.get_model_version("moco-encoder", "2").tags["linear.top1"] == "75"
+    other_bytes()
     third = publish()
     assert score("linear", 80.5) == 3  # higher: it moves
     assert int(c.get_model_version_by_alias(NAME, CHAMPION).version) == 3
@@ -432,6 +434,7 @@ def test_update_champion__registry_wide__two_clones_share_one_database(wd, tmp_p
     assert score("linear", 28.0) == 1  # worse than the other clone's version: it stays
     c = MlflowClient()
     assert str(c.get_model_version_by_alias(NAME, CHAMPION).version) == "1"
+    other_bytes()  # a third version
     publish()
     assert score("linear", 35.0) == 3  # better than every version: it moves
     assert str(c.get_model_version_by_alias(NAME, CHAMPION).version) == "3"
@@ -467,3 +470,20 @@ def test_publish_encoder__a_bug__fails_the_stage_not_a_warning(wd, monkeypatch, 
     with pytest.raises(TypeError, match="unexpected keyword"):
         publish()
     assert _warnings(caplog) == []
+
+
+def test_publish_encoder__same_bytes_again__no_second_version_newest_moves_back(wd):
+    # A finished checkpoint exported again (a params change that trains nothing) gives the same
+    # encoder bytes: version 1 again, not a version 3 without scores; `newest` points at it.
+    first = publish()
+    enc = Path("models/encoder.pt")
+    original = enc.read_bytes()
+    other_bytes()
+    assert publish()["model_version"] == "2"
+    enc.write_bytes(original)
+    again = publish()
+    c = MlflowClient()
+    assert again["model_version"] == first["model_version"] == "1"
+    assert len(c.search_model_versions(f"name = '{NAME}'")) == 2
+    assert str(c.get_model_version_by_alias(NAME, NEWEST).version) == "1"
+    assert c.get_run(again["run_id"]).data.tags["registry.version"] == f"{NAME}/1"

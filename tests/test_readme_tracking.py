@@ -9,7 +9,7 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
-from registryhelpers import publish, score, train_tiny
+from registryhelpers import other_bytes, publish, score, train_tiny
 from test_readme import readme_block
 
 from pipeline.moco.backbones import build_backbone, export_state_dict
@@ -37,6 +37,7 @@ def registry(tmp_path_factory) -> Path:
     try:
         publish()
         score("linear", 80.0)
+        other_bytes()
         publish()
         score("linear", 75.0)
     finally:

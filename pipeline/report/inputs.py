@@ -51,6 +51,7 @@ METRICS_FILES = {  # metric-name prefix -> metrics file (relative to the repo ro
     "knn": "metrics/knn.json",
     "linear": "metrics/linear.json",
 }
+LABEL_EFFICIENCY_FILE = "metrics/label_efficiency.json"  # nested: not among the final metrics
 PLOT_FILES = {  # curve name -> TSV (relative to the repo root)
     "pretrain": "plots/pretrain.tsv",
     "knn_monitor": "plots/knn_monitor.tsv",
@@ -138,7 +139,8 @@ class RunOutputs:
     """Everything the report shows, read once from the repo root. ``None`` = not available.
 
     Attributes:
-        metrics: stage (:data:`METRICS_FILES`) -> its metrics.
+        metrics: stage (:data:`METRICS_FILES`, and ``label_efficiency``: its top-level numbers)
+            -> its metrics.
         plots: curve name (:data:`PLOT_FILES`) -> TSV columns.
         details: evaluation (:data:`EVALUATIONS`) -> its details.
         features: ``"train"`` / ``"test"`` -> embeddings.
@@ -188,7 +190,8 @@ def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
         manifest = read_json(root / shards_dir / "test" / "manifest.json") or {}
     names = manifest.get("class_names")
     return RunOutputs(
-        metrics={s: read_metrics(root / rel) for s, rel in METRICS_FILES.items()},
+        metrics={s: read_metrics(root / rel) for s, rel in
+                 {**METRICS_FILES, "label_efficiency": LABEL_EFFICIENCY_FILE}.items()},
         plots={name: read_tsv(root / rel) for name, rel in PLOT_FILES.items()},
         details={e: read_details(root / f"eval/{e}_details.json") for e in EVALUATIONS},
         features={s: load_features(root / f"features/{s}.pt") for s in ("train", "test")},
@@ -197,7 +200,7 @@ def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
         dvc_lock=read_dvc_lock(root / "dvc.lock"),
         shards_dir=root / shards_dir,
         shards_are_url=is_url(shards_dir),
-        label_efficiency=read_label_efficiency(root / "metrics/label_efficiency.json"),
+        label_efficiency=read_label_efficiency(root / LABEL_EFFICIENCY_FILE),
         data_insights=read_data_insights(root / "eval/data_insights.json"),
         root=root,
     )

@@ -30,7 +30,8 @@ from pipeline.report.insights import insights_section
 from pipeline.report.quality import label_efficiency_section, labelfree_section
 from pipeline.report.references import PROTOCOL_NAMES, published_reference, reference_note
 
-COST_STAGES = ("pretrain", "data_insights", "embed", "baselines", "knn", "linear")
+COST_STAGES = ("pretrain", "data_insights", "embed", "baselines", "knn", "linear",
+               "label_efficiency")
 
 
 def build_document(

@@ -164,8 +164,17 @@ def _version_tags(params: Params, run: StageRun, encoder_path: Path) -> dict[str
 
 def _log_and_register(run: StageRun, *, params: Params, encoder_path: Path,
                       example_split: Path | ShardURL) -> EncoderVersion | None:
-    """Log the encoder as the run's logged model and register a version (None: failed)."""
+    """Log the encoder as the run's logged model and register a version (None: failed).
+
+    An encoder whose bytes a version of the registered model already holds (the same
+    ``encoder.md5``: a finished checkpoint exported again after a params change that trains
+    nothing, such as ``pretrain.log_every_steps``) is not registered twice: that version is
+    returned and :data:`NEWEST` moves to it.
+    """
     tags = _version_tags(params, run, encoder_path)
+    same = _registered_with_md5(run, params.mlflow.registered_model, tags[MD5_TAG])
+    if same is not None:
+        return same
     try:
         model_id = log_encoder(encoder_path=encoder_path,
                                pool_grid=params.embed.pool_grid, layer=params.embed.layer,
@@ -174,6 +183,29 @@ def _log_and_register(run: StageRun, *, params: Params, encoder_path: Path,
         _warn(run, "model", f"could not log the encoder as an MLflow model: {error_summary(e)}")
         return None
     return _register(run, model_id, params.mlflow.registered_model, tags)
+
+
+def _registered_with_md5(run: StageRun, name: str, md5: str) -> EncoderVersion | None:
+    """The newest version of ``name`` holding these encoder bytes, now :data:`NEWEST`; or None."""
+    from mlflow.tracking import MlflowClient
+
+    if not name:
+        return None
+    try:
+        client = MlflowClient()
+        same = client.search_model_versions(f"name = '{name}' and tags.`{MD5_TAG}` = '{md5}'")
+        if not same:
+            return None
+        v = max(same, key=lambda v: int(v.version))
+        client.set_registered_model_alias(name, NEWEST, str(v.version))
+    except optional_failures() as e:
+        _warn(run, "registry", f"could not search model '{name}' in the MLflow registry: "
+                               f"{error_summary(e)}")
+        return None
+    log.info("these encoder bytes are already version %s of '%s' (same %s): not registered "
+             "again", v.version, name, MD5_TAG)
+    run.set_tags({"registry.version": f"{name}/{v.version}"})
+    return _encoder_version(v)
 
 
 def _register(run: StageRun, model_id: str, name: str, tags: dict[str, str]) -> EncoderVersion:

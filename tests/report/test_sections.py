@@ -16,7 +16,8 @@ from pipeline.report.sections import (
 
 
 def _metrics(**stages):
-    names = ("pretrain", "data_insights", "embed", "baselines", "knn", "linear")
+    names = ("pretrain", "data_insights", "embed", "baselines", "knn", "linear",
+             "label_efficiency")
     return {s: Metrics(stages[s]) if s in stages else None for s in names}
 
 
@@ -64,6 +65,7 @@ def test_cost_section__notes_and_total():
                   "peak_memory_bytes": 3 * 2**20, "world_size": 2},
         knn={"wall_time_s": 0.5, "num_train": 60, "num_test": 24},
         linear={},
+        label_efficiency={"wall_time_s": 2.0, "draws": 5},
     )
     rows = cost_section(m).blocks[0].rows
     assert rows[0] == ["pretrain", "10.0", "5.0",
@@ -72,7 +74,8 @@ def test_cost_section__notes_and_total():
     assert rows[2] == ["embed", NOT_AVAILABLE, NOT_AVAILABLE, NOT_AVAILABLE]
     assert rows[4] == ["knn", "0.5", "", "60 train / 24 test"]
     assert rows[5] == ["linear", NOT_AVAILABLE, "", ""]  # file present, no numbers
-    assert rows[-1] == ["total (available)", "10.5", "", ""]
+    assert rows[6] == ["label_efficiency", "2.0", "", ""]
+    assert rows[-1] == ["total (available)", "12.5", "", ""]
 
 
 def test_redact_uri__credentials_removed():
