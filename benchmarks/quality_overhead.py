@@ -10,8 +10,10 @@ images). It reruns, one after the other, each as its own process under ``/usr/bi
   the forward pass that ``data_insights`` takes over from ``embed``;
 * ``label_efficiency``.
 
-Every stage writes the same bytes it wrote in the `dvc repro` (seeded, deterministic on one
-machine), so the workspace stays as DVC recorded it. The label-free monitor inside
+Each stage writes the same features, evaluation files and curves it wrote in the `dvc repro`
+(seeded, deterministic on one machine); its metrics file (wall times) and ``runs/<stage>.json``
+(MLflow run ids) change, so `dvc status` then lists those. Measure alone: a busy neighbour
+doubles every number here. The label-free monitor inside
 ``pretrain`` is read from ``runs/pretrain.log`` when given with ``--pretrain-log`` (its
 ``label-free (N images): ... (S s)`` lines). The new work is
 
