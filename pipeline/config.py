@@ -386,7 +386,7 @@ class LabelEfficiencyParams:
     """The label-efficiency curve: probes fitted on a few labelled images per class."""
 
     per_class: list[int] = field(default_factory=lambda: [1, 2, 5, 10, 25, 100])
-    draws: int = 5  # seeded draws per point (mean and spread)
+    draws: int = 3  # seeded draws per point (mean and spread)
 
 
 @dataclass
