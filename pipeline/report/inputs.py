@@ -225,11 +225,16 @@ def read_label_efficiency(path: Path) -> dict[str, Any] | None:
                 probes[probe] = dict(sorted(points.items(), key=lambda kv: int(kv[0])))
     except (TypeError, KeyError, AttributeError, ValueError):
         ok = False
-    if not ok:
-        if data is not None:
-            log.warning("%s: not a whole label-efficiency curve; the report leaves it out", path)
-        return None
-    return data
+    return _if_whole(path, data, ok, "a whole label-efficiency curve")
+
+
+def _if_whole(path: Path, data: Any, ok: bool, what: str) -> Any:
+    """``data`` when its checks passed (``ok``), else None, with a log line if the file was read."""
+    if ok:
+        return data
+    if data is not None:
+        log.warning("%s: not %s; the report leaves it out", path, what)
+    return None
 
 
 def _finite(v: Any) -> bool:
@@ -417,11 +422,7 @@ def read_data_insights(path: Path) -> dict[str, Any] | None:
                       and isinstance(o["shard"], str) for o in data["outliers"]))
     except (TypeError, KeyError):
         ok = False
-    if not ok:
-        if data is not None:
-            log.warning("%s: not a data-insights file; the report leaves it out", path)
-        return None
-    return data
+    return _if_whole(path, data, ok, "a data-insights file")
 
 
 def collect_final_metrics(root: Path) -> dict[str, float]:

@@ -193,10 +193,9 @@ def _registered_with_md5(run: StageRun, name: str, md5: str) -> EncoderVersion |
         return None
     try:
         client = MlflowClient()
-        same = client.search_model_versions(f"name = '{name}' and tags.`{MD5_TAG}` = '{md5}'")
-        if not same:
+        v = _newest_with_md5(client, name, md5)
+        if v is None:
             return None
-        v = max(same, key=lambda v: int(v.version))
         client.set_registered_model_alias(name, NEWEST, str(v.version))
     except optional_failures() as e:
         _warn(run, "registry", f"could not search model '{name}' in the MLflow registry: "
@@ -328,14 +327,19 @@ def _version_by_md5(client: Any, name: str, md5: str,
             v = None  # not in this database
         if v is not None and v.tags.get(MD5_TAG) == md5:
             return _encoder_version(v)
-    same = client.search_model_versions(f"name = '{name}' and tags.`{MD5_TAG}` = '{md5}'")
-    if not same:
+    newest = _newest_with_md5(client, name, md5)
+    if newest is None:
         return None
-    newest = max(same, key=lambda v: int(v.version))
     if record.get("model_version"):
         log.info("runs/pretrain.json names version %s of '%s', not this encoder's: using "
                  "version %s (same %s)", record["model_version"], name, newest.version, MD5_TAG)
     return _encoder_version(newest)
+
+
+def _newest_with_md5(client: Any, name: str, md5: str) -> Any:
+    """The newest ``ModelVersion`` of ``name`` tagged with encoder md5 ``md5``, or None."""
+    same = client.search_model_versions(f"name = '{name}' and tags.`{MD5_TAG}` = '{md5}'")
+    return max(same, key=lambda v: int(v.version)) if same else None
 
 
 def _encoder_version(v: Any) -> EncoderVersion:
