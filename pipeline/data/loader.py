@@ -59,7 +59,7 @@ from pipeline.data.shards import (
     shard_location,
 )
 from pipeline.data.sources.modes import to_mode
-from pipeline.data.workers import worker_death
+from pipeline.data.workers import shut_down, worker_death
 from pipeline.errors import InputError
 from pipeline.seeds import derive_seed
 
@@ -640,19 +640,22 @@ class _SizedLoader(DataLoader):
                 pid and the signal, see :mod:`pipeline.data.workers`).
         """
         batches = super().__iter__()
-        while True:
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            except ShardError as e:
-                raise ShardError(_worker_message(str(e))) from None
-            except RuntimeError as e:
-                died = worker_death(e, getattr(batches, "_workers", None))
-                if died is None:
-                    raise
-                raise died from None
-            yield batch
+        try:
+            while True:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+                except ShardError as e:
+                    raise ShardError(_worker_message(str(e))) from None
+                except RuntimeError as e:
+                    died = worker_death(e, getattr(batches, "_workers", None))
+                    if died is None:
+                        raise
+                    raise died from None
+                yield batch
+        finally:  # closing this generator (workers.shut_down) stops the workers now
+            shut_down(batches)
 
 
 def _worker_message(text: str) -> str:

@@ -19,6 +19,7 @@ This module imports only the standard library.
 
 from __future__ import annotations
 
+import inspect
 import re
 import signal
 from collections.abc import Iterable
@@ -138,7 +139,9 @@ def shut_down(batches: Iterable[Any]) -> None:
     ``error:`` line. Shutting down here, once, marks the iterator shut down, so ``__del__``
     does nothing. A worker death seen while shutting down is dropped: the batches it owed are
     no longer wanted. This relies on ``_shutdown_workers``, the method PyTorch's own
-    ``__del__`` calls; an iterator without it (no worker processes) is left alone.
+    ``__del__`` calls; an iterator without it (no worker processes) is left alone. A generator
+    (the train loader's ``iter``, which wraps PyTorch's iterator) is closed: its ``finally``
+    shuts the iterator it wraps down the same way.
 
     Args:
         batches: the iterator returned by ``iter(DataLoader)``.
@@ -146,6 +149,9 @@ def shut_down(batches: Iterable[Any]) -> None:
     Raises:
         RuntimeError: any error of the shutdown other than a worker death.
     """
+    if inspect.isgenerator(batches):  # a wrapper such as the train loader's: its finally
+        batches.close()               # shuts its DataLoader iterator down
+        return
     stop = getattr(batches, "_shutdown_workers", None)
     if stop is None:
         return

@@ -93,6 +93,49 @@ def test_shut_down__one_worker_killed__both_stopped_no_traceback(tmp_path):
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-2000:]
 
 
+_KILLED_TRAIN_LOADER_WORKER = """
+import os, signal, time
+import torch
+from torch.utils.data import IterableDataset
+from pipeline.data.loader import _SizedLoader
+from pipeline.data.workers import shut_down
+
+class Slow(IterableDataset):
+    def __iter__(self):
+        for i in range(64):
+            time.sleep(0.05)
+            yield torch.tensor([i])
+
+batches = iter(_SizedLoader(Slow(), 64, 1, False))  # train_loader's iter: a generator
+next(batches)
+inner = batches.gi_frame.f_locals["batches"]  # PyTorch's iterator, which it wraps
+os.kill(inner._workers[0].pid, signal.SIGTERM)  # a signal to the process group reaches it
+try:
+    time.sleep(1.0)
+except RuntimeError:  # PyTorch's SIGCHLD handler may raise here: the stage reports it
+    pass
+shut_down(batches)
+print("alive", sum(w.is_alive() for w in inner._workers), inner._shutdown, flush=True)
+del batches, inner  # nothing left for a __del__ to do
+"""
+
+
+def test_shut_down__train_loader_generator__wrapped_iterator_stopped_no_traceback(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "killed_train.py"
+    script.write_text(_KILLED_TRAIN_LOADER_WORKER)
+    root = str(Path(__file__).resolve().parents[2])
+    r = subprocess.run([sys.executable, str(script)], capture_output=True,
+                       text=True, timeout=120, cwd=root, env={"PYTHONPATH": root,
+                                                              "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "alive 0 True"
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-2000:]
+
+
 def test_shut_down__an_iterator_without_workers_is_left_alone():
     from pipeline.data.workers import shut_down
 

@@ -98,6 +98,20 @@ def start_queue(main: Path, env: dict) -> None:
                    stderr=subprocess.DEVNULL, timeout=300, check=True)
 
 
+def queue_kicker(main: Path, env: dict, every_s: float = 30.0):
+    """A predicate part that runs ``dvc queue start`` again every ``every_s`` seconds (and
+    returns an empty set): a worker that was idling out as a task was queued leaves it Queued
+    (treeverse/dvc#10562); docs/pipeline.md tells users to start the queue again."""
+    last = [time.time()]
+
+    def kick() -> set:
+        if time.time() - last[0] >= every_s:
+            start_queue(main, env)
+            last[0] = time.time()
+        return set()
+    return kick
+
+
 def run_log(main: Path, name: str, env: dict) -> Path | None:
     """The ``.out`` file of queued experiment ``name`` (None before it started)."""
     status = sh(["dvc", "queue", "status"], main, env)
@@ -137,7 +151,9 @@ def queue_and_kill(main: Path, env: dict, name: str, *, at_step: int, force: boo
     sh(["dvc", "exp", "run", "--queue", "-n", name, *params, "pretrain"], main, env)
     start_queue(main, env)
     # the new log file, then its step lines, read directly (a `dvc queue status` takes seconds)
-    (log,) = wait_for(lambda: logs(main) - before, 600, f"{name}'s log", every_s=0.1)
+    kick = queue_kicker(main, env)
+    (log,) = wait_for(lambda: logs(main) - before or kick(), 600,
+                      f"{name}'s log", every_s=0.1)
     wait_for(lambda: re.search(rf" step {at_step}/\d+ ", log.read_text()), 600,
              f"{name} at step {at_step}", every_s=0.05)
     assert "Success" != status_of(main, name, env), "finished before the kill: raise STEPS"
@@ -179,7 +195,9 @@ def test_queue_kill_then_queue_again__resumes_at_its_step_bit_identical(repos):
 
     sh(["dvc", "exp", "run", "--queue", "-n", "second", "pretrain"], main, env)
     start_queue(main, env)
-    wait_for(lambda: status_of(main, "second", env) in ("Success", "Failed"), 900, "second")
+    kick = queue_kicker(main, env)
+    wait_for(lambda: status_of(main, "second", env) in ("Success", "Failed") or kick(), 900,
+             "second")
     log = run_log(main, "second", env).read_text()
     assert status_of(main, "second", env) == "Success", log[-3000:]
     assert f"resuming from {ckpt} at step {step}" in log
