@@ -68,10 +68,9 @@ def _rule(ok: Callable[[Any], bool], allowed: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-def _workers(value: Any) -> str:
-    # kept as text, as before: to_dict writes "1", and reading that back must pass
-    if (type(value) is str and (value == "auto" or value.isdigit())) or (
-            type(value) is int and value >= 0):
+def _workers(value: Any) -> str:  # kept as text: to_dict writes "1", which must read back
+    if type(value) is int and value >= 0 or type(value) is str and (value == "auto"
+                                                                     or value.isdigit()):
         return str(value)
     raise ValueError("auto or an integer >= 0")
 
@@ -84,16 +83,12 @@ Fraction = Annotated[float, _rule(lambda v: 0 <= v < 1, "0 <= x < 1")]
 Epochs = Annotated[list[int], _rule(lambda v: all(m > 0 for m in v) and v == sorted(v),
                                     "increasing positive epochs")]
 Counts = Annotated[list[int], _rule(lambda v: bool(v) and min(v) > 0 and v == sorted(set(v)),
-                                    "a non-empty list of increasing image counts per class, "
-                                    "each >= 1")]
-Workers = Annotated[str, PlainValidator(_workers)]  # "auto" or a count, kept as text
+                                    "a non-empty list of increasing counts, each >= 1")]
+Workers = Annotated[str, PlainValidator(_workers)]
 
 
 class Section(BaseModel):
-    """A strict schema section: exact types (an int may stand for a float), no unknown key.
-
-    Each key's meaning and the source of its default are beside it in ``params.yaml``.
-    """
+    """A strict section: exact types (an int may stand for a float), no unknown key."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -103,8 +98,7 @@ class MlflowParams(Section):
 
     enabled: bool = True
     experiment: str = "moco-pipeline"
-    # "" = register no version; MLflow refuses '/' and ':', '@' would split a models:/ URI
-    registered_model: Annotated[str, _rule(
+    registered_model: Annotated[str, _rule(  # "" = none; MLflow refuses '/', ':'; '@' splits URIs
         lambda v: re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]{0,99})?", v) is not None,
         "'' or letters, digits, '.', '_', '-' (at most 100)")] = "moco-encoder"
 
@@ -129,24 +123,21 @@ class DataParams(Section):
     max_train_images: NonNegInt = 0
     max_test_images: NonNegInt = 0
     samples_per_shard: PosInt = 10000
-    # an ImageFolder without train/ and test/ sub-folders, and the webdataset source
-    test_fraction: Annotated[float, _rule(lambda v: 0 < v < 1, "0 < x < 1")] = 0.2
+    test_fraction: Annotated[float, _rule(lambda v: 0 < v < 1, "0 < x < 1")] = 0.2  # no test/
     shards_dir: Annotated[str, _rule(bool, "a non-empty path or URL")] = "data/shards"
     unlabelled_root: str = ""  # a local image tree without class folders: label -1; "" = none
     pretrain_labelled: bool = True  # the labelled source's pretrain split joins pretraining
     pretrain_shards: str = ""  # WebDataset shards read in place: dir, glob or URL; "" = none
     label_field: Annotated[str, _rule(  # webdataset source: the .cls member, else a .json field
         lambda v: bool(v.strip()), "cls (the .cls member) or the name of a .json field")] = "cls"
-    # undecodable samples (shards) or files (image folders) left out, up to this share
-    max_broken_fraction: Fraction = 0.001
+    max_broken_fraction: Fraction = 0.001  # undecodable images left out up to this share
 
 
 class AugmentParams(Section):
     """Two-crop augmentation preset (:mod:`pipeline.data.views` has the published tables)."""
 
     preset: AugPreset = AugPreset.v2_grey
-    # RandomResizedCrop scale lower bound (MoCo v1/v2: 0.2; 0.5 for 28 px: results/sweep-*.md)
-    crop_min_scale: Annotated[float, _rule(lambda v: 0 < v <= 1, "0 < x <= 1")] = 0.5
+    crop_min_scale: Annotated[float, _rule(lambda v: 0 < v <= 1, "0 < x <= 1")] = 0.5  # MoCo: 0.2
     small_crops: NonNegInt = 0  # multi-crop (SwAV / DINO local crops): extra query crops; 0 = off
     small_crop_size: NonNegInt = 0  # side in px; 0 = half the training image side
     small_crop_min_scale: float = 0.05  # RandomResizedCrop area range (DINO local crops: 0.05-0.4)
@@ -159,8 +150,7 @@ class ModelParams(Section):
     backbone: Backbone = Backbone.resnet18
     width: PosInt = 32  # channels of the first stage (torchvision: 64); 32 = 256-d features
     small_stem: Switch = Switch.auto  # auto = 3x3 stem, no max-pool below 64 px
-    # stride of the small stem's 3x3 conv: 1 (CIFAR demo) or 2 (28 px -> 14)
-    stem_stride: Annotated[int, _rule(lambda v: v in (1, 2), "1 or 2")] = 2
+    stem_stride: Annotated[int, _rule(lambda v: v in (1, 2), "1 or 2")] = 2  # the small stem's
     head: Head = Head.mlp  # linear (MoCo v1) or mlp (MoCo v2)
     head_hidden: PosInt = 512  # MLP hidden width (MoCo v2 uses the backbone's feature width)
     dim: PosInt = 128  # key/query dimension D, MoCo v1/v2
@@ -170,8 +160,7 @@ class MocoParams(Section):
     """The dictionary and the contrastive loss."""
 
     K: PosInt = 4096  # queue length (MoCo CIFAR demo: 4096)
-    # momentum of the key encoder (weight on the OLD value)
-    m: Annotated[float, _rule(lambda v: 0 <= v <= 1, "0 <= m <= 1")] = 0.99
+    m: Annotated[float, _rule(lambda v: 0 <= v <= 1, "0 <= m <= 1")] = 0.99  # weight on the OLD
     m_schedule: MSchedule = MSchedule.constant
     T: PosFloat = 0.1  # softmax temperature (MoCo CIFAR demo 0.1; v1 0.07; v2 0.2)
     symmetric: bool = False
@@ -212,13 +201,11 @@ class EmbedParams(Section):
 
     batch_size: PosInt = 512
     use_head: bool = False  # True = features after the projection head
-    # The ResNet stage whose map is pooled (torchvision's layer1..layer4; 4 = the MoCo /
-    # InstDisc protocol). 3: +2.5 kNN points on Fashion-MNIST (results/layer-features-*.md)
+    # The ResNet stage whose map is pooled (4: the MoCo / InstDisc protocol; 3: +2.5 kNN points
+    # on Fashion-MNIST, results/layer-features-*.md), avg-pooled to a pool_grid x pool_grid grid
     layer: Annotated[int, _rule(lambda v: v in EMBED_LAYERS, "one of 1, 2, 3, 4 (the ResNet "
                                 "stage whose map is pooled)")] = 3
-    # that map avg-pooled to a pool_grid x pool_grid grid, flattened (C * pool_grid**2
-    # features); 1 = global pooling (MoCo / InstDisc); 4 = layer3's whole map at 28 px
-    pool_grid: PosInt = 4
+    pool_grid: PosInt = 4  # 1 = global pooling (MoCo / InstDisc); 4 = layer3's whole map at 28 px
 
 
 class KnnParams(Section):
@@ -228,15 +215,13 @@ class KnnParams(Section):
     T: PosFloat = 0.1
     chunk_size: PosInt = 1024  # test images per similarity chunk
     val_fraction: Fraction = 0.0  # > 0: also score kNN on this share of TRAIN held out of the bank
-    # val = k, T chosen on 10 % of TRAIN, like the pixel kNN | fixed = knn.k, knn.T
-    select: KnnSelect = KnnSelect.val
+    select: KnnSelect = KnnSelect.val  # val: k, T chosen on 10 % of TRAIN | fixed: knn.k, knn.T
 
 
 class LinearParams(Section):
     """Linear probe (MoCo protocol: lr 30 per 256, wd 0, 100 epochs, steps at 60/80)."""
 
-    # features (precomputed, fast) | augment (RandomResizedCrop + flip through the backbone)
-    mode: LinearMode = LinearMode.features
+    mode: LinearMode = LinearMode.features  # precomputed | augment (crops through the backbone)
     epochs: PosInt = 100
     batch_size: PosInt = 256
     lr: PosFloat = 30.0  # per 256 images
@@ -257,9 +242,7 @@ class LabelEfficiencyParams(Section):
 class InsightsParams(Section):
     """Near-duplicates and outliers of the pretraining images (the ``data_insights`` stage)."""
 
-    # the cosine of a near-duplicate pair's global-pool features: every exact copy and 99 % of
-    # JPEG re-encodes of Fashion-MNIST images (results/near-duplicates-2026-12-06.md)
-    duplicate_cosine: Annotated[float, _rule(
+    duplicate_cosine: Annotated[float, _rule(  # results/near-duplicates-2026-12-06.md
         lambda v: -1 < v <= 1, "a cosine similarity, -1 < x <= 1")] = 0.998
     neighbours: PosInt = 10  # searched for pairs; outlier score = mean cosine (Ramaswamy 2000)
     listed: NonNegInt = 1000  # pairs and outliers listed in eval/data_insights.json (counts: all)
@@ -298,9 +281,7 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
 
 
 def validate(p: Params) -> Params:
-    """Check the rules that tie keys together (each key's own rule is the schema's).
-
-    Then the rules the sources' facts decide (:func:`pipeline.data.checks.check_params_data`).
+    """Check the rules that tie keys together, then :func:`~pipeline.data.checks.check_params_data`.
 
     Returns:
         ``p`` unchanged.
@@ -329,15 +310,11 @@ def validate(p: Params) -> Params:
     if p.moco.bn == BnMode.split:
         _check(t.batch_size % p.moco.bn_splits == 0, "moco.bn_splits", p.moco.bn_splits,
                f"a divisor of pretrain.batch_size ({t.batch_size})")
-    if e.use_head and e.layer != 4 and e.pool_grid != 1:  # both, in one
-        raise ParamsError(
-            "params: 'embed.use_head' = true needs embed.layer 4 and embed.pool_grid 1 (the "
-            "head takes the last stage's globally pooled (N, C) features); here embed.layer = "
-            f"{e.layer} and embed.pool_grid = {e.pool_grid}", "embed.use_head")
-    _check(e.pool_grid == 1 or not e.use_head, "embed.pool_grid", e.pool_grid,
-           "1 with embed.use_head: true (the head takes pooled (N, C) features)")
-    _check(e.layer == 4 or not e.use_head, "embed.layer", e.layer,
-           "4 with embed.use_head: true (the head takes the last stage's features)")
+    if e.use_head and (e.layer, e.pool_grid) != (4, 1):  # the key at fault; both: use_head
+        key, value = (("embed.pool_grid", e.pool_grid) if e.layer == 4 else ("embed.layer", e.layer)
+                      if e.pool_grid == 1 else ("embed.use_head", True))
+        _check(False, key, value, "embed.use_head true needs embed.layer 4 and embed.pool_grid 1 "
+               "(the head takes the last stage's globally pooled (N, C) features)")
     from pipeline.data.checks import check_params_data  # imports this module
 
     check_params_data(p)
@@ -379,8 +356,8 @@ def from_dict(tree: dict[str, Any] | None) -> Params:
         ParamsError: unknown key, wrong type, interpolation or out-of-range value.
     """
     tree = tree or {}
-    if not isinstance(tree, dict):
-        raise ParamsError("params: the file must hold a mapping of sections")
+    if not isinstance(tree, dict) or not all(isinstance(k, str) for k in tree):
+        raise ParamsError("params: the file must hold a mapping of named sections")
     for key, value in flatten(tree).items():
         if "${" in str(value):
             raise ParamsError(f"params: '{key}' = {value!r}: '${{...}}' interpolation is not "
@@ -408,13 +385,7 @@ def read_yaml(path: str | Path) -> Any:
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
-    """Load and validate a whole params file.
-
-    Args:
-        path: the YAML file (default ``params.yaml`` in the current directory).
-
-    Returns:
-        The validated :class:`Params`.
+    """Load and validate a whole params file (default ``params.yaml`` in the current directory).
 
     Raises:
         ParamsError: the file is missing or a directory, is not YAML, or violates the schema.
@@ -445,8 +416,6 @@ def missing_keys(path: str | Path) -> list[str]:
 def check_params_file(path: str | Path) -> Params:
     """:func:`load_params`, and every schema key present in the file (what ``dvc repro`` needs).
 
-    The ``check_params`` stage and ``python -m pipeline check-params`` run this.
-
     Raises:
         ParamsError: as :func:`load_params`, or keys missing from the file (all named).
     """
@@ -467,22 +436,14 @@ def check_params_file(path: str | Path) -> Params:
 def to_dict(p: BaseModel) -> dict[str, Any]:
     """A params model (:class:`Params` or a section) as a plain nested dict.
 
-    Choices become their strings, so the dict is plain YAML/JSON (and safe for
-    ``torch.load(weights_only=True)`` inside a checkpoint).
+    Choices become their strings: plain YAML/JSON, safe for ``torch.load(weights_only=True)``.
     """
     return p.model_dump(mode="json")
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Flatten a nested dict to dotted keys, the names DVC uses (``moco.K``).
-
-    Lists stay lists (``[60, 80]``).
-    """
+    """Flatten a nested dict to dotted keys, the names DVC uses (``moco.K``); lists stay lists."""
     out: dict[str, Any] = {}
     for k, v in tree.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out

@@ -235,7 +235,7 @@ def test_check_params_file__a_deleted_key_is_named_missing_not_its_default_refus
     ({"embed": {"use_head": 1}}, "embed.use_head", "= 1 is invalid; allowed: true or false"),
     ({"data": {"root": 5}}, "data.root", "= 5 is invalid; allowed: text"),
     ({"embed": {"layer": 3, "pool_grid": 4, "use_head": True}}, "embed.use_head",
-     "= true needs embed.layer 4 and embed.pool_grid 1"),
+     "= True is invalid; allowed: embed.use_head true needs embed.layer 4 and embed.pool_grid 1"),
     ({"moco": 4096}, "moco", "= 4096 is invalid; allowed: a section (a mapping of K, m, "
      "m_schedule, T, symmetric, bn, bn_splits)"),
     ({"pretrain": {"num_workers": -1}}, "pretrain.num_workers",
