@@ -37,25 +37,8 @@ from pipeline.choices import (
     ShardFormat,
     Switch,
 )
-from pipeline.errors import InputError
-
-
-class ParamsError(InputError):
-    """A params file that does not satisfy the schema (message names the key).
-
-    Args:
-        message: the one-line message.
-        key: the dotted key it is about, when one is (:func:`check_params_file` reads it).
-    """
-
-    def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(message)
-        self.key = key
-
-    @classmethod
-    def invalid(cls, key: str, value: Any, allowed: str) -> ParamsError:
-        """``params: 'key' = value is invalid; allowed: ...``, the schema's one-line form."""
-        return cls(f"params: '{key}' = {value!r} is invalid; allowed: {allowed}", key)
+from pipeline.data.checks import check_params_data
+from pipeline.errors import ParamsError
 
 
 def _rule(ok: Callable[[Any], bool], allowed: str) -> AfterValidator:
@@ -315,8 +298,6 @@ def validate(p: Params) -> Params:
                       if e.pool_grid == 1 else ("embed.use_head", True))
         _check(False, key, value, "embed.use_head true needs embed.layer 4 and embed.pool_grid 1 "
                "(the head takes the last stage's globally pooled (N, C) features)")
-    from pipeline.data.checks import check_params_data  # imports this module
-
     check_params_data(p)
     return p
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from pipeline.config import AugPreset, DataParams, DataSource, Params, ParamsError
+from pipeline.choices import AugPreset, DataSource
+from pipeline.errors import ParamsError
 from pipeline.moco.geometry import check_pool_grid, small_crop_side
 
 if TYPE_CHECKING:
+    from pipeline.config import DataParams, Params
     from pipeline.data.index import PretrainPlan
 
 # Native image side of the fixed-size sources (data.image_size 0 keeps it); imagefolder: unknown.

@@ -2,13 +2,19 @@
 
 :mod:`pipeline.moco.backbones` builds the networks; the params checks (``check_params``, which
 must stay cheap) bound ``embed.pool_grid`` and the small crops with the same arithmetic, so it
-lives here, where importing it costs no torch. ``tests/evaluate/test_pooling.py`` checks every
-side against a real backbone's map.
+lives here, where importing it costs no torch (and needs nothing above ``pipeline.config``).
+``tests/evaluate/test_pooling.py`` checks every side against a real backbone's map.
 """
 
 from __future__ import annotations
 
-from pipeline.config import AugmentParams, Params, ParamsError, Switch
+from typing import TYPE_CHECKING
+
+from pipeline.choices import Switch
+from pipeline.errors import ParamsError
+
+if TYPE_CHECKING:
+    from pipeline.config import AugmentParams, Params
 
 SMALL_STEM_BELOW_PX = 64  # model.small_stem auto: the 3x3 stem below this side (CIFAR, MNIST)
 
