@@ -384,19 +384,6 @@ def test_validate__unknown_count__queue_left_to_the_pretrain_stage(data):
     assert from_dict({"data": data, "moco": {"K": 10**6}}).moco.K == 10**6
 
 
-def test_source_modes__equal_the_source_classes_mode():
-    # check_params matches augment.preset to these; the readers own the modes
-    from pipeline.config import DataSource
-    from pipeline.data.checks import SOURCE_MODES
-    from pipeline.data.sources import CifarSource, FashionMnistSource, Stl10Source
-
-    assert SOURCE_MODES == {DataSource.fashion_mnist: FashionMnistSource.mode,
-                            DataSource.cifar10: CifarSource.mode,
-                            DataSource.cifar100: CifarSource.mode,
-                            DataSource.stl10: Stl10Source.mode}
-    assert FashionMnistSource.mode == "L" and CifarSource.mode == Stl10Source.mode == "RGB"
-
-
 @pytest.mark.parametrize("preset", ["v1", "v2", "v2_small"])
 def test_validate__colour_preset_on_grey_fashion_mnist_refused_by_the_params(preset):
     with pytest.raises(ParamsError) as e:
