@@ -52,9 +52,9 @@ def _rule(ok: Callable[[Any], bool], allowed: str) -> AfterValidator:
 
 
 def _workers(value: Any) -> str:  # kept as text: to_dict writes "1", which must read back
-    if type(value) is int and value >= 0 or type(value) is str and (value == "auto"
-                                                                     or value.isdigit()):
-        return str(value)
+    text = str(value) if type(value) is int and value >= 0 else value
+    if type(text) is str and (text == "auto" or text.isdecimal()):
+        return text
     raise ValueError("auto or an integer >= 0")
 
 
