@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
-from pipeline.config import KnnParams, load_params
+from pipeline.config import KnnParams, LinearMode, load_params
 from pipeline.evaluate.run.embed import embed
 from pipeline.evaluate.run.knn import knn_eval
 from pipeline.evaluate.run.linear import linear_probe
@@ -47,7 +46,8 @@ def main() -> None:
                    "knn_T": knn["T"], "knn_val_top1": round(knn["select_val_top1"], 2)}
             for vf in (args.val_fraction, 0.0):
                 lin = linear_probe(features_dir=out, shards_dir=shards, encoder_path=args.encoder,
-                                   linear=replace(p.linear, mode="features", val_fraction=vf),
+                                   linear=p.linear.model_copy(update={
+                                       "mode": LinearMode.features, "val_fraction": vf}),
                                    seed=p.seed, details_path=out / "lin.json",
                                    plots_path=out / "lin.tsv", pool_grid=g)
                 if vf > 0:

@@ -9,6 +9,8 @@ type decides, not where it was raised.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class PipelineError(Exception):
     """A failure the pipeline names in one line (bad input or a guarded stop), not a bug."""
@@ -23,3 +25,22 @@ class InputError(PipelineError, ValueError):
 
 class NonFiniteError(PipelineError, RuntimeError):
     """Training produced a NaN or an infinity (in a loss, or in the state to be saved)."""
+
+
+class ParamsError(InputError):
+    """A params file that does not satisfy the schema (:mod:`pipeline.config`; names the key).
+
+    Args:
+        message: the one-line message.
+        key: the dotted key it is about, when one is
+            (:func:`pipeline.config.check_params_file` reads it).
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+    @classmethod
+    def invalid(cls, key: str, value: Any, allowed: str) -> ParamsError:
+        """``params: 'key' = value is invalid; allowed: ...``, the schema's one-line form."""
+        return cls(f"params: '{key}' = {value!r} is invalid; allowed: {allowed}", key)

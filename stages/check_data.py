@@ -11,7 +11,7 @@ Like ``check_params`` it logs no MLflow run (it produces nothing to track).
 
 ``index_shards`` refuses ``moco.K`` and a colour ``augment.preset`` on grey images already, from
 the index and the params, before ``build_shards`` deletes the shards
-(:func:`pipeline.config.check_before_build`); this stage is the second line, on the manifests
+(:func:`pipeline.data.checks.check_before_build`); this stage is the second line, on the manifests
 as built.
 """
 
@@ -29,7 +29,7 @@ STAMP = {"stage": "check_data", "run_id": None, "data": "fits the params"}
 
 def run(p: Params) -> None:
     from pipeline.atomic import write_json
-    from pipeline.config import check_against_data
+    from pipeline.data.checks import check_against_data
     from pipeline.data.index import index_location, pretrain_manifest
     from pipeline.data.remote import shards_location
 

@@ -18,8 +18,9 @@ set are read as the build reads them and refused here when the build would refus
 Before writing anything it also refuses what the indexed data refutes in the params, while
 every output of every stage is as it was (DVC deletes ``build_shards``' outputs next):
 ``moco.K`` at least the number of pretraining images, and a colour ``augment.preset`` on grey
-ones (:func:`pipeline.data.index.plan_pretraining`, :func:`pipeline.config.check_before_build`);
-``v2_grey`` on colour images is logged as a warning.
+ones (:func:`pipeline.data.index.plan_pretraining`,
+:func:`pipeline.data.checks.check_before_build`); ``v2_grey`` on colour images is logged as a
+warning.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def run(p: Params) -> None:
     from pathlib import Path
 
     from pipeline.atomic import write_json
-    from pipeline.config import check_before_build
+    from pipeline.data.checks import check_before_build
     from pipeline.data.index import (
         FOLDERS,
         VALIDATORS,

@@ -24,7 +24,7 @@ def run(p: Params) -> None:
     import os
     from pathlib import Path
 
-    from pipeline.config import check_against_data
+    from pipeline.data.checks import check_against_data
     from pipeline.data.index import index_location, pretrain_manifest
     from pipeline.data.remote import shards_location
     from pipeline.data.shards import read_manifest

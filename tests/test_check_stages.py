@@ -17,8 +17,9 @@ import pytest
 import yaml
 from helpers import TINY, build_tiny_shards
 
-from pipeline.config import ParamsError, check_against_data, from_dict
+from pipeline.config import ParamsError, from_dict
 from pipeline.data.build import empty_split
+from pipeline.data.checks import check_against_data
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = {"data": {"source": "imagefolder", "root": "data/raw/images"}}

@@ -1,5 +1,4 @@
 import re
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from pipeline.config import (
     flatten,
     from_dict,
     load_params,
+    read_yaml,
     to_dict,
 )
 
@@ -37,8 +37,8 @@ def test_params_yaml__equals_schema_defaults(tmp_path):
     seen = []
     for i, text in enumerate(shipped_versions("params.yaml")):
         (f := tmp_path / f"params{i}.yaml").write_text(text)
-        seen.append(asdict(load_params(f)))
-    assert asdict(Params()) in seen, seen[0]
+        seen.append(to_dict(load_params(f)))
+    assert to_dict(Params()) in seen, seen[0]
 
 
 @pytest.mark.parametrize("preset", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
@@ -214,60 +214,77 @@ def test_check_params_file__a_deleted_key_is_named_missing_not_its_default_refus
                             "from params.yaml or a preset in configs/)")
     # a refused value the user did write is still named first
     f.write_text("\n".join(lines).replace("  m: 0.99", "  m: 2") + "\n")
-    with pytest.raises(ParamsError, match=r"'moco.m' = 2.0 is invalid"):
+    with pytest.raises(ParamsError, match=r"'moco.m' = 2 is invalid; allowed: 0 <= m <= 1"):
         check_params_file(f)
 
 
-@pytest.mark.parametrize("tree, message", [
-    ({"pretrain": {"lr_milestones": 5}},
-     "params: 'pretrain.lr_milestones' = 5 is invalid; allowed: a list, e.g. [120, 160]"),
-    ({"linear": {"lr_milestones": "60,80"}},
-     "params: 'linear.lr_milestones' = '60,80' is invalid; allowed: a list, e.g. [60, 80]"),
-    ({"linear": {"lr_milestones": ["6", 8]}},
-     "params: 'linear.lr_milestones' = ['6', 8] is invalid; allowed: a list of numbers without "
-     "quotes, e.g. [60, 80] (DVC compares the quoted text, so it would rerun the stages that "
-     "use the key)"),
-    ({"seed": 1, "pretrain": {"lr": "${seed}"}},
-     "params: 'pretrain.lr' = '${seed}': '${...}' interpolation is not allowed (DVC compares raw "
-     "values)"),
-    ({"knn": {"T": "0.1"}},
-     "params: 'knn.T' = '0.1' is invalid; allowed: a number, without quotes (DVC compares the "
-     "quoted text, so it would rerun the stages that use the key)"),
-    ({"embed": {"layer": 3, "pool_grid": 4, "use_head": True}},
-     "params: 'embed.use_head' = true needs embed.layer 4 and embed.pool_grid 1 (the head takes "
-     "the last stage's globally pooled (N, C) features); here embed.layer = 3 and "
-     "embed.pool_grid = 4"),
-    ({"moco": 4096},
-     "params: 'moco' = 4096 is invalid; allowed: a section (a mapping of K, m, m_schedule, T, "
-     "symmetric, bn, bn_splits)"),
+@pytest.mark.parametrize("tree, key, rule", [
+    ({"pretrain": {"lr_milestones": 5}}, "pretrain.lr_milestones",
+     "= 5 is invalid; allowed: a list of integers, e.g. [120, 160]"),
+    ({"linear": {"lr_milestones": "60,80"}}, "linear.lr_milestones",
+     "= '60,80' is invalid; allowed: a list of integers, e.g. [60, 80]"),
+    ({"linear": {"lr_milestones": ["6", 8]}}, "linear.lr_milestones",
+     "= ['6', 8] is invalid; allowed: a list of integers, e.g. [60, 80]"),
+    ({"linear": {"lr_milestones": [80, 60]}}, "linear.lr_milestones",
+     "= [80, 60] is invalid; allowed: increasing positive epochs"),
+    ({"seed": 1, "pretrain": {"lr": "${seed}"}}, "pretrain.lr",
+     "= '${seed}': '${...}' interpolation is not allowed"),
+    ({"knn": {"T": "0.1"}}, "knn.T", "= '0.1' is invalid; allowed: a number, without quotes"),
+    ({"knn": {"k": 2.0}}, "knn.k", "= 2.0 is invalid; allowed: an integer"),
+    ({"knn": {"k": True}}, "knn.k", "= True is invalid; allowed: an integer"),
+    ({"embed": {"use_head": 1}}, "embed.use_head", "= 1 is invalid; allowed: true or false"),
+    ({"data": {"root": 5}}, "data.root", "= 5 is invalid; allowed: text"),
+    ({"embed": {"layer": 3, "pool_grid": 4, "use_head": True}}, "embed.use_head",
+     "= True is invalid; allowed: embed.use_head true needs embed.layer 4 and embed.pool_grid 1"),
+    ({"moco": 4096}, "moco", "= 4096 is invalid; allowed: a section (a mapping of K, m, "
+     "m_schedule, T, symmetric, bn, bn_splits)"),
+    ({"pretrain": {"num_workers": -1}}, "pretrain.num_workers",
+     "= -1 is invalid; allowed: auto or an integer >= 0"),
 ])
-def test_from_dict__messages_state_the_rule(tree, message):
+def test_from_dict__messages_state_the_rule(tree, key, rule):
     with pytest.raises(ParamsError) as e:
         from_dict(tree)
-    assert str(e.value) == message
+    assert e.value.key == key
+    assert str(e.value).startswith(f"params: '{key}' {rule}")
+    assert len(str(e.value).splitlines()) == 1
 
 
-@pytest.mark.parametrize("written, ours, dvc", [("yes", "True", "'yes'"),
-                                                 ("off", "False", "'off'")])
-def test_load_params__a_value_dvc_reads_otherwise_is_refused(tmp_path, written, ours, dvc):
-    # OmegaConf reads YAML 1.1 (yes/off are booleans), DVC YAML 1.2 (text): dvc.lock would
-    # record the text while training saw the boolean
+@pytest.mark.parametrize("written", ["yes", "off", "on", "True"])
+def test_load_params__yaml11_boolean_word_is_text_and_refused_for_a_boolean(tmp_path, written):
+    # read as DVC reads it (YAML 1.2): yes/off/on are text, as dvc.lock records them; a boolean
+    # key refuses text (True, a YAML 1.2 boolean, passes)
     f = tmp_path / "p.yaml"
     f.write_text(f"mlflow:\n  enabled: {written}\n")
+    if written == "True":
+        assert load_params(f).mlflow.enabled is True
+        return
     with pytest.raises(ParamsError) as e:
         load_params(f)
-    assert str(e.value) == (f"{f}: 'mlflow.enabled' reads as {ours} here but as {dvc} "
-                            "in DVC (YAML 1.2, what dvc.lock records); write true or false")
     assert e.value.key == "mlflow.enabled"
+    assert str(e.value).startswith(f"{f}: 'mlflow.enabled' = '{written}' is invalid; allowed: "
+                                   "true or false")
 
 
-def test_load_params__leading_zero_number_is_refused(tmp_path):
-    # YAML 1.1 reads 010 as octal 8, DVC (YAML 1.2) as 10: training and dvc.lock would differ
+def test_load_params__leading_zero_number_reads_as_dvc_reads(tmp_path):
+    # YAML 1.1 read 010 as octal 8; DVC (YAML 1.2) reads 10, and so do we now
     f = tmp_path / "p.yaml"
     f.write_text("pretrain:\n  epochs: 010\n")
-    with pytest.raises(ParamsError) as e:
-        load_params(f)
-    assert str(e.value).startswith(f"{f}: 'pretrain.epochs' reads as 8 here but as 10 in DVC")
+    assert load_params(f).pretrain.epochs == 10
+
+
+@pytest.mark.parametrize("text", [
+    "pretrain:\n  epochs: 010\n  weight_decay: 1e-4\n",
+    "mlflow:\n  experiment: off\n  enabled: true\naugment:\n  preset: v2\n",
+    "data:\n  root: 0x10\n  label_field: yes\n",
+])
+def test_read_yaml__equals_dvc_reading(tmp_path, text):
+    from dvc.utils.serialize import load_yaml
+
+    f = tmp_path / "p.yaml"
+    f.write_text(text)
+    assert read_yaml(f) == load_yaml(f)
+    for path in [ROOT / "params.yaml", *sorted((ROOT / "configs").glob("*.yaml"))]:
+        assert read_yaml(path) == load_yaml(path), path
 
 
 def test_load_params__switch_spelled_as_yaml_boolean_or_auto_is_accepted(tmp_path):
@@ -367,18 +384,6 @@ def test_validate__unknown_count__queue_left_to_the_pretrain_stage(data):
     assert from_dict({"data": data, "moco": {"K": 10**6}}).moco.K == 10**6
 
 
-def test_source_modes__equal_the_source_classes_mode():
-    # check_params matches augment.preset to these; the readers own the modes
-    from pipeline.config import SOURCE_MODES, DataSource
-    from pipeline.data.sources import CifarSource, FashionMnistSource, Stl10Source
-
-    assert SOURCE_MODES == {DataSource.fashion_mnist: FashionMnistSource.mode,
-                            DataSource.cifar10: CifarSource.mode,
-                            DataSource.cifar100: CifarSource.mode,
-                            DataSource.stl10: Stl10Source.mode}
-    assert FashionMnistSource.mode == "L" and CifarSource.mode == Stl10Source.mode == "RGB"
-
-
 @pytest.mark.parametrize("preset", ["v1", "v2", "v2_small"])
 def test_validate__colour_preset_on_grey_fashion_mnist_refused_by_the_params(preset):
     with pytest.raises(ParamsError) as e:
@@ -423,13 +428,24 @@ def test_unlabelled_preset__the_default_recipe_on_the_unlabelled_tree():
                        "pretrain_labelled": False, "max_train_images": 6000}
 
 
-def test_load_params__yaml_boolean_word_on_a_text_key__hint_quotes_the_word(tmp_path):
-    # augment.preset is text: `off` is False to OmegaConf, 'off' to DVC; quoting gives both 'off'
+def test_load_params__yaml11_boolean_word_on_a_text_key__is_the_text(tmp_path):
+    # `off` is the text 'off' to DVC and to us: a text key keeps it, a choice names its names
     f = tmp_path / "p.yaml"
+    f.write_text("mlflow:\n  experiment: off\n")
+    assert load_params(f).mlflow.experiment == "off"
     f.write_text("augment:\n  preset: off\n")
     with pytest.raises(ParamsError) as e:
         load_params(f)
-    assert str(e.value).endswith("write 'off' in quotes")
+    assert e.value.key == "augment.preset"
+    assert str(e.value).endswith("'off' is invalid; allowed: one of v1, v2, v2_small, v2_grey")
+
+
+def test_schema__no_key_that_dvc_run_cache_ignores():
+    # DVC's run cache ignores params named size or nfiles: the schema has none, and a file's
+    # `size` key is an unknown key, named
+    assert not {k.rsplit(".", 1)[-1] for k in flatten(to_dict(Params()))} & {"size", "nfiles"}
+    with pytest.raises(ParamsError, match=r"^params: 'data.size': unknown key"):
+        from_dict({"data": {"size": 3}})
 
 
 @pytest.mark.parametrize("value", ["auto", 0, 12])

@@ -9,7 +9,6 @@ for nothing. The keys are derived here from the report package's source (attribu
 from __future__ import annotations
 
 import ast
-from dataclasses import fields
 from pathlib import Path
 
 import yaml
@@ -18,7 +17,7 @@ from pipeline.config import DataParams
 
 REPO = Path(__file__).resolve().parents[1]
 REPORT_CODE = [REPO / "stages/report.py", *sorted((REPO / "pipeline/report").rglob("*.py"))]
-DATA_KEYS = {f.name for f in fields(DataParams)}
+DATA_KEYS = set(DataParams.model_fields)
 
 
 def data_reads(paths: list[Path], root: Path = REPO) -> tuple[set[str], list[str]]:

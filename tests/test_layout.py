@@ -18,7 +18,9 @@ PKG = REPO / "pipeline"
 # package's __init__, which re-exports its modules)
 LAYERS = [
     (0, ["pipeline.config", "pipeline.atomic", "pipeline.signals", "pipeline.seeds",
-         "pipeline.schedules", "pipeline"]),
+         "pipeline.schedules", "pipeline",
+         # what config.validate calls: pure checks on params and numbers (no torch, no I/O)
+         "pipeline.data.checks", "pipeline.moco.geometry"]),
     # raw dataset readers, URLs, worker deaths, image views
     (1, ["pipeline.data.remote", "pipeline.data.external", "pipeline.data.workers",
          "pipeline.data.views", "pipeline.data.jpeg", "pipeline.data.sources"]),

@@ -542,12 +542,12 @@ def plan_pretraining(data: DataParams, *, folders: Mapping[str, dict[str, Any]],
 
     ``index_shards`` refuses with it what the data refutes (``moco.K >= N``, a colour
     ``augment.preset`` on grey images) before ``build_shards`` deletes the shards; ``check_data``
-    checks the built manifests again (:func:`pipeline.config.check_against_data`).
+    checks the built manifests again (:func:`pipeline.data.checks.check_against_data`).
 
     N is the built part, capped by ``data.max_pretrain_images`` (the build writes exactly
     ``min(cap, n)``), plus the indexed ``data.pretrain_shards``. The built part is the labelled
     source's pretrain split when ``data.pretrain_labelled`` (a fixed-size source's
-    :data:`pipeline.config.PRETRAIN_IMAGES`; an imagefolder's train split, ``train_images`` of
+    :data:`pipeline.data.checks.PRETRAIN_IMAGES`; an imagefolder's train split, ``train_images`` of
     its folder index; a webdataset set's train split plus its unlabelled samples,
     :func:`pipeline.data.sources.webdataset.split_sizes`) and the tree's images minus its
     broken ones.
@@ -568,7 +568,7 @@ def plan_pretraining(data: DataParams, *, folders: Mapping[str, dict[str, Any]],
         SourceError: a webdataset split left empty
             (:func:`pipeline.data.sources.webdataset.split_sizes`).
     """
-    from pipeline.config import PRETRAIN_IMAGES, SOURCE_MODES
+    from pipeline.data.checks import PRETRAIN_IMAGES, SOURCE_MODES
 
     source = str(data.source)
     if source == "imagefolder":

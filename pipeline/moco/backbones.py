@@ -15,8 +15,9 @@ import torch
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
-from pipeline.config import Backbone, Head
+from pipeline.choices import Backbone, Head, Switch
 from pipeline.errors import InputError
+from pipeline.moco.geometry import uses_small_stem
 
 _BACKBONES: dict[str, Callable[..., nn.Module]] = {}
 
@@ -197,26 +198,19 @@ def resolve_stem_stride(stem_stride: int, small_stem: bool) -> int:
     return stem_stride if small_stem else 1
 
 
-def resolve_small_stem(setting: str | bool, image_size: int) -> bool:
+def resolve_small_stem(setting: Switch | str | bool, image_size: int) -> bool:
     """Resolve ``model.small_stem`` (``auto|true|false``) for images of ``image_size`` pixels.
 
     ``auto`` means the small stem below 64 px (CIFAR 32 px, Fashion-MNIST 28 px: the 7×7/2 conv
-    plus max-pool would shrink them 4× before the first stage), the ImageNet stem otherwise.
+    plus max-pool would shrink them 4× before the first stage), the ImageNet stem otherwise
+    (:func:`pipeline.moco.geometry.uses_small_stem`).
 
     Raises:
         ValueError: an unknown setting or ``image_size < 1``.
     """
-    if isinstance(setting, bool):
-        return setting
-    if setting == "true":
-        return True
-    if setting == "false":
-        return False
-    if setting != "auto":
-        raise InputError(f"model.small_stem must be auto, true or false; got {setting!r}")
-    if image_size < 1:
+    if Switch.parse(setting, "model.small_stem") is Switch.auto and image_size < 1:
         raise InputError(f"resolve_small_stem: image_size must be >= 1, got {image_size}")
-    return image_size < 64
+    return uses_small_stem(setting, image_size)
 
 
 def build_head(kind: str, in_dim: int, hidden: int, dim: int) -> nn.Sequential:

@@ -25,7 +25,6 @@ from pipeline.config import (
     MocoParams,
     ModelParams,
     PretrainParams,
-    small_crop_side,
 )
 from pipeline.data.loader import read_manifest, train_loader
 from pipeline.data.remote import ShardURL
@@ -37,6 +36,7 @@ from pipeline.data.views import (
 )
 from pipeline.data.workers import LoaderWorkerError, shut_down, worker_death
 from pipeline.errors import InputError
+from pipeline.moco.geometry import small_crop_side
 from pipeline.moco.model import MoCo, MocoOutput
 from pipeline.seeds import batch_seed
 from pipeline.signals import StopFlag, Terminated, signal_name, stop_on_signals

@@ -18,8 +18,8 @@ from pipeline.config import (
     ModelParams,
     ParamsError,
     PretrainParams,
-    check_queue_size,
 )
+from pipeline.data.checks import check_queue_size
 from pipeline.data.remote import ShardURL
 from pipeline.data.shards import ImageSpec, image_spec
 from pipeline.errors import InputError

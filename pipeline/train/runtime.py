@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.choices import Switch
+
 log = logging.getLogger(__name__)
 
 # pretrain.compile = auto on CPU (see resolve_compile). Measured on 2 cores (ResNet-18 width 16,
@@ -109,11 +111,14 @@ def resolve_precision(precision: str, device: torch.device,
     return torch.bfloat16 if native_bf16() else None
 
 
-def resolve_switch(value: str, *, cpu_default: bool, device: torch.device) -> bool:
-    """``auto``/``true``/``false`` → bool; ``auto`` is True on CUDA, ``cpu_default`` on CPU."""
-    if value in ("true", "false"):
-        return value == "true"
-    return True if device.type == "cuda" else cpu_default
+def resolve_switch(value: Switch | str, *, cpu_default: bool, device: torch.device) -> bool:
+    """``auto``/``true``/``false`` → bool; ``auto`` is True on CUDA, ``cpu_default`` on CPU.
+
+    Raises:
+        InputError: not a :class:`~pipeline.choices.Switch` name.
+    """
+    return Switch.parse(value, "auto|true|false switch").on(
+        auto=device.type == "cuda" or cpu_default)
 
 
 class Precision:
@@ -198,16 +203,20 @@ def thread_candidates(num_workers: int) -> list[int]:
     return sorted({full, max(1, full - num_workers), max(1, full // 2)}, reverse=True)
 
 
-def resolve_compile(value: str, *, device: torch.device, width: int, total_images: int) -> bool:
+def resolve_compile(value: Switch | str, *, device: torch.device, width: int,
+                    total_images: int) -> bool:
     """``pretrain.compile`` → bool.
 
     ``auto``: on CUDA always. On CPU when the run is long enough to pay for compiling
     (``total_images`` = steps × global batch ``>= CPU_COMPILE_MIN_IMAGES``), the model is not tiny
     (``width >= CPU_COMPILE_MIN_WIDTH``: inductor picks channels_last convolutions, which
     corrupt memory in torch 2.14 at width 4 on one thread) and a C++ compiler is present.
+
+    Raises:
+        InputError: not a :class:`~pipeline.choices.Switch` name.
     """
-    if value in ("true", "false"):
-        return value == "true"
+    if (switch := Switch.parse(value, "pretrain.compile")) is not Switch.auto:
+        return switch is Switch.true
     if device.type == "cuda":
         return True
     if width < CPU_COMPILE_MIN_WIDTH or total_images < CPU_COMPILE_MIN_IMAGES:

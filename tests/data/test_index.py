@@ -908,7 +908,8 @@ def test_plan_pretraining__webdataset_train_split_and_unlabelled(tmp_path):
 
 
 def test_check_before_build__queue_and_preset_named_in_one_line(caplog):
-    from pipeline.config import ParamsError, check_before_build, from_dict
+    from pipeline.config import ParamsError, from_dict
+    from pipeline.data.checks import check_before_build
     from pipeline.data.index import PretrainPlan
 
     p = from_dict({"data": {"source": "none", "unlabelled_root": "/p"},

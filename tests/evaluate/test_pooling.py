@@ -34,8 +34,8 @@ def test_grid_pool__rejects_a_map_smaller_than_the_grid_and_grid_below_1():
     (96, "auto", 1), (224, "auto", 1), (64, "true", 2), (40, "false", 1),
 ])
 def test_last_stage_side__equals_the_real_backbone_map(side, small_stem, stride):
-    from pipeline.config import last_stage_side
     from pipeline.moco.backbones import resolve_small_stem, resolve_stem_stride
+    from pipeline.moco.geometry import last_stage_side
 
     small = resolve_small_stem(small_stem, side)
     bb = build_backbone("resnet18", width=2, in_channels=1, small_stem=small,
@@ -56,8 +56,8 @@ def _layer4(bb, x, layer=4):
 @pytest.mark.parametrize("side,stride,layer", [(28, 2, 3), (28, 2, 2), (28, 2, 1), (33, 2, 3),
                                                (96, 1, 3), (224, 1, 2)])
 def test_last_stage_side__of_an_earlier_layer_equals_the_real_map(side, stride, layer):
-    from pipeline.config import last_stage_side
     from pipeline.moco.backbones import resolve_small_stem, resolve_stem_stride
+    from pipeline.moco.geometry import last_stage_side
 
     small = resolve_small_stem("auto", side)
     bb = build_backbone("resnet18", width=2, in_channels=1, small_stem=small,
