@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.config import load_params
-from pipeline.data.loader import eval_loader
+from pipeline.data.eval_loader import eval_loader
 from pipeline.data.shards import image_spec, read_manifest
 from pipeline.data.views import build_eval_transform
 from pipeline.evaluate.features import FeatureSet, extract_features, load_features

@@ -94,7 +94,7 @@ def test_dvc_deps__closure_follows_packages_and_lazy_imports(tmp_path):
 
 
 def test_dvc_deps__removing_a_dep_is_caught():
-    # the test must fail when a real dep goes: drop pipeline/data/loader.py from embed
+    # the test must fail when a real dep goes: drop pipeline/data/eval_loader.py from embed
     stage = dict(_stages()["embed"])
-    stage["deps"] = [d for d in stage["deps"] if d != "pipeline/data/loader.py"]
-    assert "pipeline/data/loader.py" in missing_deps(stage)
+    stage["deps"] = [d for d in stage["deps"] if d != "pipeline/data/eval_loader.py"]
+    assert "pipeline/data/eval_loader.py" in missing_deps(stage)

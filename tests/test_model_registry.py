@@ -116,7 +116,8 @@ print(json.dumps({"type": f"{type(model).__module__}.{type(model).__name__}",
 
 def _test_images(n: int) -> torch.Tensor:
     """``(n, 1, 16, 16)``: the first test images after the evaluation transform."""
-    from pipeline.data.loader import eval_loader, read_manifest
+    from pipeline.data.eval_loader import eval_loader
+    from pipeline.data.loader import read_manifest
     from pipeline.data.views import build_eval_transform
 
     m = read_manifest("data/shards/test")

@@ -6,10 +6,9 @@ that is a pure function of ``(seed, epoch)`` (see :func:`train_loader` for the d
 only read and decode; the two augmented views are made per batch on the training device
 (:mod:`pipeline.data.views`).
 
-``eval_loader`` — every sample exactly once, in manifest order (the order written at build
-time), partial last batch kept, for any ``num_workers``: global batch ``i`` is built by worker
-``i % W`` and the DataLoader's round-robin restores the order. A worker reads (without
-decoding) the shards that overlap its batches and skips the others.
+``eval_loader`` (every sample once, in manifest order) is in :mod:`pipeline.data.eval_loader`;
+what both share (the shard list, checked against the manifest, and the DataLoader) in
+:mod:`pipeline.data.readers`.
 
 Only ``.png``/``.jpg``/``.cls`` members are decoded (with PIL / as ASCII); pickle-like members
 are refused with an error naming the shard and key. Whole images (``data.max_side``) are cut
@@ -27,126 +26,49 @@ so the epoch stays exact.
 from __future__ import annotations
 
 import functools
-import io
 import itertools
-import math
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import webdataset as wds
 from PIL import Image
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
-from pipeline.data.external import image_member, open_image
 from pipeline.data.jpeg import cut_views, decode_jpeg_bytes, is_jpeg, reduction
-from pipeline.data.remote import ShardURL, is_url, shards_location
+from pipeline.data.readers import (
+    Shard,
+    SizedLoader,
+    check_args,
+    decode_any,
+    image_bytes,
+    open_header,
+    shard_list,
+    worker_slot,
+)
+from pipeline.data.remote import ShardURL, shards_location
 from pipeline.data.shards import (
     CHANNELS,
-    IMAGE_EXTS,
     LAYOUT_OWN,
     ShardError,
     check_members,
-    decode_record,
-    iter_shard,
     read_manifest,
-    require_images,
-    sha256_file,
-    shard_location,
 )
-from pipeline.data.sources.modes import to_mode
-from pipeline.data.workers import shut_down, worker_death
 from pipeline.errors import InputError
 from pipeline.seeds import derive_seed
 
 if TYPE_CHECKING:  # views imports kornia: the evaluation stages never need it
     from pipeline.data.views import SeededRandomResizedCrop
 
-__all__ = ["ShardError", "eval_loader", "read_manifest", "train_loader"]
+__all__ = ["ShardError", "read_manifest", "train_loader"]
 
 SHUFFLE_BUDGET_BYTES = 512 * 2**20  # raw sample bytes each train reader may buffer (auto size)
-EvalTransform = Callable[[Image.Image], torch.Tensor]
 DECODE_WORKERS, DECODE_DEVICE = "workers", "device"  # train_loader(decode=...), pretrain.decode
 
-
-def _worker() -> tuple[int, int]:
-    info = get_worker_info()
-    return (0, 1) if info is None else (info.id, info.num_workers)
-
-
-def _identity(x: Any) -> Any:
-    return x
-
-
-# (path, size, mtime_ns) -> sha256 of shards hashed in this process: each file is read once even
-# though a loader is built every epoch.
-_DIGESTS: dict[tuple[str, int, int], str] = {}
-
-
-def _file_sha256(path: Path, size: int, mtime_ns: int) -> str:
-    key = (str(path.resolve()), size, mtime_ns)
-    if key not in _DIGESTS:
-        _DIGESTS[key] = sha256_file(path)
-    return _DIGESTS[key]
-
-
-class Shard(NamedTuple):
-    """One shard as the readers see it."""
-
-    url: str  # path or URL
-    count: int  # samples to yield (broken ones excluded)
-    expect: tuple[int, str] | None  # (bytes, sha256) to check while streaming a URL
-    layout: str = LAYOUT_OWN  # pipeline (png + cls, strict) | webdataset (image read, rest ignored)
-    skip: frozenset[str] = frozenset()  # keys of broken samples (webdataset layout)
-
-    def records(self) -> Iterator[dict[str, Any]]:
-        """The raw samples to use, broken ones left out (a URL is read to its end)."""
-        raw = iter_shard(self.url, expect=self.expect)
-        return (r for r in raw if r.get("__key__") not in self.skip) if self.skip else raw
-
-
-def _shard_list(directory: Path | ShardURL, manifest: dict[str, Any]) -> list[Shard]:
-    """The shards in manifest order (:class:`Shard`: location, samples, expect, layout).
-
-    Local files are checked here, before any reading: each present with the manifest's byte
-    size and sha256 (``expect = None``). A shard cut at a member boundary still reads as a
-    valid, shorter tar, and a shard whose bytes were altered may still decode: without these
-    checks a stage would silently train or evaluate on other data than the manifest (and DVC)
-    describe. The sha256 of each file is computed once per process (cached by path, size and
-    mtime).
-
-    URLs are not fetched twice: ``expect = (bytes, sha256)`` travels with the URL and the
-    reader checks it while streaming (:func:`pipeline.data.shards.iter_shard`).
-
-    Raises:
-        ShardError: a local shard is missing, or its size or sha256 differs from the manifest
-            (names the file).
-    """
-    out: list[Shard] = []
-    for s in manifest["shards"]:
-        where = shard_location(directory, s)
-        layout = s.get("layout", LAYOUT_OWN)
-        skip = frozenset(b["key"] for b in s.get("broken", ()))
-        if is_url(where):
-            out.append(Shard(where, s["num_samples"], (s["bytes"], s["sha256"]), layout, skip))
-            continue
-        path = Path(where)
-        if not path.is_file():
-            raise ShardError(f"{path}: shard listed in the manifest is missing")
-        st = path.stat()
-        if st.st_size != s["bytes"]:
-            raise ShardError(f"{path}: {st.st_size} bytes, manifest says {s['bytes']} (truncated "
-                             "or altered; check with `python -m pipeline verify-shards`)")
-        digest = _file_sha256(path, st.st_size, st.st_mtime_ns)
-        if digest != s["sha256"]:
-            raise ShardError(f"{path}: sha256 {digest[:16]}... != manifest {s['sha256'][:16]}... "
-                             "(altered; rebuild with `dvc repro -f build_shards`)")
-        out.append(Shard(str(path), s["num_samples"], None, layout, skip))
-    return out
 
 
 def epoch_order(counts: list[int], *, seed: int, epoch: int) -> tuple[list[int], int]:
@@ -222,7 +144,7 @@ class _TrainStream(IterableDataset):
 
     def _plan(self) -> tuple[int, int, list[int]]:
         """(logical worker, number of its batches to drop, global indices of batches to yield)."""
-        worker, num_workers = _worker()
+        worker, num_workers = worker_slot()
         logical = (worker + self.skip_batches) % num_workers
         mine = range(logical, self.steps, num_workers)
         dropped = sum(1 for i in mine if i < self.skip_batches)
@@ -235,7 +157,7 @@ class _TrainStream(IterableDataset):
         of the batches it builds, so all slices together are the first ``steps * batch_size *
         world_size`` positions and no position is read twice.
         """
-        num_workers = _worker()[1]
+        num_workers = worker_slot()[1]
         per_worker = [len(range(w, self.steps, num_workers)) * self.batch_size
                       for w in range(num_workers)]
         start = self.rank * self.steps * self.batch_size + sum(per_worker[:logical])
@@ -269,7 +191,7 @@ class _TrainStream(IterableDataset):
         b = self.batch_size
         start, length = self._slice(logical)
         rng = random.Random(derive_seed("buffer", self.seed, self.epoch, self.rank, logical,
-                                      _worker()[1]))
+                                      worker_slot()[1]))
         buffer = max(1, min(length, self.shuffle_buffer))
 
         def take(src: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -280,7 +202,7 @@ class _TrainStream(IterableDataset):
             for record in src:
                 key = str(record["__key__"])
                 if self.crop is None:
-                    yield _to_uint8(_decode_any(record, self.mode)), key
+                    yield _to_uint8(decode_any(record, self.mode)), key
                     continue
                 # the views' crops, a pure function of (seed, epoch, position, view)
                 seeds = [derive_seed("crop", self.seed, self.epoch, record["__pos__"], v)
@@ -318,8 +240,8 @@ class _TrainStream(IterableDataset):
             ShardError: the image does not decode (names the shard and key).
         """
         assert self.crop is not None
-        crop, data = self.crop, _image_bytes(record)
-        with _header(data, record) as header:
+        crop, data = self.crop, image_bytes(record)
+        with open_header(data, record) as header:
             full, boxes = header.size, crop.boxes(header, seeds)
         scale = crop.draft_scale(boxes) if self.draft else 1
         channels = CHANNELS[self.mode]
@@ -330,7 +252,7 @@ class _TrainStream(IterableDataset):
                 return cut_views(image, boxes, crop.size).numpy()
             except RuntimeError:  # a JPEG torchvision refuses (CMYK...): PIL decides below
                 pass
-        decoded = _decode_any(record, self.mode, reduce=lambda _: scale)
+        decoded = decode_any(record, self.mode, reduce=lambda _: scale)
         a = np.array(decoded, dtype=np.uint8)  # writable: torch refuses read-only arrays
         image = torch.from_numpy(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
         return cut_views(image, boxes, crop.size, reduction(full, decoded.size)).numpy()
@@ -348,13 +270,13 @@ class _TrainStream(IterableDataset):
             ShardError: the header does not parse (names the shard and key).
         """
         assert self.crop is not None
-        data = _image_bytes(record)
+        data = image_bytes(record)
         where = str(record.get("__url__"))
         if not is_jpeg(data):
             views = self._cut(record, seeds)
             boxes = np.zeros((self.views, 4), dtype=np.int64)
             return None, boxes, views, key, where
-        with _header(data, record) as header:
+        with open_header(data, record) as header:
             boxes = np.asarray(self.crop.boxes(header, seeds), dtype=np.int64)
         return np.frombuffer(data, dtype=np.uint8), boxes, None, key, where
 
@@ -416,52 +338,6 @@ class EncodedBatch:
         except RuntimeError as e:
             raise ShardError(f"{self.where[i]}: sample '{self.keys[i]}' does not decode on "
                              f"{device} ({str(e).splitlines()[0]})") from None
-
-
-def _header(data: bytes, record: dict[str, Any]) -> Image.Image:
-    """The image opened by PIL, not decoded (its size, mode and format are read).
-
-    Raises:
-        ShardError: no PIL decoder reads the header (names the shard and key).
-    """
-    try:
-        return Image.open(io.BytesIO(data))
-    except Exception as e:  # noqa: BLE001 (PIL raises several types)
-        raise ShardError(f"{record.get('__url__')}: sample '{record.get('__key__')}': "
-                         f"undecodable image ({type(e).__name__}: {e})") from None
-
-
-def _image_bytes(record: dict[str, Any]) -> bytes:
-    """The encoded image of a raw sample of either layout (ours: members checked first)."""
-    if record.get("__layout__", LAYOUT_OWN) == LAYOUT_OWN:
-        check_members(record)
-        return next(record[e] for e in IMAGE_EXTS if e in record)
-    return image_member(record) or b""
-
-
-def _decode_any(record: dict[str, Any], mode: str, *,
-                reduce: Callable[[Image.Image], int] | None = None) -> Image.Image:
-    """The image, in ``mode``, of a raw sample of either layout.
-
-    Args:
-        record: a raw sample; ``__layout__`` says which layout.
-        mode: ``L`` or ``RGB``.
-        reduce: a JPEG's DCT reduction from its header
-            (:func:`pipeline.data.external.open_image`); None = full size.
-
-    Raises:
-        ShardError: the image does not decode (names the shard and key).
-    """
-    if record.get("__layout__", LAYOUT_OWN) == LAYOUT_OWN:
-        return decode_record(record, mode, reduce=reduce)[1]
-    key = str(record["__key__"])
-    try:
-        with open_image(image_member(record) or b"", reduce=reduce) as im:
-            return to_mode(im, mode)
-    except Exception as e:  # noqa: BLE001 (the index decoded it: the shard changed since)
-        raise ShardError(f"{record.get('__url__')}: sample '{key}' undecodable "
-                         f"({type(e).__name__}); the index found it decodable: rerun "
-                         "`dvc repro`") from None
 
 
 def _collate_encoded(items: list[tuple[np.ndarray | None, np.ndarray, np.ndarray | None, str,
@@ -587,7 +463,7 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
         ShardError: missing/invalid manifest; a shard missing or differing from the manifest in
             size or sha256 (at call time); a corrupt sample (during iteration).
     """
-    _check_args(batch_size=(batch_size, 1), steps=(steps, 1), epoch=(epoch, 0), seed=(seed, 0),
+    check_args(batch_size=(batch_size, 1), steps=(steps, 1), epoch=(epoch, 0), seed=(seed, 0),
                 world_size=(world_size, 1), rank=(rank, 0), num_workers=(num_workers, 0),
                 skip_batches=(skip_batches, 0), shuffle_buffer=(shuffle_buffer, 0),
                 views=(views, 1))
@@ -605,168 +481,10 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
         raise InputError(f"{directory}: an epoch of {steps} steps x {batch_size} images x "
                          f"{world_size} ranks needs {steps * batch_size * world_size} images, "
                          f"the split has {n} (lower pretrain.steps_per_epoch or batch_size)")
-    stream = _TrainStream(_shard_list(directory, manifest), manifest["mode"],
+    stream = _TrainStream(shard_list(directory, manifest), manifest["mode"],
                           batch_size=batch_size, steps=steps,
                           epoch=epoch, seed=seed, rank=rank, world_size=world_size,
                           skip_batches=skip_batches,
                           shuffle_buffer=shuffle_buffer or auto_shuffle_buffer(manifest),
                           crop=crop, views=views, draft=draft, decode=decode)
-    return _SizedLoader(stream, steps - skip_batches, num_workers, pin_memory)
-
-
-class _SizedLoader(DataLoader):
-    """A DataLoader over an IterableDataset that knows how many batches it yields."""
-
-    def __init__(self, dataset: IterableDataset, length: int, num_workers: int,
-                 pin_memory: bool):
-        # A private generator: iterating a DataLoader draws its base seed from the generator,
-        # and drawing from the GLOBAL torch RNG would shift the trainer's random stream (a
-        # resumed run would then diverge from an uninterrupted one). Our streams seed
-        # themselves from (seed, epoch, rank, worker), so this seed is unused.
-        super().__init__(dataset, batch_size=None, num_workers=num_workers,
-                         collate_fn=_identity, pin_memory=pin_memory,
-                         generator=torch.Generator().manual_seed(0))
-        self._length = length
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __iter__(self) -> Iterator[Any]:
-        """Batches; a :class:`ShardError` from a worker keeps its one-line message.
-
-        Raises:
-            ShardError: a corrupt sample (the worker's one-line message).
-            LoaderWorkerError: a worker process died while a batch was awaited (names the
-                pid and the signal, see :mod:`pipeline.data.workers`).
-        """
-        batches = super().__iter__()
-        try:
-            while True:
-                try:
-                    batch = next(batches)
-                except StopIteration:
-                    return
-                except ShardError as e:
-                    raise ShardError(_worker_message(str(e))) from None
-                except RuntimeError as e:
-                    died = worker_death(e, getattr(batches, "_workers", None))
-                    if died is None:
-                        raise
-                    raise died from None
-                yield batch
-        finally:  # closing this generator (workers.shut_down) stops the workers now
-            shut_down(batches)
-
-
-def _worker_message(text: str) -> str:
-    """The original message of an exception re-raised from a DataLoader worker.
-
-    PyTorch re-raises a multi-line text: ``Caught ShardError in DataLoader worker process 0.``,
-    the worker's traceback, and last ``pipeline.data.shards.ShardError: <message>``; the stage
-    should print only ``<message>`` (one line naming the shard or URL).
-    """
-    if not text.startswith("Caught ") or "\n" not in text:
-        return text
-    last = text.rstrip().splitlines()[-1]
-    return last.split("ShardError: ", 1)[1] if "ShardError: " in last else last
-
-
-def _check_args(**values: tuple[int, int]) -> None:
-    for name, (v, low) in values.items():
-        if not isinstance(v, int) or v < low:
-            raise InputError(f"{name} must be an int >= {low}, got {v!r}")
-
-
-class _EvalStream(IterableDataset):
-    """This worker's batches ``i % W == worker`` of the first ``total`` samples."""
-
-    def __init__(self, shards: list[Shard], mode: str, transform: EvalTransform, *,
-                 batch_size: int, total: int):
-        super().__init__()
-        self.shards, self.mode, self.transform = shards, mode, transform
-        self.batch_size, self.total = batch_size, total
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[str]]]:
-        worker, num_workers = _worker()
-        b = self.batch_size
-        start = 0
-        pending: list[tuple[torch.Tensor, int, str]] = []
-        for shard in self.shards:
-            url, count = shard.url, shard.count
-            end = min(start + count, self.total)
-            if start >= end:
-                break
-            first_batch, last_batch = start // b, (end - 1) // b
-            if not any(i % num_workers == worker for i in range(first_batch, last_batch + 1)):
-                start += count
-                continue
-            seen = 0
-            for record in shard.records():  # broken samples of a shard read in place left out
-                g = start + seen  # global position in manifest order
-                seen += 1
-                if g >= end:
-                    if end < start + count:
-                        break  # max_images reached inside this shard
-                    raise ShardError(f"{url}: more samples than the manifest's {count}")
-                i = g // b
-                if i % num_workers != worker:
-                    continue
-                if shard.layout == LAYOUT_OWN:
-                    key, image, label = decode_record(record, self.mode)
-                else:  # read in place: the image only, unlabelled
-                    record["__layout__"] = shard.layout
-                    key, image, label = str(record["__key__"]), _decode_any(record, self.mode), -1
-                pending.append((self.transform(image), label, key))
-                if g == min((i + 1) * b, self.total) - 1:  # last sample of batch i
-                    yield _collate_eval(pending)
-                    pending = []
-            if seen < end - start:
-                raise ShardError(f"{url}: {seen} samples, manifest says {count}")
-            start += count
-
-
-def _collate_eval(items: list[tuple[torch.Tensor, int, str]]
-                  ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    images = torch.stack([x for x, _, _ in items])
-    labels = torch.tensor([y for _, y, _ in items], dtype=torch.long)
-    return images, labels, [k for _, _, k in items]
-
-
-def eval_loader(manifest_dir: str | Path | ShardURL, *, transform: EvalTransform, batch_size: int,
-                num_workers: int = 0, max_images: int = 0,
-                pin_memory: bool = False, manifest: dict[str, Any] | None = None) -> DataLoader:
-    """Every sample of a split exactly once, in manifest order.
-
-    "Deterministic order" means the order the samples were written at build time (a seeded
-    shuffle of the source), identical for every ``num_workers``; the returned keys let callers
-    align outputs with samples. Shards read in place (``layout: "webdataset"``, e.g. the index
-    of ``data.pretrain_shards``) give their image member only, label -1, broken samples skipped.
-
-    Args:
-        manifest_dir: the split directory (``<shards_dir>/train`` or ``/test``), or its URL.
-        transform: ``transform(img) -> (C, H, W)`` float tensor, deterministic.
-        batch_size: images per batch; the last batch may be smaller.
-        num_workers: DataLoader worker processes (0 = in-process).
-        max_images: only the first ``max_images`` samples in manifest order (0 = all).
-        pin_memory: DataLoader ``pin_memory``.
-        manifest: the manifest to read instead of ``manifest_dir``'s (e.g.
-            :func:`pipeline.data.index.pretrain_manifest`'s, whose entries carry their ``url``).
-
-    Returns:
-        A DataLoader (``len()`` = number of batches) yielding ``(images (B, C, H, W), labels
-        (B,) int64, keys list[str] of length B)``.
-
-    Raises:
-        ValueError: an argument out of range (names it).
-        ShardError: missing/invalid manifest; a shard missing or differing from the manifest in
-            size or sha256 (at call time); a corrupt sample (during iteration).
-    """
-    _check_args(batch_size=(batch_size, 1), num_workers=(num_workers, 0),
-                max_images=(max_images, 0))
-    directory = shards_location(manifest_dir)
-    manifest = read_manifest(directory) if manifest is None else manifest
-    require_images(manifest, directory)
-    total = min(max_images, manifest["num_samples"]) if max_images else manifest["num_samples"]
-    stream = _EvalStream(_shard_list(directory, manifest), manifest["mode"], transform,
-                         batch_size=batch_size, total=total)
-    return _SizedLoader(stream, math.ceil(total / batch_size), num_workers, pin_memory)
+    return SizedLoader(stream, steps - skip_batches, num_workers, pin_memory)

@@ -132,7 +132,8 @@ def _example_images(split: Path | ShardURL, image_size: int,
     Returns:
         (``(n, C, S, S)`` float32 images, the manifest).
     """
-    from pipeline.data.loader import eval_loader, read_manifest
+    from pipeline.data.eval_loader import eval_loader
+    from pipeline.data.loader import read_manifest
     from pipeline.data.views import build_eval_transform
 
     m = read_manifest(split)

@@ -18,7 +18,7 @@ import torch
 import torchvision.transforms as T
 from torch import Tensor, nn
 
-from pipeline.data.loader import eval_loader
+from pipeline.data.eval_loader import eval_loader
 from pipeline.data.remote import ShardURL
 from pipeline.data.views import BatchTwoCrop, build_batch_view
 from pipeline.evaluate.features import extract_features

@@ -15,9 +15,9 @@ from helpers import relabel_first_sample, rewrite_manifest
 from PIL import Image
 
 from pipeline.data.build import write_shards
+from pipeline.data.eval_loader import eval_loader
 from pipeline.data.loader import (
     epoch_order,
-    eval_loader,
     read_manifest,
     reader_runs,
     train_loader,
@@ -170,11 +170,11 @@ def test_train_loader__skip_batches_is_the_tail(seventy: Path, workers: int):
 
 
 def test_train_loader__skip_does_not_decode_skipped(uneven: Path, monkeypatch):
-    import pipeline.data.loader as loader_mod
+    import pipeline.data.readers as readers
 
     calls = []
-    real = loader_mod.decode_record
-    monkeypatch.setattr(loader_mod, "decode_record",
+    real = readers.decode_record
+    monkeypatch.setattr(readers, "decode_record",
                         lambda r, m, **kw: calls.append(1) or real(r, m, **kw))
     list(train_loader(uneven, batch_size=4, steps=3, epoch=0, seed=0, skip_batches=2))
     assert len(calls) == (3 - 2) * 4

@@ -9,7 +9,8 @@ from PIL import Image
 
 from pipeline.config import ParamsError, from_dict
 from pipeline.data.build import build_all
-from pipeline.data.loader import eval_loader, train_loader
+from pipeline.data.eval_loader import eval_loader
+from pipeline.data.loader import train_loader
 from pipeline.data.shards import decode_record, image_spec, iter_shard, read_manifest
 from pipeline.data.views import (
     BatchTwoCrop,

@@ -10,7 +10,8 @@ import torch
 from helpers import FaultServer, build_tiny_shards
 
 from pipeline.data import remote
-from pipeline.data.loader import eval_loader, train_loader
+from pipeline.data.eval_loader import eval_loader
+from pipeline.data.loader import train_loader
 from pipeline.data.remote import RemoteError, ShardURL, open_stream, read_url, shards_location
 from pipeline.data.shards import ShardError, read_manifest
 from pipeline.data.views import build_eval_transform

@@ -97,7 +97,7 @@ _KILLED_TRAIN_LOADER_WORKER = """
 import os, signal, time
 import torch
 from torch.utils.data import IterableDataset
-from pipeline.data.loader import _SizedLoader
+from pipeline.data.readers import SizedLoader
 from pipeline.data.workers import shut_down
 
 class Slow(IterableDataset):
@@ -106,7 +106,7 @@ class Slow(IterableDataset):
             time.sleep(0.05)
             yield torch.tensor([i])
 
-batches = iter(_SizedLoader(Slow(), 64, 1, False))  # train_loader's iter: a generator
+batches = iter(SizedLoader(Slow(), 64, 1, False))  # train_loader's iter: a generator
 next(batches)
 inner = batches.gi_frame.f_locals["batches"]  # PyTorch's iterator, which it wraps
 os.kill(inner._workers[0].pid, signal.SIGTERM)  # a signal to the process group reaches it

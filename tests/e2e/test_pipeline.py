@@ -112,7 +112,7 @@ def test_pipeline__all_stages_run_with_sane_metrics(repo):
 LOAD_CHAMPION = """
 import sys, torch, mlflow
 from pipeline.data.views import build_eval_transform
-from pipeline.data.loader import eval_loader
+from pipeline.data.eval_loader import eval_loader
 uri = "models:/moco-encoder@champion"
 encoder = mlflow.pytorch.load_model(uri)
 pre = mlflow.models.get_model_info(uri).metadata["preprocessing"]

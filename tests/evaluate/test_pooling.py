@@ -164,7 +164,7 @@ def test_embed__layer3_features_are_its_map_and_the_protocol_files_stay_the_last
 
 def _test_images(shards):
     """The test split's images, one by one, through the embed stage's own transform."""
-    from pipeline.data.loader import eval_loader
+    from pipeline.data.eval_loader import eval_loader
     from pipeline.data.shards import image_spec, read_manifest
     from pipeline.data.views import build_eval_transform
 

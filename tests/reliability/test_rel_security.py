@@ -14,7 +14,8 @@ from PIL import Image
 from relhelpers import ROOT, mlflow_runs, rewrite_manifest, run_stage, write_params
 
 from pipeline.config import ParamsError, from_dict
-from pipeline.data.loader import eval_loader, read_manifest, train_loader
+from pipeline.data.eval_loader import eval_loader
+from pipeline.data.loader import read_manifest, train_loader
 from pipeline.data.shards import ShardError, verify_shards
 from pipeline.data.views import build_eval_transform
 from pipeline.tracking import loggable_params

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipeline.config import LinearParams, ModelParams
-from pipeline.data.loader import eval_loader
+from pipeline.data.eval_loader import eval_loader
 from pipeline.data.remote import ShardURL
 from pipeline.data.shards import image_spec, read_manifest
 from pipeline.data.views import build_eval_transform

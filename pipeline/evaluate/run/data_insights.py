@@ -24,8 +24,8 @@ import torch
 
 from pipeline.atomic import write_json
 from pipeline.config import EmbedParams, InsightsParams
+from pipeline.data.eval_loader import eval_loader
 from pipeline.data.index import pretrain_manifest
-from pipeline.data.loader import eval_loader
 from pipeline.data.remote import ShardURL
 from pipeline.data.shards import image_spec, read_manifest, shard_location
 from pipeline.data.views import build_eval_transform

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.atomic import write_atomic
-from pipeline.data.loader import eval_loader
+from pipeline.data.eval_loader import eval_loader
 from pipeline.data.remote import ShardURL
 from pipeline.data.shards import image_spec, read_manifest
 from pipeline.data.views import build_eval_transform
@@ -143,7 +143,7 @@ class Embedder:
         """``(features, global features)`` of the batches, (N, D) and (N, C), in batch order.
 
         Args:
-            batches: an :func:`~pipeline.data.loader.eval_loader` (eval transform).
+            batches: an :func:`~pipeline.data.eval_loader.eval_loader` (eval transform).
             desc: the progress bar's label.
         """
         self._pooled.clear()

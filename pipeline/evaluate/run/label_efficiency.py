@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pipeline.config import LinearParams, ModelParams
-from pipeline.data.loader import eval_loader
+from pipeline.data.eval_loader import eval_loader
 from pipeline.data.remote import ShardURL
 from pipeline.data.shards import image_spec, read_manifest
 from pipeline.data.views import build_eval_transform

@@ -10,7 +10,8 @@ import torch
 
 from pipeline.atomic import write_json, write_tsv
 from pipeline.config import FeatureNorm, LinearMode, LinearParams
-from pipeline.data.loader import eval_loader, train_loader
+from pipeline.data.eval_loader import eval_loader
+from pipeline.data.loader import train_loader
 from pipeline.data.remote import ShardURL
 from pipeline.data.shards import image_spec, read_manifest
 from pipeline.data.views import (
