@@ -1,6 +1,6 @@
 """Time what ``index_shards`` spends on a changed image folder: the walk, headers, decoding.
 
-What it is for: the cost of :func:`pipeline.data.index.index_folders`' decode check (every
+What it is for: the cost of :func:`pipeline.data.folder_index.index_folders`' decode check (every
 image's pixels, a JPEG at 1/8 scale) against the header-only scan it replaced, on one tree in
 the same run. Rounds are interleaved (walk, headers, decode; repeated), so the page cache and
 the machine's drift hit each alike; the first round warms the cache and is not counted.

@@ -9,8 +9,8 @@ reruns. An index that changed is written and logged as one MLflow run (``runs/in
 names it: the lineage of the pretraining data); without shards to index it writes empty
 manifests and logs no MLflow run. It also lists the local image folders that ``build_shards``
 reads (``data.unlabelled_root``; ``data.root`` of an ``imagefolder`` source) into
-``data/index/folders.json`` (:func:`pipeline.data.index.index_folders`), so an image added to a
-folder rebuilds the shards and a missing folder, or a new image that does not decode (a bad
+``data/index/folders.json`` (:func:`pipeline.data.folder_index.index_folders`), so an image
+added to a folder rebuilds the shards and a missing folder, or a new image that does not decode (a bad
 header, or a file cut short past a good one), stops ``dvc repro`` before they are deleted (the
 images are decoded again only when a listing changed). The labels of a ``webdataset`` labelled
 set are read as the build reads them and refused here when the build would refuse them.
@@ -41,14 +41,8 @@ def run(p: Params) -> None:
 
     from pipeline.atomic import write_json
     from pipeline.data.checks import check_before_build
-    from pipeline.data.index import (
-        FOLDERS,
-        VALIDATORS,
-        index_location,
-        index_params_folders,
-        index_sets,
-        plan_pretraining,
-    )
+    from pipeline.data.folder_index import FOLDERS, index_params_folders
+    from pipeline.data.index import VALIDATORS, index_location, index_sets, plan_pretraining
     from pipeline.data.shards import MANIFEST_NAME
     from pipeline.tracking import stage_run
 

@@ -458,7 +458,8 @@ def open_data(params: DataParams, seed: int) -> tuple[Source, dict[str, Any]]:
         SourceError: raw data missing or invalid.
         ShardError: webdataset shards unreadable or too many broken.
     """
-    from pipeline.data.index import broken_in_folder, read_previous, read_previous_folders
+    from pipeline.data.folder_index import broken_in_folder, read_previous_folders
+    from pipeline.data.index import read_previous
 
     index = read_previous("labelled") if params.source == "webdataset" else None
     folders = read_previous_folders()  # the broken files index_shards found and let through

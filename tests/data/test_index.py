@@ -297,7 +297,7 @@ def _listing_by_hand(root, names):
 
 
 def test_index_folders__listing_digest_counts_and_skips(tmp_path):
-    from pipeline.data.index import index_folders
+    from pipeline.data.folder_index import index_folders
 
     root = tmp_path / "photos"
     (root / "a" / "b").mkdir(parents=True)
@@ -330,7 +330,7 @@ def test_index_folders__listing_digest_counts_and_skips(tmp_path):
 
 
 def test_index_folders__missing_or_empty_named_in_one_line(tmp_path):
-    from pipeline.data.index import index_folders
+    from pipeline.data.folder_index import index_folders
     from pipeline.data.sources import SourceError
 
     with pytest.raises(SourceError) as e:
@@ -350,7 +350,7 @@ def test_index_folders__dangling_symlink_is_a_broken_file_like_an_empty_one(tmp_
     # gone.png points nowhere, empty.png holds no byte: both are broken files, counted against
     # data.max_broken_fraction, listed by name and left out by the build; over the budget both
     # are named in the one error line
-    from pipeline.data.index import index_folders
+    from pipeline.data.folder_index import index_folders
     from pipeline.data.sources import SourceError
 
     root = tmp_path / "photos"
@@ -391,7 +391,7 @@ def test_index_folders__dangling_symlink_is_a_broken_file_like_an_empty_one(tmp_
 
 def test_index_folders__unreadable_or_unsupported_image_named_in_one_line(tmp_path):
     # the images are read here, in index_shards, before build_shards deletes the shards
-    from pipeline.data.index import index_folders
+    from pipeline.data.folder_index import index_folders
     from pipeline.data.sources import SourceError
 
     root = tmp_path / "photos"
@@ -423,7 +423,7 @@ def test_index_folders__file_cut_short_past_its_header_named_before_the_build(tm
     # an interrupted download keeps a good header: the header scan alone passes it, and the
     # build found it only after DVC had deleted the shards. index_folders decodes the pixels
     # (a JPEG at 1/8 scale) and names it with PIL's message.
-    from pipeline.data.index import index_folders
+    from pipeline.data.folder_index import index_folders
     from pipeline.data.sources import SourceError
     from pipeline.data.sources.imagefolder import scan_headers
 
@@ -455,8 +455,8 @@ def test_index_folders__broken_within_the_budget_are_listed_and_left_out(tmp_pat
                                                                        monkeypatch):
     # data.max_broken_fraction: 1 broken of 5 images is 0.20 <= 0.25, listed (relative to the
     # folder) and logged; at 0.1 the same folder stops, naming the file and the budget
-    import pipeline.data.index as index_mod
-    from pipeline.data.index import broken_in_folder, index_folders
+    import pipeline.data.folder_index as index_mod
+    from pipeline.data.folder_index import broken_in_folder, index_folders
     from pipeline.data.sources import SourceError
 
     root = tmp_path / "photos"
@@ -513,7 +513,7 @@ def test_index_folders__finds_what_the_build_refuses_past_the_header(tmp_path):
     import struct
     import zlib
 
-    from pipeline.data.index import index_folders
+    from pipeline.data.folder_index import index_folders
     from pipeline.data.sources.base import UnreadableImage
     from pipeline.data.sources.imagefolder import open_upright, read_images
 
@@ -552,7 +552,7 @@ def test_over_budget__a_share_written_in_params_is_met_exactly():
 
 
 def test_index_folders__a_fifo_named_like_an_image_stops_instead_of_hanging(tmp_path):
-    from pipeline.data.index import index_folders
+    from pipeline.data.folder_index import index_folders
     from pipeline.data.sources import SourceError
 
     root = tmp_path / "photos"
@@ -569,7 +569,7 @@ def test_index_folders__relative_folder_missing_here_is_read_from_dvc_root(tmp_p
                                                                           monkeypatch):
     # a queued / temp `dvc exp run` copy lacks the untracked folder: the main repo's is listed,
     # and the entry (the path as written, the digest of relative paths) is the same as there
-    from pipeline.data.index import index_folders
+    from pipeline.data.folder_index import index_folders
     from pipeline.data.sources.base import local_path
 
     main, copy = tmp_path / "main", tmp_path / "copy"
@@ -590,7 +590,7 @@ def test_index_folders__relative_folder_missing_here_is_read_from_dvc_root(tmp_p
 
 def test_index_folders__many_broken_files_give_a_short_line_and_a_full_log(tmp_path, caplog):
     # 300 broken downloads made one 15,573-character line; now 10 are named, all are logged
-    from pipeline.data.index import index_folders
+    from pipeline.data.folder_index import index_folders
     from pipeline.data.sources import SourceError
 
     root = tmp_path / "photos"
@@ -618,7 +618,7 @@ def test_index_folders__many_broken_files_give_a_short_line_and_a_full_log(tmp_p
 def test_index_folders__unchanged_listing_skips_the_header_check(tmp_path, caplog):
     # the last index passed the check for exactly this listing (path, bytes, mtime of each
     # image), so the headers are not read again; any change to the listing reads them all
-    from pipeline.data.index import index_folders, read_previous_folders
+    from pipeline.data.folder_index import index_folders, read_previous_folders
     from pipeline.data.sources import SourceError
 
     root = tmp_path / "photos"
@@ -654,7 +654,7 @@ def test_index_params_folders__class_layout_checked_before_the_build(tmp_path, m
     # index_shards runs before build_shards deletes the shards: a class folder without images,
     # or whose every image is broken (and so left out within the budget), stops it there
     from pipeline.config import DataParams
-    from pipeline.data.index import index_params_folders
+    from pipeline.data.folder_index import index_params_folders
     from pipeline.data.sources import SourceError
 
     monkeypatch.chdir(tmp_path)
@@ -732,7 +732,7 @@ def test_index_params_folders__lists_the_files_the_build_reads_under_its_names(t
     from pipeline.atomic import write_json
     from pipeline.config import DataParams
     from pipeline.data.build import open_data
-    from pipeline.data.index import FOLDERS, index_params_folders
+    from pipeline.data.folder_index import FOLDERS, index_params_folders
 
     monkeypatch.chdir(tmp_path)
     root, shared = tmp_path / "raw", tmp_path / "shared"
@@ -803,7 +803,7 @@ def test_index__dotted_keys_counted_as_in_the_tar_index_and_loader_agree(tmp_pat
 def test_dangling_symlink__left_out_by_the_build_tree_and_imagefolder(tmp_path):
     # within the budget the index lists the link as broken and the build leaves it out:
     # the tree keeps its 3 good images, the imagefolder its 4 (2 per class)
-    from pipeline.data.index import index_folders
+    from pipeline.data.folder_index import index_folders
     from pipeline.data.sources import ImageFolderSource, UnlabelledTree
 
     tree = tmp_path / "photos"
@@ -945,7 +945,7 @@ def test_index_params_folders__mode_and_train_split_of_an_imagefolder(tmp_path, 
     # 2 classes of 5 grey images + 1 colour one in a tree: the folder is L, the tree RGB;
     # int(5 x 0.2 + 0.5) = 1 test image per class, so 8 train images
     from pipeline.config import from_dict
-    from pipeline.data.index import index_params_folders
+    from pipeline.data.folder_index import index_params_folders
 
     monkeypatch.chdir(tmp_path)  # no last index here
     for c in ("a", "b"):

@@ -316,7 +316,7 @@ def test_build_all__leaves_out_the_broken_files_index_shards_listed(tmp_path: Pa
     # index_shards let 1 broken file of each folder through (data.max_broken_fraction 0.25):
     # the build reads data/index/folders.json and leaves exactly those out
     from pipeline.atomic import write_json
-    from pipeline.data.index import FOLDERS, index_params_folders
+    from pipeline.data.folder_index import FOLDERS, index_params_folders
 
     monkeypatch.chdir(tmp_path)
     raw, photos = tmp_path / "raw", tmp_path / "photos"

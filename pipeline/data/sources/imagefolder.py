@@ -93,7 +93,7 @@ class ImageFolderSource(Source):
             root: the dataset directory (required).
             exclude: image paths relative to ``root`` left out before the split: the broken
                 files that ``index_shards`` listed within ``data.max_broken_fraction``
-                (:func:`pipeline.data.index.broken_in_folder`).
+                (:func:`pipeline.data.folder_index.broken_in_folder`).
             test_fraction: share of each class held out as test when there is no train/test
                 split on disk; ``0 < x < 1``.
             seed: seeds that held-out split.
@@ -270,7 +270,7 @@ def split_files(scan: FolderScan, test_fraction: float, seed: int,
 def is_excluded(path: str, root: str | Path, exclude: Collection[str]) -> bool:
     """Whether ``path`` is one of ``exclude``, paths relative to ``root``.
 
-    ``exclude`` is a folder index's ``broken`` list (:func:`pipeline.data.index.
+    ``exclude`` is a folder index's ``broken`` list (:func:`pipeline.data.folder_index.
     broken_in_folder`), left out by :class:`ImageFolderSource` and the unlabelled tree alike.
     """
     return os.path.relpath(path, root) in exclude

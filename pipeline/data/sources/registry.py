@@ -38,7 +38,7 @@ def open_source(name: str, root: str | Path = "", *, download: bool = False,
         max_broken_fraction: webdataset: undecodable samples skipped (``data.max_broken_fraction``).
         index: webdataset: the set's index manifest, when the ``index_shards`` stage wrote one.
         exclude: imagefolder: files left out, relative to ``root`` (the broken files of the
-            folder index, :func:`pipeline.data.index.broken_in_folder`).
+            folder index, :func:`pipeline.data.folder_index.broken_in_folder`).
 
     Returns:
         The opened :class:`Source`.

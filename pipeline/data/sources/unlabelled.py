@@ -13,7 +13,7 @@ log and in the folder index ``data/index/folders.json``: AppleDouble files (``._
 resource forks), other hidden files and folders (``.*``; a hidden folder counts once, its
 content is not read), and files without an image extension (``README.txt``, ``*.json``, ...).
 The ``index_shards`` stage has decoded every image before the build
-(:func:`pipeline.data.index.index_folders`) and listed the broken ones it let through
+(:func:`pipeline.data.folder_index.index_folders`) and listed the broken ones it let through
 (``data.max_broken_fraction``); the build leaves those out (``exclude``). Every other image
 header is read when the tree is opened (:func:`pipeline.data.sources.imagefolder.scan_headers`);
 a file with an image extension whose header does not decode stops with one line naming every
@@ -109,7 +109,7 @@ class UnlabelledTree:
             root: the directory (``data.unlabelled_root`` as written).
             exclude: paths relative to ``root`` left out: the broken files that
                 ``index_shards`` listed within ``data.max_broken_fraction``
-                (:func:`pipeline.data.index.broken_in_folder`).
+                (:func:`pipeline.data.folder_index.broken_in_folder`).
 
         Raises:
             SourceError: ``root`` is not a directory, holds no image, or holds images whose
@@ -141,7 +141,7 @@ class UnlabelledTree:
         Not the skipped files, nor the broken ones left out: a README added beside the images,
         or a broken download, would then change the manifest, a dep of ``pretrain``, and
         retrain on the same shards. They are counted in the log and in
-        ``data/index/folders.json`` (:func:`pipeline.data.index.index_folders`).
+        ``data/index/folders.json`` (:func:`pipeline.data.folder_index.index_folders`).
         """
         return {"root": str(self.root), "images": len(self.paths), **BUILD_SETTINGS}
 
