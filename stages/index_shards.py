@@ -10,10 +10,11 @@ names it: the lineage of the pretraining data); without shards to index it write
 manifests and logs no MLflow run. It also lists the local image folders that ``build_shards``
 reads (``data.unlabelled_root``; ``data.root`` of an ``imagefolder`` source) into
 ``data/index/folders.json`` (:func:`pipeline.data.folder_index.index_folders`), so an image
-added to a folder rebuilds the shards and a missing folder, or a new image that does not decode (a bad
-header, or a file cut short past a good one), stops ``dvc repro`` before they are deleted (the
-images are decoded again only when a listing changed). The labels of a ``webdataset`` labelled
-set are read as the build reads them and refused here when the build would refuse them.
+added to a folder rebuilds the shards and a missing folder, or a new image that does not
+decode (a bad header, or a file cut short past a good one), stops ``dvc repro`` before they
+are deleted (the images are decoded again only when a listing changed). The labels of a
+``webdataset`` labelled set are read as the build reads them and refused here when the build
+would refuse them.
 
 Before writing anything it also refuses what the indexed data refutes in the params, while
 every output of every stage is as it was (DVC deletes ``build_shards``' outputs next):
