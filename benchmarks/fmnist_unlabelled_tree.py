@@ -5,7 +5,7 @@ What it is for: the real-data check of ``data.unlabelled_root``
 unlabelled data, evaluated with 6,000 labelled train images and the 10,000 test images from the
 ``fashion_mnist`` source. The images are read from the checksum-verified idx files
 (:class:`pipeline.data.sources.FashionMnistSource`) and written as 28 x 28 grey PNGs
-(byte-reproducible: :func:`pipeline.data.build.encode_png`) under
+(byte-reproducible: :func:`pipeline.data.encode.encode_png`) under
 ``<out>/<index // 1000 as 3 digits>/<index as 5 digits>.png``, so the tree's sorted order is the
 source order and nothing in a path says the class. The tree is built beside ``--out`` and
 renamed into place; an existing ``--out`` is replaced.
@@ -24,7 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.data.build import _replace_dir, encode_png
+from pipeline.data.build import _replace_dir
+from pipeline.data.encode import encode_png
 from pipeline.data.sources import FashionMnistSource
 
 PER_DIR = 1000
