@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pipeline.data.sources.imagefolder import scan_headers
+from pipeline.data.sources.files import scan_headers
 from pipeline.data.sources.unlabelled import walk_images
 
 

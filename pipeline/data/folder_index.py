@@ -25,9 +25,9 @@ from pipeline.atomic import read_json
 from pipeline.data.index import INDEX_DIR, over_budget
 from pipeline.data.shards import CHANNELS
 from pipeline.data.sources.base import SourceError, local_path
+from pipeline.data.sources.files import read_images
 from pipeline.data.sources.imagefolder import (
     IMAGE_EXTENSIONS,
-    read_images,
     scan_folder,
     split_files,
 )
@@ -80,7 +80,7 @@ def index_folders(folders: dict[str, str], previous: dict[str, Any] | None = Non
         writes the same shards, and nothing after it reruns.)
 
     Every image of a new or changed folder is decoded
-    (:func:`pipeline.data.sources.imagefolder.read_images` with ``decode``: a JPEG at 1/8
+    (:func:`pipeline.data.sources.files.read_images` with ``decode``: a JPEG at 1/8
     scale; timings in docs/data.md), so that a file with an image extension that is no image,
     or one cut short or corrupt past a good header, is found in ``index_shards``, before
     ``build_shards`` deletes the shards: listed and left out within ``max_broken_fraction``,

@@ -425,7 +425,7 @@ def test_index_folders__file_cut_short_past_its_header_named_before_the_build(tm
     # (a JPEG at 1/8 scale) and names it with PIL's message.
     from pipeline.data.folder_index import index_folders
     from pipeline.data.sources import SourceError
-    from pipeline.data.sources.imagefolder import scan_headers
+    from pipeline.data.sources.files import scan_headers
 
     root = tmp_path / "photos"
     root.mkdir()
@@ -515,7 +515,7 @@ def test_index_folders__finds_what_the_build_refuses_past_the_header(tmp_path):
 
     from pipeline.data.folder_index import index_folders
     from pipeline.data.sources.base import UnreadableImage
-    from pipeline.data.sources.imagefolder import open_upright, read_images
+    from pipeline.data.sources.files import open_upright, read_images
 
     root = tmp_path / "photos"
     root.mkdir()

@@ -103,7 +103,7 @@ class BrokenImages(SourceError):
     """Image files of a source that do not decode or are in an unsupported mode, all named.
 
     Raised by :meth:`Source.iter` (pixels) and by the header scan of the folder sources
-    (:func:`pipeline.data.sources.imagefolder.scan_headers`); ``build_all`` adds how to get the
+    (:func:`pipeline.data.sources.files.scan_headers`); ``build_all`` adds how to get the
     last shards back.
     """
 

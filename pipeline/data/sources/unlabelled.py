@@ -15,7 +15,7 @@ content is not read), and files without an image extension (``README.txt``, ``*.
 The ``index_shards`` stage has decoded every image before the build
 (:func:`pipeline.data.folder_index.index_folders`) and listed the broken ones it let through
 (``data.max_broken_fraction``); the build leaves those out (``exclude``). Every other image
-header is read when the tree is opened (:func:`pipeline.data.sources.imagefolder.scan_headers`);
+header is read when the tree is opened (:func:`pipeline.data.sources.files.scan_headers`);
 a file with an image extension whose header does not decode stops with one line naming every
 such file, and so does one whose pixels fail later (:meth:`pipeline.data.sources.base.Source.iter`:
 a file changed between the two stages).
@@ -39,15 +39,14 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.data.sources.base import Sample, Source, SourceError, keeps_pixels, local_path
+from pipeline.data.sources.files import open_upright, scan_headers
 from pipeline.data.sources.imagefolder import (
     BUILD_SETTINGS,
     IMAGE_EXTENSIONS,
     SKIP_REASONS,
     ImageWalk,
     is_excluded,
-    open_upright,
     sanitize_key,
-    scan_headers,
 )
 from pipeline.data.sources.modes import (
     folder_mode,
