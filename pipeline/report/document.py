@@ -14,6 +14,11 @@ from typing import ClassVar
 NOT_AVAILABLE = "not available"
 
 
+def fmt(v: float | None, spec: str = ".2f", unit: str = "") -> str:
+    """``v`` formatted by ``spec`` with ``unit`` appended, or :data:`NOT_AVAILABLE` for None."""
+    return NOT_AVAILABLE if v is None else f"{v:{spec}}{unit}"
+
+
 @dataclass
 class Table:
     """A table: ``headers`` and rows of already-formatted cells."""

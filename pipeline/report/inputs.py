@@ -79,6 +79,11 @@ class Metrics:
         return self.values.get(key)
 
 
+def metric(m: Metrics | None, key: str) -> float | None:
+    """``m[key]`` as a finite float; None when the file or the number is missing."""
+    return None if m is None else m.get(key)
+
+
 @dataclass(frozen=True)
 class EvalDetails:
     """``eval/<name>_details.json`` of an evaluation stage (kNN or linear probe).

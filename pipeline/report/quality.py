@@ -21,7 +21,7 @@ import numpy as np
 
 from pipeline.evaluate.labelfree import METRICS, STUDY_FILE, is_signal, study_rho
 from pipeline.report import figures as fg
-from pipeline.report.document import NOT_AVAILABLE, FigureRef, Paragraph, Section, Table
+from pipeline.report.document import NOT_AVAILABLE, FigureRef, Paragraph, Section, Table, fmt
 from pipeline.report.inputs import Metrics, RunOutputs
 
 READING = {
@@ -47,10 +47,6 @@ ALL_LABELS = {
     ("random_encoder", "knn"): ("baselines", "random_encoder_top1"),
 }
 MARGIN_AT = "10"  # labels per class at which the report states MoCo's margin over raw pixels
-
-
-def _fmt(v: float | None, spec: str) -> str:
-    return NOT_AVAILABLE if v is None else format(v, spec)
 
 
 def plot_labelfree(table: Mapping[str, np.ndarray], path: Path) -> Path:
@@ -83,7 +79,7 @@ def labelfree_section(outputs: RunOutputs, fig_dir: Path) -> Section:
         sec.blocks.append(Paragraph(f"Label-free numbers: {NOT_AVAILABLE} (metrics/pretrain.json "
                                     "has none: pretrain.labelfree_images 0, or an older run)."))
         return sec
-    rows = [[LABELS[k], _fmt(pre.get(f"{k}_init"), ".3f"), _fmt(pre.get(k), ".3f"),
+    rows = [[LABELS[k], fmt(pre.get(f"{k}_init"), ".3f"), fmt(pre.get(k), ".3f"),
              "quality signal" if is_signal(k) else "diagnostic"] for k in METRICS]
     sec.blocks.append(Table(["number", "random init", "end of pretraining", "shown as"], rows))
     table = outputs.plots.get("labelfree")

@@ -9,7 +9,6 @@ A report is a :class:`~pipeline.report.document.Document` of sections
 
 from __future__ import annotations
 
-import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,14 +23,13 @@ from pipeline.report.document import (
     Paragraph,
     Section,
     Table,
+    fmt,
 )
-from pipeline.report.inputs import Embeddings, Metrics, RunOutputs, load_shard_images
+from pipeline.report.inputs import Embeddings, Metrics, RunOutputs, load_shard_images, metric
 from pipeline.report.insights import insights_section
+from pipeline.report.provenance import cost_section, lock_section, runs_section
 from pipeline.report.quality import label_efficiency_section, labelfree_section
 from pipeline.report.references import PROTOCOL_NAMES, published_reference, reference_note
-
-COST_STAGES = ("pretrain", "data_insights", "embed", "baselines", "knn", "linear",
-               "label_efficiency")
 
 
 def build_document(
@@ -74,32 +72,9 @@ def build_document(
 # --------------------------------------------------------------------------- formatting
 
 
-def _num(m: Metrics | None, key: str) -> float | None:
-    """``m[key]`` as a finite float, else None."""
-    return None if m is None else m.get(key)
-
-
-def _fmt(v: float | None, spec: str = ".2f", unit: str = "") -> str:
-    """Format a number, or say it is not available."""
-    return NOT_AVAILABLE if v is None else f"{v:{spec}}{unit}"
-
-
 def _pct(m: Metrics | None, key: str) -> str:
     """A percentage with two decimals (the unit is in the column header)."""
-    return _fmt(_num(m, key))
-
-
-def redact_uri(uri: str) -> str:
-    """A tracking URI without user name / password."""
-    parts = urllib.parse.urlsplit(uri)
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
-        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-    return uri
-
-
-# --------------------------------------------------------------------------- settings, results
+    return fmt(metric(m, key))
 
 
 def settings_section(p: Params) -> Section:
@@ -157,12 +132,12 @@ def _pooling(layer: int, grid: int) -> str:
 
 def _results_rows(p: Params, m: Mapping[str, Metrics | None]) -> list[list[str]]:
     knn, lin, base = m["knn"], m["linear"], m["baselines"]
-    k = int(_num(knn, "k") or p.knn.k)
-    temp = _num(knn, "T") or p.knn.T
-    augment = _num(lin, "mode_augment")  # what the probe actually ran, else the params
+    k = int(metric(knn, "k") or p.knn.k)
+    temp = metric(knn, "T") or p.knn.T
+    augment = metric(lin, "mode_augment")  # what the probe actually ran, else the params
     lin_mode = p.linear.mode if augment is None else ("augment" if augment else "features")
-    lin_epochs = int(_num(lin, "epochs") or p.linear.epochs)
-    chosen = " (chosen on a validation split of train)" if _num(knn, "select_val") else ""
+    lin_epochs = int(metric(lin, "epochs") or p.linear.epochs)
+    chosen = " (chosen on a validation split of train)" if metric(knn, "select_val") else ""
     rows = [
         ["MoCo encoder + kNN", f"k={k}, T={temp:g}{chosen}", _pct(knn, "top1"),
          _pct(knn, "top5")],
@@ -175,21 +150,21 @@ def _results_rows(p: Params, m: Mapping[str, Metrics | None]) -> list[list[str]]
         ["raw pixels (baseline)", "kNN, k=200, T=0.1", _pct(base, "raw_pixels_top1"),
          _pct(base, "raw_pixels_top5")],
     ]
-    if _num(knn, "protocol_top1") is not None:  # the published protocol, beside ours
+    if metric(knn, "protocol_top1") is not None:  # the published protocol, beside ours
         rows.insert(1, ["MoCo encoder + kNN, MoCo protocol",
                         "global pool, k=200, T=0.1", _pct(knn, "protocol_top1"),
                         _pct(knn, "protocol_top5")])
-    if _num(lin, "protocol_top1") is not None:
+    if metric(lin, "protocol_top1") is not None:
         rows.insert(len(rows) - 1, ["MoCo encoder + linear probe, MoCo protocol",
                                     "global pool, raw features, lr 30, 100 epochs",
                                     _pct(lin, "protocol_top1"), _pct(lin, "protocol_top5")])
-    tk, tt = _num(base, "raw_pixels_knn_tuned_k"), _num(base, "raw_pixels_knn_tuned_T")
+    tk, tt = metric(base, "raw_pixels_knn_tuned_k"), metric(base, "raw_pixels_knn_tuned_T")
     if tk is not None and tt is not None:
         rows.append(["raw pixels (baseline)",
                      f"kNN, k={int(tk)}, T={tt:g} (chosen on a validation split of train)",
                      _pct(base, "raw_pixels_knn_tuned_top1"),
                      _pct(base, "raw_pixels_knn_tuned_top5")])
-    if _num(base, "raw_pixels_linear_top1") is not None:
+    if metric(base, "raw_pixels_linear_top1") is not None:
         rows.append(["raw pixels (baseline)", f"linear probe, features, {lin_epochs} epochs",
                      _pct(base, "raw_pixels_linear_top1"), _pct(base, "raw_pixels_linear_top5")])
     rows.append(["random-init encoder (baseline)", "kNN, k=200, T=0.1",
@@ -207,9 +182,9 @@ def best_pixel_baselines(base: Metrics | None) -> dict[str, float | None]:
     kNN: the better of the reference protocol (k=200, T=0.1) and the validation-tuned kNN;
     linear: the raw-pixel linear probe. ``None`` where the baselines stage did not report it.
     """
-    knn = [v for v in (_num(base, "raw_pixels_top1"), _num(base, "raw_pixels_knn_tuned_top1"))
+    knn = [v for v in (metric(base, "raw_pixels_top1"), metric(base, "raw_pixels_knn_tuned_top1"))
            if v is not None]
-    return {"kNN": max(knn) if knn else None, "linear": _num(base, "raw_pixels_linear_top1")}
+    return {"kNN": max(knn) if knn else None, "linear": metric(base, "raw_pixels_linear_top1")}
 
 
 # top-1 points between two seeds of one recipe on Fashion-MNIST: 0.3-0.5
@@ -226,7 +201,7 @@ def headline(m: Mapping[str, Metrics | None]) -> str | None:
     best = best_pixel_baselines(m["baselines"])
     parts = []
     for name, res in (("kNN", m["knn"]), ("linear", m["linear"])):
-        ours, px = _num(res, "top1"), best[name]
+        ours, px = metric(res, "top1"), best[name]
         if ours is not None and px is not None:
             gap = round(ours - px, 2)  # as printed: 78.5 vs 78.8 is 0.30, not 0.2999...
             if abs(gap) < SEED_NOISE_POINTS:
@@ -243,19 +218,19 @@ def headline(m: Mapping[str, Metrics | None]) -> str | None:
 def _results_notes(p: Params, m: Mapping[str, Metrics | None]) -> list[Paragraph]:
     knn, lin, base = m["knn"], m["linear"], m["baselines"]
     notes = []
-    if _num(knn, "val_top1") is not None:
+    if metric(knn, "val_top1") is not None:
         notes.append(Paragraph(f"kNN validation top-1 (held out of the train set): "
                                f"{_pct(knn, 'val_top1')} %."))
-    if _num(lin, "val_top1") is not None:
+    if metric(lin, "val_top1") is not None:
         notes.append(Paragraph(f"Linear probe validation top-1 (held out of the train set): "
                                f"{_pct(lin, 'val_top1')} %."))
     gains = []
     best = best_pixel_baselines(base)
     for name, res in (("kNN", knn), ("linear", lin)):
-        top1 = _num(res, "top1")
+        top1 = metric(res, "top1")
         against = [(f"the best raw-pixel {name}", best[name])]
         if name == "kNN":  # the random encoder is only kNN-scored: same protocol only
-            against.append(("the random encoder's kNN", _num(base, "random_encoder_top1")))
+            against.append(("the random encoder's kNN", metric(base, "random_encoder_top1")))
         for bname, b in against:
             if top1 is not None and b is not None:
                 gains.append(f"{name} {top1 - b:+.2f} points vs {bname}")
@@ -263,7 +238,7 @@ def _results_notes(p: Params, m: Mapping[str, Metrics | None]) -> list[Paragraph
         notes.append(Paragraph("Top-1 gains: " + "; ".join(gains) + "."))
     notes.append(Paragraph(reference_note(p)))
     ref = published_reference(p)
-    ours = None if ref is None else _num(knn if ref.protocol == "knn" else lin, "top1")
+    ours = None if ref is None else metric(knn if ref.protocol == "knn" else lin, "top1")
     if ref is not None and ours is not None:
         notes.append(Paragraph(f"This run's {PROTOCOL_NAMES[ref.protocol]} top-1 is "
                                f"{ours - ref.top1:+.2f} points from the published number."))
@@ -282,12 +257,12 @@ def results_section(p: Params, m: Mapping[str, Metrics | None]) -> Section:
 
 
 def _pretrain_table(pre: Metrics | None) -> Table:
-    steps = _fmt(_num(pre, "steps"), ".0f")
-    epochs = _fmt(_num(pre, "epochs"), ".0f")
+    steps = fmt(metric(pre, "steps"), ".0f")
+    epochs = fmt(metric(pre, "epochs"), ".0f")
     return Table(
         ["metric", "value"],
         [
-            ["final InfoNCE loss", _fmt(_num(pre, "loss"), ".4f")],
+            ["final InfoNCE loss", fmt(metric(pre, "loss"), ".4f")],
             ["instance discrimination top-1 / top-5 (%)",
              f"{_pct(pre, 'inst_top1')} / {_pct(pre, 'inst_top5')}"],
             ["steps / epochs", f"{steps} / {epochs}"],
@@ -330,8 +305,8 @@ def _knn_monitor(monitor: fg.Columns | None, base: Metrics | None, fig_dir: Path
     fg.plot_knn_monitor(
         monitor,
         fig_dir / "knn_monitor.png",
-        random_encoder_top1=_num(base, "random_encoder_top1"),
-        raw_pixels_top1=_num(base, "raw_pixels_top1"),
+        random_encoder_top1=metric(base, "random_encoder_top1"),
+        raw_pixels_top1=metric(base, "raw_pixels_top1"),
     )
     return FigureRef(
         "knn_monitor.png",
@@ -481,84 +456,6 @@ def embedding_section(p: Params, outputs: RunOutputs, fig_dir: Path) -> Section:
 
 
 # --------------------------------------------------------------------------- cost, provenance
-
-
-def _cost_notes(m: Mapping[str, Metrics | None]) -> dict[str, str]:
-    pre, knn, lin = m["pretrain"], m["knn"], m["linear"]
-    wait, peak, world = (_num(pre, k) for k in
-                         ("data_wait_fraction", "peak_memory_bytes", "world_size"))
-    pre_notes = [
-        f"data wait {100 * wait:.1f} %" if wait is not None else "",
-        f"peak memory {peak / 2**20:.0f} MiB" if peak is not None else "",
-        f"{world:.0f} process(es)" if world is not None else "",
-    ]
-    n_train, n_test = _num(knn, "num_train"), _num(knn, "num_test")
-    batch, lr_eff = _num(lin, "batch_size"), _num(lin, "lr_effective")
-    return {
-        "pretrain": ", ".join(x for x in pre_notes if x),
-        "knn": (f"{n_train:.0f} train / {n_test:.0f} test"
-                if n_train is not None and n_test is not None else ""),
-        "linear": (f"batch {batch:.0f}, effective lr {lr_eff:g}"
-                   if batch is not None and lr_eff is not None else ""),
-    }
-
-
-def cost_section(m: Mapping[str, Metrics | None]) -> Section:
-    """Wall time and throughput per stage, with the total of the available wall times."""
-    notes = _cost_notes(m)
-    rows, total = [], 0.0
-    for stage in COST_STAGES:
-        d = m[stage]
-        wall = _num(d, "wall_time_s")
-        total += wall or 0.0
-        ips = _num(d, "images_per_s")
-        rows.append([
-            stage,
-            _fmt(wall, ".1f"),
-            "" if d and ips is None else _fmt(ips, ".1f"),
-            notes.get(stage, "") if d else NOT_AVAILABLE,
-        ])
-    rows.append(["total (available)", f"{total:.1f}", "", ""])
-    return Section(
-        "Throughput and wall time", [Table(["stage", "wall time (s)", "images / s", "notes"], rows)]
-    )
-
-
-def runs_section(outputs: RunOutputs) -> Section:
-    """The MLflow run of every tracked stage, the (redacted) tracking URIs, the UI's runs table."""
-    from pipeline.tracking import ui_url
-
-    rows, uris, ui = [], [], []
-    for stage, run in outputs.runs.items():
-        if run is None:
-            rows.append([stage, NOT_AVAILABLE, ""])
-            continue
-        rows.append([stage, run.run_id or "not logged (MLflow disabled)", run.experiment_id])
-        if run.tracking_uri and redact_uri(run.tracking_uri) not in uris:
-            uris.append(redact_uri(run.tracking_uri))
-        if run.run_id and run.tracking_uri and not ui:
-            ui.append(ui_url(run.tracking_uri, run.experiment_id or None))
-    blocks: list[Block] = [
-        Table(["stage", "MLflow run id", "experiment id"], rows),
-        Paragraph("Tracking URI: " + (", ".join(uris) if uris else NOT_AVAILABLE) + "."),
-    ]
-    if ui:  # with a database: the UI that `make ui` starts
-        blocks.append(Paragraph("The runs table in the MLflow UI (`make ui` for a database):",
-                                href=ui[0]))
-    return Section("MLflow runs", blocks)
-
-
-def lock_section(outputs: RunOutputs) -> Section:
-    """The output hashes recorded in ``dvc.lock``."""
-    if outputs.dvc_lock is None:
-        return Section("DVC outputs", [Paragraph(f"dvc.lock: {NOT_AVAILABLE}.")])
-    return Section(
-        "DVC outputs",
-        [
-            Paragraph("Output hashes recorded in dvc.lock (md5; '.dir' = a directory listing)."),
-            Table(["stage", "output", "md5"], [[r.stage, r.path, r.md5] for r in outputs.dvc_lock]),
-        ],
-    )
 
 
 __all__ = [

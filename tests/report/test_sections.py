@@ -2,14 +2,13 @@ from reporthelpers import PARAMS, make_run
 
 from pipeline.config import from_dict
 from pipeline.report.inputs import Metrics, read_outputs
+from pipeline.report.provenance import cost_section, redact_uri
 from pipeline.report.sections import (
     NOT_AVAILABLE,
     FigureRef,
     Paragraph,
     Table,
     build_document,
-    cost_section,
-    redact_uri,
     results_section,
     settings_section,
 )
@@ -121,7 +120,7 @@ def test_settings_section__features_row_names_the_pooled_stage():
 
 
 def test_runs_section__links_the_ui_runs_table_without_credentials(tmp_path):
-    from pipeline.report.sections import runs_section
+    from pipeline.report.provenance import runs_section
 
     sec = runs_section(read_outputs(make_run(tmp_path / "run"), "data/shards"))
     (link,) = [b for b in sec.blocks if isinstance(b, Paragraph) and b.href]
