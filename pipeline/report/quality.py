@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T
 from pipeline.evaluate.labelfree import METRICS, STUDY_FILE, is_signal, study_rho
 from pipeline.report import figures as fg
 from pipeline.report.document import NOT_AVAILABLE, FigureRef, Paragraph, Section, Table, fmt
@@ -171,9 +172,10 @@ def label_efficiency_section(outputs: RunOutputs, fig_dir: Path) -> Section:
     sec.blocks.append(FigureRef(
         "label_efficiency.png",
         f"Top-1 on the whole test set from n labelled train images per class (mean and spread "
-        f"over {le.get('draws')} seeded draws, the same draws for every kind; kNN k=200 capped "
-        "at the bank, T=0.1; the linear probe of the linear params). Stars: the pipeline's "
-        "numbers with every train label (kNN with k and T chosen on held-out train images)."))
+        f"over {le.get('draws')} seeded draws, the same draws for every kind; kNN k={DEFAULT_K} "
+        f"capped at the bank, T={DEFAULT_T:g}; the linear probe of the linear params). Stars: "
+        "the pipeline's numbers with every train label (kNN with k and T chosen on held-out "
+        "train images)."))
     ns = list(next(iter(curve.values()))["knn"])
     rows = [[KIND_NAMES.get(kind, kind), probe] + [
         f"{probes[probe][n]['mean']:.2f} ± {probes[probe][n]['std']:.2f}" for n in ns]

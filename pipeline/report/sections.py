@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pipeline.config import Params
-from pipeline.evaluate.knn import knn_neighbours
+from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, knn_neighbours
 from pipeline.report import figures as fg
 from pipeline.report.document import (
     NOT_AVAILABLE,
@@ -30,6 +30,8 @@ from pipeline.report.insights import insights_section
 from pipeline.report.provenance import cost_section, lock_section, runs_section
 from pipeline.report.quality import label_efficiency_section, labelfree_section
 from pipeline.report.references import PROTOCOL_NAMES, published_reference, reference_note
+
+KNN_PROTOCOL = f"k={DEFAULT_K}, T={DEFAULT_T:g}"  # the InstDisc / MoCo CIFAR demo kNN
 
 
 def build_document(
@@ -147,12 +149,12 @@ def _results_rows(p: Params, m: Mapping[str, Metrics | None]) -> list[list[str]]
             _pct(lin, "top1"),
             _pct(lin, "top5"),
         ],
-        ["raw pixels (baseline)", "kNN, k=200, T=0.1", _pct(base, "raw_pixels_top1"),
+        ["raw pixels (baseline)", f"kNN, {KNN_PROTOCOL}", _pct(base, "raw_pixels_top1"),
          _pct(base, "raw_pixels_top5")],
     ]
     if metric(knn, "protocol_top1") is not None:  # the published protocol, beside ours
         rows.insert(1, ["MoCo encoder + kNN, MoCo protocol",
-                        "global pool, k=200, T=0.1", _pct(knn, "protocol_top1"),
+                        f"global pool, {KNN_PROTOCOL}", _pct(knn, "protocol_top1"),
                         _pct(knn, "protocol_top5")])
     if metric(lin, "protocol_top1") is not None:
         rows.insert(len(rows) - 1, ["MoCo encoder + linear probe, MoCo protocol",
@@ -167,7 +169,7 @@ def _results_rows(p: Params, m: Mapping[str, Metrics | None]) -> list[list[str]]
     if metric(base, "raw_pixels_linear_top1") is not None:
         rows.append(["raw pixels (baseline)", f"linear probe, features, {lin_epochs} epochs",
                      _pct(base, "raw_pixels_linear_top1"), _pct(base, "raw_pixels_linear_top5")])
-    rows.append(["random-init encoder (baseline)", "kNN, k=200, T=0.1",
+    rows.append(["random-init encoder (baseline)", f"kNN, {KNN_PROTOCOL}",
                  _pct(base, "random_encoder_top1"), _pct(base, "random_encoder_top5")])
     ref = published_reference(p)
     if ref is not None:
@@ -179,7 +181,7 @@ def _results_rows(p: Params, m: Mapping[str, Metrics | None]) -> list[list[str]]
 def best_pixel_baselines(base: Metrics | None) -> dict[str, float | None]:
     """The best raw-pixel top-1 (%) per protocol: ``{"kNN": ..., "linear": ...}``.
 
-    kNN: the better of the reference protocol (k=200, T=0.1) and the validation-tuned kNN;
+    kNN: the better of the reference protocol (:data:`KNN_PROTOCOL`) and the validation-tuned kNN;
     linear: the raw-pixel linear probe. ``None`` where the baselines stage did not report it.
     """
     knn = [v for v in (metric(base, "raw_pixels_top1"), metric(base, "raw_pixels_knn_tuned_top1"))
