@@ -99,6 +99,9 @@ def test_imagenet_preset__matches_moco_v2():
     ({"model": {"stem_stride": 4}}, "model.stem_stride"),
     ({"augment": {"preset": "v3"}}, "augment.preset"),
     ({"pretrain": {"batch_size": 0}}, "pretrain.batch_size"),
+    ({"pretrain": {"batch_size": -16}}, "pretrain.batch_size"),
+    ({"embed": {"batch_size": 0}}, "embed.batch_size"),
+    ({"pretrain": {"batch_size": 16}, "moco": {"bn_splits": 3}}, "moco.bn_splits"),  # 16 % 3
     ({"pretrain": {"epochs": 0}}, "pretrain.epochs"),
     ({"pretrain": {"batch_size": 100}, "moco": {"bn_splits": 8}}, "moco.bn_splits"),
     ({"knn": {"k": 0}}, "knn.k"),

@@ -1,5 +1,5 @@
-"""A copy of the working tree as a fresh git + DVC repo in tmp, with a tiny recipe (the e2e
-tests of own images: tests/e2e/test_own_folders.py, test_remote_shards.py, test_fmnist_tree.py)."""
+"""A copy of the working tree as a fresh git + DVC repo in tmp, with a tiny recipe: the one
+repo-copy helper of the e2e tests (:func:`make_repo`, :func:`sh`, :func:`params`)."""
 
 from __future__ import annotations
 
@@ -54,18 +54,32 @@ def ran(output: str) -> list[str]:
     return re.findall(r"Running stage '(\w+)'", output)
 
 
-def params(overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """configs/ci.yaml + :data:`TINY` + ``overrides`` (per section)."""
+def params(overrides: dict[str, dict[str, Any]],
+           tiny: dict[str, dict[str, Any]] | None = TINY) -> dict[str, Any]:
+    """configs/ci.yaml + ``tiny`` (:data:`TINY`; None: ci.yaml as it is) + ``overrides``."""
     tree = yaml.safe_load((ROOT / "configs/ci.yaml").read_text())
-    for layer in (TINY, overrides):
+    for layer in (tiny or {}, overrides):
         for sec, vals in copy.deepcopy(layer).items():
             tree[sec].update(vals)
     return tree
 
 
-def make_repo(dst: Path, tree: dict[str, Any]) -> dict[str, str]:
+BESIDE, PROJECT_DEFAULT = "beside", "project default"  # make_repo(mlflow=...)
+
+
+def make_repo(dst: Path, tree: dict[str, Any], *, mlflow: str | Path = BESIDE,
+              one_thread: bool = True) -> dict[str, str]:
     """Copy the working tree to ``dst`` (no dvc.lock, metrics, plots, results), write the params,
-    ``git init`` + commit; returns the environment for ``dvc`` (MLflow beside ``dst``)."""
+    ``git init`` + commit; returns the environment for ``dvc``.
+
+    Args:
+        dst: the new repo's directory.
+        tree: the params (:func:`params`).
+        mlflow: where MLflow logs: :data:`BESIDE` (``<dst>-mlflow.db`` beside the repo: inside,
+            `dvc exp run` would stash and restore it with the workspace), :data:`PROJECT_DEFAULT`
+            (no ``MLFLOW_TRACKING_URI``: the project's ``<repo>/mlflow.db``), or a database path.
+        one_thread: ``OMP_NUM_THREADS=1`` (tiny recipes: no thread contention between tests).
+    """
     dst.mkdir(parents=True, exist_ok=True)
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.split()
@@ -77,11 +91,15 @@ def make_repo(dst: Path, tree: dict[str, Any]) -> dict[str, str]:
     (dst / "params.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DVC_", "MLFLOW_"))}
     env.update({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-                "PYTHONPATH": str(dst), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                "MLFLOW_TRACKING_URI": f"sqlite:///{dst.parent / (dst.name + '-mlflow.db')}",
-                "DVC_NO_ANALYTICS": "1",
+                "PYTHONPATH": str(dst), "DVC_NO_ANALYTICS": "1",
                 "GIT_AUTHOR_NAME": "ci", "GIT_AUTHOR_EMAIL": "ci@localhost",
                 "GIT_COMMITTER_NAME": "ci", "GIT_COMMITTER_EMAIL": "ci@localhost"})
+    if one_thread:
+        env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    if mlflow == BESIDE:
+        env["MLFLOW_TRACKING_URI"] = f"sqlite:///{dst.parent / (dst.name + '-mlflow.db')}"
+    elif mlflow != PROJECT_DEFAULT:
+        env["MLFLOW_TRACKING_URI"] = f"sqlite:///{mlflow}"
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "base"]):
         sh(cmd, dst, env)
     return env

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from repohelpers import STAGES
+from repohelpers import PROJECT_DEFAULT, STAGES, make_repo, out, params, ran, sh
 
 ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
@@ -54,23 +53,6 @@ TINY = {  # on top of configs/ci.yaml: seconds per stage
     "linear": {"epochs": 2, "batch_size": 64, "lr_milestones": [1, 2]},
     "report": {"tsne_points": 60, "retrieval_queries": 2, "retrieval_neighbours": 2},
 }
-
-
-def sh(cmd: list[str], cwd: Path, env: dict, *, ok: bool = True,
-       timeout: float = 1200) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    if ok:
-        assert proc.returncode == 0, (f"{cmd} failed:\n{proc.stdout[-3000:]}\n"
-                                      f"{proc.stderr[-3000:]}")
-    return proc
-
-
-def out(p: subprocess.CompletedProcess) -> str:
-    return p.stdout + p.stderr
-
-
-def ran(output: str) -> list[str]:
-    return re.findall(r"Running stage '(\w+)'", output)
 
 
 READ_RUNS = """
@@ -133,27 +115,8 @@ def digest(root: Path, rel: list[str]) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     dst = tmp_path_factory.mktemp("exprepo") / "repo"
-    dst.mkdir()
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        if (ROOT / f).is_file() and not f.startswith(("results/", "metrics/", "plots/")):
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, dst / f)
-    (dst / "dvc.lock").unlink(missing_ok=True)
-    params = yaml.safe_load((ROOT / "configs/ci.yaml").read_text())
-    for sec, vals in TINY.items():
-        params[sec].update(vals)
-    (dst / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DVC_", "MLFLOW_"))}
-    env.update({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-                "PYTHONPATH": str(dst), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                "GIT_AUTHOR_NAME": "ci", "GIT_AUTHOR_EMAIL": "ci@localhost",
-                "GIT_COMMITTER_NAME": "ci", "GIT_COMMITTER_EMAIL": "ci@localhost"})
-    remote = dst.parent / "remote"
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "base"],
-                ["dvc", "remote", "add", "-d", "store", str(remote)]):
-        sh(cmd, dst, env)
+    env = make_repo(dst, params(TINY, tiny=None), mlflow=PROJECT_DEFAULT)
+    sh(["dvc", "remote", "add", "-d", "store", str(dst.parent / "remote")], dst, env)
     base = sh(["dvc", "repro"], dst, env)
     for cmd in (["git", "add", "-A"], ["git", "commit", "-qm", "repro"], ["dvc", "push"]):
         sh(cmd, dst, env)

@@ -14,9 +14,6 @@ moves only for a higher linear top-1.
 
 import gzip
 import json
-import os
-import re
-import shutil
 import struct
 import subprocess
 import sys
@@ -26,6 +23,8 @@ import numpy as np
 import pytest
 import torch
 from repohelpers import STAGES as ALL_STAGES
+from repohelpers import commit, make_repo, params, ran, sh
+from repohelpers import out as text_of
 
 ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
@@ -37,44 +36,15 @@ pytestmark = [pytest.mark.slow,
                                  "(apt-get install dataset-fashion-mnist; `make setup` does)")]
 
 
-def sh(cmd: list[str], cwd: Path, env: dict) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout + proc.stderr
-
-
-def ran(output: str) -> list[str]:
-    return re.findall(r"Running stage '(\w+)'", output)
-
-
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     dst = tmp_path_factory.mktemp("repo")
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        if (ROOT / f).is_file():
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, dst / f)
-    for stale in ("dvc.lock", "metrics", "plots"):
-        if (dst / stale).is_file():
-            (dst / stale).unlink()
-        elif (dst / stale).is_dir():
-            shutil.rmtree(dst / stale)
-    shutil.copy(ROOT / "configs/ci.yaml", dst / "params.yaml")
-    # the database lives outside the repo: inside, it would be committed with the outputs and
-    # `dvc exp run` would stash and restore it with the workspace (an old copy read back)
-    db = tmp_path_factory.mktemp("mlflow") / "ci-mlflow.db"
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{db}",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "GIT_AUTHOR_NAME": "ci", "GIT_AUTHOR_EMAIL": "ci@localhost",
-           "GIT_COMMITTER_NAME": "ci", "GIT_COMMITTER_EMAIL": "ci@localhost"}
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "ci"]):
-        sh(cmd, dst, env)
-    out = sh(["dvc", "repro"], dst, env)
-    sh(["git", "add", "-A"], dst, env)
-    sh(["git", "commit", "-qm", "repro"], dst, env)
-    return dst, env, out
+    # configs/ci.yaml as params.yaml; the database outside the repo, and the machine's threads
+    env = make_repo(dst, params({}, tiny=None), mlflow=tmp_path_factory.mktemp("mlflow")
+                    / "ci-mlflow.db", one_thread=False)
+    output = text_of(sh(["dvc", "repro"], dst, env))
+    commit(dst, env)
+    return dst, env, output
 
 
 def test_pipeline__all_stages_run_with_sane_metrics(repo):
@@ -219,22 +189,22 @@ def test_pipeline__knn_numbers_equal_a_numpy_reference(repo):
 
 def test_pipeline__second_repro_is_noop(repo):
     dst, env, _ = repo
-    out = sh(["dvc", "repro"], dst, env)
+    out = text_of(sh(["dvc", "repro"], dst, env))
     assert ran(out) == [INDEX]
-    status = sh(["dvc", "status"], dst, env)
+    status = text_of(sh(["dvc", "status"], dst, env))
     assert status.split() == [f"{INDEX}:", "always", "changed"], status
 
 
 def test_pipeline__knn_param_reruns_only_knn_and_report(repo):
     dst, env, _ = repo
-    out = sh(["dvc", "exp", "run", "-S", "knn.k=20"], dst, env)
+    out = text_of(sh(["dvc", "exp", "run", "-S", "knn.k=20"], dst, env))
     assert ran(out) == ["check_params", INDEX, "knn", "report"]  # both outputs content-stable
     assert json.loads((dst / "metrics/knn.json").read_text())["k"] == 20
 
 
 def test_pipeline__pretrain_param_reruns_pretrain_and_after(repo):
     dst, env, _ = repo
-    out = sh(["dvc", "exp", "run", "-S", "pretrain.lr=0.05"], dst, env)
+    out = text_of(sh(["dvc", "exp", "run", "-S", "pretrain.lr=0.05"], dst, env))
     assert ran(out) == ["check_params", INDEX, "pretrain", "data_insights", "embed", "knn",
                         "linear", "label_efficiency", "report"]
 
@@ -242,7 +212,7 @@ def test_pipeline__pretrain_param_reruns_pretrain_and_after(repo):
 def test_pipeline__second_pretraining__new_version_champion_moves_only_if_higher(repo):
     dst, env, _ = repo  # after the pretrain.lr experiment above
     _, versions, aliases = registry(env)
-    first = json.loads(sh(["git", "show", "HEAD:metrics/linear.json"], dst, env))["top1"]
+    first = json.loads(sh(["git", "show", "HEAD:metrics/linear.json"], dst, env).stdout)["top1"]
     second = json.loads((dst / "metrics/linear.json").read_text())["top1"]
     assert sorted(versions) == [1, 2] and aliases["newest"] == 2
     assert versions[1].tags["dvc.exp_name"] == "workspace"  # dvc repro
@@ -280,7 +250,7 @@ def test_pipeline__outputs_rewritten__run_not_dirty_params_edit_dirty(repo):
     assert versions[1].tags["git.dirty"] == "false"  # the first `dvc repro`, committed tree
     sh(["git", "checkout", "--", "params.yaml"], dst, env)
     sh(["dvc", "repro", "-f", "-s", "pretrain"], dst, env)
-    changed = sh(["git", "status", "--porcelain", "--untracked-files=no"], dst, env).split()
+    changed = sh(["git", "status", "--porcelain", "--untracked-files=no"], dst, env).stdout.split()
     assert "metrics/pretrain.json" in changed and "params.yaml" not in changed
     # the same weights as the first `dvc repro`'s: no new version; `newest` is version 1 again
     _, after, aliases = registry(env)

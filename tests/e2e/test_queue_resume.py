@@ -16,17 +16,16 @@ there: another repo, another resume store, another run cache). In the main repo,
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from repohelpers import PROJECT_DEFAULT, make_repo, params, sh
 
 ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
@@ -46,48 +45,13 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("git") is None, reason="needs git")]
 
 
-def sh(cmd: list[str], cwd: Path, env: dict, *, timeout: float = 900) -> str:
-    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, f"{cmd}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    return p.stdout + p.stderr
-
-
-def make_repo(dst: Path) -> None:
-    dst.mkdir(parents=True)
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        if (ROOT / f).is_file() and not f.startswith(("results/", "metrics/", "plots/")):
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, dst / f)
-    (dst / "dvc.lock").unlink(missing_ok=True)
-    params = yaml.safe_load((ROOT / "configs/ci.yaml").read_text())
-    for sec, vals in TINY.items():
-        params[sec].update(vals)
-    (dst / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-
-
-def env_for(repo: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DVC_", "MLFLOW_"))}
-    env.update({"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-                "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                "DVC_NO_ANALYTICS": "1", "GIT_AUTHOR_NAME": "ci",
-                "GIT_AUTHOR_EMAIL": "ci@localhost", "GIT_COMMITTER_NAME": "ci",
-                "GIT_COMMITTER_EMAIL": "ci@localhost"})
-    return env
-
-
 @pytest.fixture(scope="module")
 def repos(tmp_path_factory):
     base = tmp_path_factory.mktemp("queue-resume")
+    tree = params(TINY, tiny=None)
     main, ref = base / "main", base / "ref"
-    make_repo(main)
-    env = env_for(main)
-    sh(["git", "init", "-q"], main, env)
-    sh(["git", "add", "-A"], main, env)
-    sh(["git", "commit", "-qm", "base"], main, env)
-    shutil.copytree(main, ref, symlinks=True)
-    sh(["dvc", "repro", "pretrain"], ref, env_for(ref))  # the uninterrupted reference
+    env = make_repo(main, tree, mlflow=PROJECT_DEFAULT)
+    sh(["dvc", "repro", "pretrain"], ref, make_repo(ref, tree, mlflow=PROJECT_DEFAULT))
     return main, env, torch.load(ref / "models/encoder.pt", weights_only=True)
 
 
@@ -114,7 +78,7 @@ def queue_kicker(main: Path, env: dict, every_s: float = 30.0):
 
 def run_log(main: Path, name: str, env: dict) -> Path | None:
     """The ``.out`` file of queued experiment ``name`` (None before it started)."""
-    status = sh(["dvc", "queue", "status"], main, env)
+    status = sh(["dvc", "queue", "status"], main, env).stdout
     m = re.search(rf"^(\w+)\s+{name}\s", status, flags=re.M)
     if not m:
         return None
@@ -138,7 +102,7 @@ def logs(main: Path) -> set[Path]:
 
 def status_of(main: Path, name: str, env: dict) -> str:
     m = re.search(rf"^\w+\s+{name}\s+.*?\b(Queued|Running|Success|Failed)\b",
-                  sh(["dvc", "queue", "status"], main, env), flags=re.M)
+                  sh(["dvc", "queue", "status"], main, env).stdout, flags=re.M)
     return m.group(1) if m else ""
 
 
@@ -166,9 +130,9 @@ def queue_and_kill(main: Path, env: dict, name: str, *, at_step: int, force: boo
 
 def experiment_output(main: Path, env: dict, name: str, path: str) -> Path:
     """The cache file of a pretrain output of experiment ``name`` (from its ``dvc.lock``)."""
-    refs = sh(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], main, env).split()
+    refs = sh(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], main, env).stdout.split()
     (ref,) = [r for r in refs if r.endswith(f"/{name}")]
-    lock = yaml.safe_load(sh(["git", "show", f"{ref}:dvc.lock"], main, env))
+    lock = yaml.safe_load(sh(["git", "show", f"{ref}:dvc.lock"], main, env).stdout)
     (md5,) = [o["md5"] for o in lock["stages"]["pretrain"]["outs"] if o["path"] == path]
     return main / ".dvc/cache/files/md5" / md5[:2] / md5[2:]
 
