@@ -71,8 +71,8 @@ COMMANDS = {
     "make test": Ran(".ci/run", "\nmake test\n"),
     "python -m pipeline check-params --params configs/cifar10-r18.yaml": Here(),
     "cp configs/cifar10-r18.yaml params.yaml": Ran(
-        E2E, 'shutil.copy(ROOT / "configs/ci.yaml", dst / "params.yaml")', "the ci preset"),
-    "dvc repro": Ran(E2E, 'out = sh(["dvc", "repro"], dst, env)'),
+        E2E, 'make_repo(dst, params({}, tiny=None)', "configs/ci.yaml as params.yaml"),
+    "dvc repro": Ran(E2E, 'output = text_of(sh(["dvc", "repro"], dst, env))'),
     "dvc repro data_insights": Ran("tests/e2e/test_own_folders.py",
                                    'sh(["dvc", "repro", "data_insights"], dst, env)',
                                    "data.source none with an unlabelled tree"),
@@ -139,7 +139,8 @@ COMMANDS = {
         Untested("needs two machines; tests/train/test_url_multinode.py runs two torchrun "
                  "agents on 127.0.0.1 instead"),
     "dvc remote add -d storage /mnt/team/dvc-store": Ran(
-        EXP, '["dvc", "remote", "add", "-d", "store", str(remote)]', "a tmp directory"),
+        EXP, '["dvc", "remote", "add", "-d", "store", str(dst.parent / "remote")]',
+        "a tmp directory"),
     "git add .dvc/config": Ran(EXP, '["git", "add", "-A"]', "git add -A"),
     'git commit -m "DVC remote"': Ran(EXP, '["git", "commit", "-qm", "repro"]'),
     "dvc push": Ran(EXP, '["dvc", "push"]'),
