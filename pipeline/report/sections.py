@@ -27,7 +27,7 @@ from pipeline.report.document import (
 )
 from pipeline.report.inputs import Embeddings, Metrics, RunOutputs, load_shard_images, metric
 from pipeline.report.insights import insights_section
-from pipeline.report.provenance import cost_section, lock_section, runs_section
+from pipeline.report.provenance import cost_section, lock_section, redact_uri, runs_section
 from pipeline.report.quality import label_efficiency_section, labelfree_section
 from pipeline.report.references import PROTOCOL_NAMES, published_reference, reference_note
 
@@ -88,8 +88,15 @@ def settings_section(p: Params) -> Section:
         + (f" ({p.data.root})" if p.data.root else "")
         + (f", resized to {p.data.image_size} px" if p.data.image_size else ", native size")
     )
+    pretrain_from = [text for text, used in (
+        ("the labelled train images", p.data.pretrain_labelled and p.data.source != "none"),
+        (f"the unlabelled tree {p.data.unlabelled_root}", bool(p.data.unlabelled_root)),
+        (f"shards read in place {redact_uri(p.data.pretrain_shards)}",
+         bool(p.data.pretrain_shards))) if used]
     rows = [
         ["dataset", dataset],
+        *([["pretraining images", ", ".join(pretrain_from)]] if len(pretrain_from) > 1
+          or pretrain_from[:1] != ["the labelled train images"] else []),
         [
             "backbone",
             f"{p.model.backbone}, width {p.model.width}, small stem "

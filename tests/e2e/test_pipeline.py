@@ -74,8 +74,13 @@ def test_pipeline__all_stages_run_with_sane_metrics(repo):
     assert m["pretrain"]["steps"] == 2 * (2048 // 64)
     assert (dst / "reports/report.html").stat().st_size > 10_000
     from pipeline.report.check import check_html
+    from pipeline.report.document import NOT_AVAILABLE
 
     assert check_html(dst / "reports/report.html") == []
+    # every number the report shows is read from a stage's metrics by name: a metric renamed on
+    # either side renders "not available" (the report's only sign of a missing number)
+    md = (dst / "reports/report.md").read_text()
+    assert [ln for ln in md.splitlines() if NOT_AVAILABLE in ln] == []
 
 
 # a fresh process: the champion from the registry, the embed stage's preprocessing, 10 images

@@ -1,3 +1,4 @@
+import pytest
 from reporthelpers import PARAMS, make_run
 
 from pipeline.config import from_dict
@@ -167,3 +168,16 @@ def test_headline__gap_under_seed_noise_is_level_not_a_win():
                               (88.33, 88.03, "beats")):
         m = _metrics(knn={"top1": ours}, baselines={"raw_pixels_knn_tuned_top1": px})
         assert f" {verdict} the best raw-pixel kNN" in headline(m), (ours, px)
+
+
+@pytest.mark.parametrize("data, shown", [
+    ({}, None),  # the labelled train images only: the dataset row says it all
+    ({"unlabelled_root": "data/raw/photos"},
+     "the labelled train images, the unlabelled tree data/raw/photos"),
+    ({"source": "none", "unlabelled_root": "/x/photos"}, "the unlabelled tree /x/photos"),
+    ({"pretrain_shards": "https://u:pw@host/s/{0..3}.tar"},
+     "the labelled train images, shards read in place https://***@host/s/{0..3}.tar"),
+])
+def test_settings_section__names_every_pretraining_source(data, shown):
+    rows = dict(settings_section(from_dict({"data": data})).blocks[0].rows)
+    assert rows.get("pretraining images") == shown
