@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.config import BnMode
+from pipeline.config import BnMode, MocoParams
 from pipeline.errors import InputError
 
 
@@ -168,7 +168,11 @@ def revert_split_bn(module: nn.Module) -> nn.Module:
     return module
 
 
-def prepare_bn(module: nn.Module, bn: str, bn_splits: int = 8) -> nn.Module:
+# the one default of moco.bn_splits: params.yaml's schema (pipeline.config.MocoParams)
+DEFAULT_BN_SPLITS: int = MocoParams.model_fields["bn_splits"].default
+
+
+def prepare_bn(module: nn.Module, bn: str, bn_splits: int = DEFAULT_BN_SPLITS) -> nn.Module:
     """Convert the BN layers of ``module`` for a BN mode (done by :class:`MoCo` at construction).
 
     ``split`` → :class:`SplitBatchNorm2d` with ``bn_splits`` groups; ``sync`` →

@@ -24,7 +24,13 @@ from torch import nn
 from pipeline.config import BnMode
 from pipeline.errors import InputError
 from pipeline.moco.backbones import export_state_dict
-from pipeline.moco.batchnorm import check_bn_mode, prepare_bn, shuffle_batch, unshuffle
+from pipeline.moco.batchnorm import (
+    DEFAULT_BN_SPLITS,
+    check_bn_mode,
+    prepare_bn,
+    shuffle_batch,
+    unshuffle,
+)
 from pipeline.moco.distributed import batch_shuffle_ddp, batch_unshuffle_ddp, concat_all_gather
 from pipeline.moco.loss import info_nce, instance_accuracy
 from pipeline.moco.momentum import make_key_encoder, momentum_update
@@ -85,7 +91,8 @@ class MoCo(nn.Module):
         bn: ``split`` (one device: SplitBatchNorm2d + shuffle), ``shuffle`` (DDP shuffle BN),
             ``sync`` (SyncBatchNorm, no shuffle) or ``none`` (plain BN, leaks). See
             :func:`pipeline.moco.batchnorm.check_bn_mode` for the valid combinations.
-        bn_splits: groups of SplitBatchNorm2d for ``bn='split'`` (demo: 8).
+        bn_splits: groups of SplitBatchNorm2d for ``bn='split'`` (default: ``moco.bn_splits``'s
+            in :class:`pipeline.config.MocoParams`; the MoCo CIFAR demo uses 8).
         dim: key dimension ``D``; default: ``out_features`` of the head's last ``nn.Linear``.
         world_size: number of processes of the run; when given, ``bn`` is validated against it
             (``check_bn_mode``: ``shuffle``/``sync`` need > 1). ``None`` skips that check.
@@ -105,7 +112,7 @@ class MoCo(nn.Module):
         T: float,
         symmetric: bool = False,
         bn: str = "split",
-        bn_splits: int = 8,
+        bn_splits: int = DEFAULT_BN_SPLITS,
         dim: int | None = None,
         world_size: int | None = None,
     ) -> None:

@@ -173,3 +173,13 @@ def test_moco__small_crops_refused_with_symmetric_or_another_batch():
         model(im_q, im_k, im_small=[im_q[:, :, :8, :8]])
     with pytest.raises(ValueError, match="same batch size"):
         _moco(bn="none")(im_q, im_k, im_small=[im_q[:4]])
+
+
+def test_moco__default_bn_splits_is_the_params_default():
+    # one default: MoCo(...) without bn_splits splits BN as params.yaml's moco.bn_splits does
+    from pipeline.config import from_dict
+
+    backbone = build_backbone("resnet18", width=4, in_channels=1, small_stem=True)
+    net = MoCo(backbone, build_head("mlp", backbone.num_features, 16, D), K=K, m=0.9, T=0.2)
+    splits = {m.num_splits for m in net.modules() if isinstance(m, SplitBatchNorm2d)}
+    assert splits == {from_dict({}).moco.bn_splits} == {2}
