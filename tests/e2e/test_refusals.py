@@ -172,7 +172,7 @@ def test_grey_preset_on_colour_images__runs_with_one_warning(repo):
     finally:
         photo.unlink()
     warnings = [ln.split(": ", 1)[1] for ln in text.splitlines()
-                if re.search(r" WARNING pipeline\.config: ", ln)]
+                if re.search(r" WARNING pipeline\.data\.checks: ", ln)]
     assert warnings == [
         "augment.preset v2_grey on 3-channel pretraining images (mode RGB, data.source "
         f"webdataset, data.root {base / 'lab'} and data.unlabelled_root {base / 'photos'}): "
