@@ -105,7 +105,7 @@ def main() -> None:
     meta = json.loads(args.encoder.with_suffix(".json").read_text())
     state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)["model"]
     exported = torch.load(args.encoder, map_location="cpu", weights_only=True)
-    num_classes = len(read_manifest(shards / "test")["class_names"])
+    num_classes = len(read_manifest(shards / "test").class_names)
     for which in ("q", "k"):
         backbone = load_backbone(state, which, meta, str(args.checkpoint))
         if which == "q":

@@ -140,7 +140,7 @@ def main() -> None:
     backbone = build_encoder(weights, meta, pool_grid=2, where=str(args.encoder))[0]
     model = Stages(backbone)
     columns = part_columns(backbone)
-    num_classes = len(read_manifest(shards / "test")["class_names"])
+    num_classes = len(read_manifest(shards / "test").class_names)
     train, test = (embed_split(model, shards, s) for s in ("train", "test"))
     part = f"layer{p.embed.layer}@{p.embed.pool_grid}"
     if part in columns:

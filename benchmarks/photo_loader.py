@@ -75,16 +75,16 @@ def build(root: Path, out: Path, *, max_side: int, shard_format: str, side: int)
         manifests = build_all(params, seed=0, progress=False)
     finally:
         os.chdir(cwd)
-    return {"dir": out / "shards", "bytes": sum(s["bytes"] for split in ("pretrain", "test")
-                                               for s in manifests[split]["shards"]),
-            "build": manifests["pretrain"]["build"]}
+    return {"dir": out / "shards", "bytes": sum(s.bytes for split in ("pretrain", "test")
+                                               for s in manifests[split].shards),
+            "build": manifests["pretrain"].settings}
 
 
 def our_rate(shards: Path, *, side: int, batch: int, draft: bool = True,
              decode: str = "workers") -> float:
     """Pairs/s of one pass of train_loader over ``shards/pretrain``, one thread."""
     manifest = read_manifest(shards / "pretrain")
-    steps = manifest["num_samples"] // batch
+    steps = manifest.num_samples // batch
     loader = train_loader(shards / "pretrain", batch_size=batch, steps=steps, epoch=0, seed=0,
                           crop=SeededRandomResizedCrop(side, scale=SCALE), draft=draft,
                           decode=decode)

@@ -23,8 +23,9 @@ STAMP = {"stage": "check_eval", "run_id": None, "data": "labelled train and test
 
 def run(p: Params) -> None:
     from pipeline.atomic import write_json
+    from pipeline.data.manifest import read_manifest
     from pipeline.data.remote import shards_location
-    from pipeline.data.shards import read_manifest, require_images
+    from pipeline.data.shards import require_images
 
     shards = shards_location(p.data.shards_dir)
     for split in ("train", "test"):

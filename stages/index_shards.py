@@ -44,7 +44,7 @@ def run(p: Params) -> None:
     from pipeline.data.checks import check_before_build
     from pipeline.data.folder_index import FOLDERS, index_params_folders
     from pipeline.data.index import VALIDATORS, index_location, index_sets, plan_pretraining
-    from pipeline.data.shards import MANIFEST_NAME
+    from pipeline.data.manifest import MANIFEST_NAME, write_manifest
     from pipeline.tracking import stage_run
 
     folders = index_params_folders(p.data)  # first: a missing folder stops before any shard
@@ -55,21 +55,21 @@ def run(p: Params) -> None:
         label_fields={"labelled": p.data.label_field})
     # what the data refutes, refused before anything is written (and before build_shards)
     check_before_build(p, plan_pretraining(p.data, folders=folders, manifests=manifests))
-    summary = {s: {"shards": len(m["shards"]), "images": m["num_samples"],
-                   "broken_skipped": m["num_broken"]} for s, m in manifests.items()}
+    summary = {s: {"shards": len(m.shards), "images": m.num_samples,
+                   "broken_skipped": m.num_broken} for s, m in manifests.items()}
     runs_file = Path("runs/index_shards.json")
     if not changed and runs_file.is_file():
         logging.getLogger("index_shards").info("shard index unchanged: manifests not rewritten")
-    elif any(m["shards"] for m in manifests.values()):  # one MLflow run per new index
+    elif any(m.shards for m in manifests.values()):  # one MLflow run per new index
         with stage_run("index_shards", p) as mlrun:
             for split, m in manifests.items():
-                write_json(index_location(split) / MANIFEST_NAME, m)
+                write_manifest(m, index_location(split))
                 mlrun.log_metrics({f"{split}_{k}": v for k, v in summary[split].items()})
-                if m["shards"]:
+                if m.shards:
                     mlrun.log_artifact(index_location(split) / MANIFEST_NAME, f"index/{split}")
     else:
         for split, m in manifests.items():
-            write_json(index_location(split) / MANIFEST_NAME, m)
+            write_manifest(m, index_location(split))
         write_json(runs_file, {"stage": "index_shards", "run_id": None})
     write_json(VALIDATORS, fresh)
     write_json(FOLDERS, folders)

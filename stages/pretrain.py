@@ -26,8 +26,8 @@ def run(p: Params) -> None:
 
     from pipeline.data.checks import check_against_data
     from pipeline.data.index import index_location, pretrain_manifest
+    from pipeline.data.manifest import read_manifest
     from pipeline.data.remote import shards_location
-    from pipeline.data.shards import read_manifest
     from pipeline.signals import Terminated
     from pipeline.tracking import stage_run
     from pipeline.tracking.registry import publish_encoder
@@ -72,7 +72,7 @@ def run(p: Params) -> None:
         # the input example and preprocessing: the test images, or without labelled images
         # (data.source none) the built pretraining images, normalised as in training
         example = next((shards / s for s in ("test", "pretrain")
-                        if read_manifest(shards / s)["num_samples"]), shards / "test")
+                        if read_manifest(shards / s).num_samples), shards / "test")
         publish_encoder(mlrun, params=p, encoder_path=Path("models/encoder.pt"),
                         example_split=example)  # logged model + registry version
 

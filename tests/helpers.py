@@ -11,6 +11,7 @@ import struct
 import subprocess
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from PIL import Image
 
 from pipeline.config import from_dict
 from pipeline.data.build import write_shards
+from pipeline.data.manifest import read_manifest, write_manifest
 from pipeline.data.sources import Sample
 
 
@@ -75,14 +77,11 @@ def run_pretrain(shards: Path, out: Path, overrides: dict | None = None, **kw):
 
 def rewrite_manifest(split_dir: Path, **top: Any) -> None:
     """Re-hash the shards into ``manifest.json`` (bytes, sha256) and set top-level fields."""
-    mpath = split_dir / "manifest.json"
-    m = json.loads(mpath.read_text())
-    for s in m["shards"]:
-        p = split_dir / s["name"]
-        s["bytes"] = p.stat().st_size
-        s["sha256"] = hashlib.sha256(p.read_bytes()).hexdigest()
-    m.update(top)
-    mpath.write_text(json.dumps(m, indent=2, sort_keys=True) + "\n")
+    m = read_manifest(split_dir)
+    shards = tuple(replace(s, bytes=(split_dir / s.name).stat().st_size,
+                           sha256=hashlib.sha256((split_dir / s.name).read_bytes()).hexdigest())
+                   for s in m.shards)
+    write_manifest(replace(m, shards=shards, **top), split_dir)
 
 
 def relabel_first_sample(shard: Path) -> None:

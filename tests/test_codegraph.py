@@ -20,7 +20,7 @@ from pipeline.codegraph import (
     output_code,
 )
 from pipeline.config import from_dict
-from pipeline.data.shards import read_manifest
+from pipeline.data.manifest import Manifest, read_manifest
 from pipeline.train.checkpoint import checkpoint_fingerprint
 
 # The pixel path of training, worked out by hand from the code: shards are read and decoded by
@@ -38,7 +38,7 @@ def _copy_code(dst: Path) -> Path:
     return dst
 
 
-def _key(root: Path, manifest: dict):
+def _key(root: Path, manifest: Manifest):
     p = from_dict(TINY)
     return checkpoint_fingerprint(p.seed, p.model, p.moco, p.augment, p.pretrain, 1, manifest,
                                   code_root=root)

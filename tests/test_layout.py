@@ -25,7 +25,7 @@ LAYERS = [
     # raw dataset readers, URLs, worker deaths, image views
     (1, ["pipeline.data.remote", "pipeline.data.external", "pipeline.data.workers",
          "pipeline.data.views", "pipeline.data.jpeg", "pipeline.data.sources"]),
-    (2, ["pipeline.data.shards"]),  # the shard format
+    (2, ["pipeline.data.shards", "pipeline.data.manifest"]),  # the shard format, its manifest
     # loaders, the index of shards read in place, the sources made of shards
     (3, ["pipeline.data", "pipeline.data.sources.webdataset", "pipeline.data.sources.registry",
          "=pipeline.data.sources"]),

@@ -122,7 +122,7 @@ def _test_images(n: int) -> torch.Tensor:
 
     m = read_manifest("data/shards/test")
     x, _, _ = next(iter(eval_loader("data/shards/test", batch_size=n, max_images=n,
-                                    transform=build_eval_transform(16, m["mean"], m["std"]))))
+                                    transform=build_eval_transform(16, m.mean, m.std))))
     return x
 
 

@@ -147,9 +147,11 @@ def test_stage_run__sigterm_marks_killed(db, tmp_path):
 def test_stage_run__shards_logged_as_dataset_input(db, tmp_path):
     import hashlib
 
+    from pipeline.data.build import empty_split
+
     split = tmp_path / "shards/pretrain"
-    split.mkdir(parents=True)
-    (split / "manifest.json").write_text('{"source": "fashion_mnist", "split": "pretrain"}')
+    empty_split(split, split="pretrain", source="fashion_mnist", class_names=(), mode="L",
+                build={})
     with stage_run("pretrain", from_dict({})) as r:
         r.log_shards(split, context="training")
     run = MlflowClient(db).get_run(json.loads((tmp_path / "runs/pretrain.json").read_text())

@@ -15,7 +15,6 @@ failure leaves the previous outputs untouched.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -37,17 +36,17 @@ from pipeline.data.encode import (
     limit_short_side,
     resize_samples,
 )
-from pipeline.data.remote import ShardURL, shards_location
-from pipeline.data.shards import (
+from pipeline.data.manifest import (
     CHANNELS,
-    KEY_RE,
-    LABEL_EXT,
-    MANIFEST_FORMAT,
-    MANIFEST_NAME,
-    SHARD_PATTERN,
+    Manifest,
+    ShardEntry,
     ShardError,
-    sha256_file,
+    pixel_stats,
+    round6,
+    write_manifest,
 )
+from pipeline.data.remote import ShardURL, shards_location
+from pipeline.data.shards import KEY_RE, LABEL_EXT, SHARD_PATTERN, sha256_file
 from pipeline.data.sources import (
     SPLITS,
     BrokenImages,
@@ -106,7 +105,7 @@ def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, 
                  class_names: Sequence[str], mode: str, samples_per_shard: int,
                  mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
                  expected_count: int | None = None, build: dict[str, Any] | None = None,
-                 progress: bool = True, shard_format: str = "auto") -> dict[str, Any]:
+                 progress: bool = True, shard_format: str = "auto") -> Manifest:
     """Write samples into ``out_dir/shard-NNNNNN.tar`` + ``manifest.json``, atomically.
 
     Args:
@@ -128,7 +127,7 @@ def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, 
             :func:`encode_member`).
 
     Returns:
-        The manifest dict (as written to ``manifest.json``).
+        The :class:`~pipeline.data.manifest.Manifest` written to ``manifest.json``.
 
     Raises:
         ValueError: invalid arguments.
@@ -199,20 +198,14 @@ class _SplitStats:
         self.label_counts[int(s.label)] += 1
 
     def fields(self, mean: Sequence[float] | None, std: Sequence[float] | None) -> dict[str, Any]:
-        """The manifest's statistics fields (shape, mean/std, pixel stats, label counts)."""
-        pixel_mean = self.pix_sum / (255.0 * self.n_pix)
-        pixel_var = self.pix_sq / (255.0**2 * self.n_pix) - pixel_mean**2
-        pixel_std = np.sqrt(np.maximum(pixel_var, 0.0))
+        """The :class:`Manifest` statistics fields (shape, mean/std, pixel stats, label counts)."""
+        pixel_mean, pixel_std = pixel_stats(self.pix_sum, self.pix_sq, self.n_pix)
         (w, h), = self.sizes if len(self.sizes) == 1 else [(None, None)]
-
-        def r6(xs: Any) -> list[float]:
-            return [round(float(x), 6) for x in xs]
-
         return {
-            "image_shape": [self.channels, h, w] if h is not None else None,  # None = mixed
-            "mean": r6(pixel_mean if mean is None else mean),
-            "std": r6(pixel_std if std is None else std),
-            "pixel_mean": r6(pixel_mean), "pixel_std": r6(pixel_std),
+            "image_shape": (self.channels, h, w) if h is not None else None,  # None = mixed
+            "mean": round6(pixel_mean if mean is None else mean),
+            "std": round6(pixel_std if std is None else std),
+            "pixel_mean": round6(pixel_mean), "pixel_std": round6(pixel_std),
             "label_counts": {str(k): self.label_counts[k] for k in sorted(self.label_counts)},
         }
 
@@ -243,7 +236,7 @@ def _write_tars(samples: Iterator[Sample], tmp: Path, *, stats: _SplitStats,
     return counts
 
 
-def _shard_table(tmp: Path, counts: list[int], out_dir: Path) -> list[dict[str, Any]]:
+def _shard_table(tmp: Path, counts: list[int], out_dir: Path) -> tuple[ShardEntry, ...]:
     """Name, sample count, bytes and sha256 of every written shard.
 
     Raises:
@@ -252,19 +245,19 @@ def _shard_table(tmp: Path, counts: list[int], out_dir: Path) -> list[dict[str, 
     shards = []
     for i, count in enumerate(counts):
         path = tmp / (SHARD_PATTERN % i)
-        shards.append({"name": path.name, "num_samples": count, "bytes": path.stat().st_size,
-                       "sha256": sha256_file(path)})
+        shards.append(ShardEntry(name=path.name, num_samples=count,
+                                 bytes=path.stat().st_size, sha256=sha256_file(path)))
     on_disk = sorted(p.name for p in tmp.glob("*.tar"))
-    if on_disk != [s["name"] for s in shards]:  # ShardWriter opened a shard it never filled
+    if on_disk != [s.name for s in shards]:  # ShardWriter opened a shard it never filled
         raise ShardError(f"{out_dir}: shard files {on_disk} differ from those written")
-    return shards
+    return tuple(shards)
 
 
 def _write(first: Sample, rest: Iterator[Sample], tmp: Path, *, split: str, source: str,
            class_names: Sequence[str], mode: str, samples_per_shard: int,
            mean: Sequence[float] | None, std: Sequence[float] | None,
            expected_count: int | None, build: dict[str, Any] | None, progress: bool,
-           out_dir: Path, shard_format: str) -> dict[str, Any]:
+           out_dir: Path, shard_format: str) -> Manifest:
     stats = _SplitStats(mode, len(class_names), out_dir)
     bar = _Progress(split, expected_count, progress)
     kinds: Counter[str] = Counter()
@@ -282,11 +275,11 @@ def _write(first: Sample, rest: Iterator[Sample], tmp: Path, *, split: str, sour
     if kinds["png"] != total:  # JPEG members: say so (a PNG-only manifest is as it always was)
         build.update(shard_format=str(shard_format), jpeg_quality=JPEG_QUALITY,
                      members={k: kinds[k] for k in MEMBER_KINDS})
-    manifest = {"format": MANIFEST_FORMAT, "source": source, "split": split,
-                "num_samples": total, "samples_per_shard": samples_per_shard,
-                "class_names": list(class_names), "mode": mode, **stats.fields(mean, std),
-                "build": build, "shards": _shard_table(tmp, counts, out_dir)}
-    (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    manifest = Manifest(source=source, split=split, num_samples=total,
+                        samples_per_shard=samples_per_shard, class_names=tuple(class_names),
+                        mode=mode, **stats.fields(mean, std), build=build,
+                        shards=_shard_table(tmp, counts, out_dir))
+    write_manifest(manifest, tmp)
     return manifest
 
 
@@ -296,18 +289,17 @@ def _chain(first: Sample, rest: Iterator[Sample]) -> Iterator[Sample]:
 
 
 def empty_split(out_dir: Path, *, split: str, source: str, class_names: Sequence[str],
-                mode: str, build: dict[str, Any]) -> dict[str, Any]:
+                mode: str, build: dict[str, Any]) -> Manifest:
     """Write the manifest of a split without images (``data.source: none``: no train/test).
 
     Returns:
-        The manifest dict (``num_samples`` 0, no shards).
+        The :class:`~pipeline.data.manifest.Manifest` (``num_samples`` 0, no shards).
     """
-    manifest = {"format": MANIFEST_FORMAT, "source": source, "split": split, "num_samples": 0,
-                "samples_per_shard": 0, "class_names": list(class_names), "mode": mode,
-                "image_shape": None, "mean": [], "std": [], "pixel_mean": [], "pixel_std": [],
-                "label_counts": {}, "build": build, "shards": []}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    manifest = Manifest(source=source, split=split, num_samples=0, samples_per_shard=0,
+                        class_names=tuple(class_names), mode=mode, image_shape=None, mean=(),
+                        std=(), pixel_mean=(), pixel_std=(), label_counts={}, build=build,
+                        shards=())
+    write_manifest(manifest, out_dir)
     return manifest
 
 
@@ -354,14 +346,14 @@ def open_data(params: DataParams, seed: int) -> tuple[Source, dict[str, Any]]:
     return mix, record
 
 
-def _log_tree_share(manifest: dict[str, Any], tree_images: int, cap: int) -> None:
+def _log_tree_share(manifest: Manifest, tree_images: int, cap: int) -> None:
     """Say how many ``data.unlabelled_root`` images the built pretrain split holds.
 
     ``data.max_pretrain_images`` keeps each label's share, the tree's label -1 included, so a
     small folder beside a large labelled set can lose most or all of its images to the cap: a
     warning says so and how to keep them.
     """
-    used = int(manifest["label_counts"].get("-1", 0))
+    used = int((manifest.label_counts or {}).get("-1", 0))
     if used == tree_images:
         log.info("pretrain: all %d images of data.unlabelled_root are in the split", used)
         return
@@ -383,7 +375,7 @@ def rerun_hint(shards_dir: str) -> str:
 
 def _build_split(src: Source, split: str, out_dir: Path, *, params: DataParams, seed: int,
                  record: dict[str, Any], mean: Sequence[float] | None,
-                 std: Sequence[float] | None, progress: bool) -> dict[str, Any]:
+                 std: Sequence[float] | None, progress: bool) -> Manifest:
     """Write one split of ``src`` into ``out_dir`` (:func:`build_all` does each in turn).
 
     Args:
@@ -434,7 +426,7 @@ def _build_split(src: Source, split: str, out_dir: Path, *, params: DataParams, 
     return m
 
 
-def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[str, dict[str, Any]]:
+def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[str, Manifest]:
     """Build the ``pretrain``, ``train`` and ``test`` shards under ``params.shards_dir``.
 
     Each split is written in a seeded random order (so a shard, and any prefix a loader takes
@@ -486,8 +478,8 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
             m = _build_split(src, split, tmp / split, params=params, seed=seed,
                              record=record if split == "pretrain" else {}, mean=mean, std=std,
                              progress=progress)
-            if mean is None and m["num_samples"]:  # no published stats: the first split built
-                mean, std = m["pixel_mean"], m["pixel_std"]
+            if mean is None and m.num_samples:  # no published stats: the first split built
+                mean, std = m.pixel_mean, m.pixel_std
             manifests[split] = m
         _replace_dir(tmp, out)
     except BaseException:

@@ -22,6 +22,7 @@ from pipeline.moco.geometry import check_pool_grid, small_crop_side
 if TYPE_CHECKING:
     from pipeline.config import DataParams, Params
     from pipeline.data.index import PretrainPlan
+    from pipeline.data.manifest import Manifest
 
 # Native image side of the fixed-size sources (data.image_size 0 keeps it); imagefolder: unknown.
 NATIVE_SIDE = {DataSource.fashion_mnist: 28, DataSource.cifar10: 32, DataSource.cifar100: 32,
@@ -189,7 +190,7 @@ def check_before_build(p: Params, plan: PretrainPlan) -> None:
         log.warning("%s", warning)
 
 
-def check_against_data(p: Params, pretrain_set: dict[str, Any], split: object) -> None:
+def check_against_data(p: Params, pretrain_set: Manifest, split: object) -> None:
     """Refuse, before any training, the params that only the pretraining set can refute.
 
     The ``check_data`` stage runs this between ``build_shards`` and ``pretrain`` (so a refusal
@@ -222,16 +223,16 @@ def check_against_data(p: Params, pretrain_set: dict[str, Any], split: object) -
         ParamsError: names ``moco.K`` and both numbers, ``augment.preset`` and the mode, or
             ``embed.pool_grid`` and the manifest.
     """
-    build = pretrain_set.get("build", {})
+    build = pretrain_set.settings
     where = " + ".join(build.get("parts") or [str(split)])
     tree = build.get("unlabelled") or {}
     if tree:
         where += f"; {tree['images']} of them from data.unlabelled_root {tree['root']}"
-    check_queue_size(p.moco.K, int(pretrain_set["num_samples"]), where)
+    check_queue_size(p.moco.K, pretrain_set.num_samples, where)
     # the v2_grey-on-RGB warning is index_shards' to give (once per `dvc repro`)
-    check_preset_mode(p.augment.preset, pretrain_set.get("mode", "RGB"), where)
+    check_preset_mode(p.augment.preset, pretrain_set.mode, where)
     if p.embed.pool_grid <= 1 or image_side(p):
         return
-    shape = pretrain_set.get("image_shape")  # (C, H, W); None = mixed sizes
+    shape = pretrain_set.image_shape  # (C, H, W); None = mixed sizes
     if shape:
         check_pool_grid(p, min(shape[1:]), where=f"{split}/manifest.json")

@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset
 
+from pipeline.data.manifest import LAYOUT_OWN, Manifest, ShardError, read_manifest
 from pipeline.data.readers import (
     Shard,
     SizedLoader,
@@ -27,13 +27,7 @@ from pipeline.data.readers import (
     worker_slot,
 )
 from pipeline.data.remote import ShardURL, shards_location
-from pipeline.data.shards import (
-    LAYOUT_OWN,
-    ShardError,
-    decode_record,
-    read_manifest,
-    require_images,
-)
+from pipeline.data.shards import decode_record, require_images
 
 EvalTransform = Callable[[Image.Image], torch.Tensor]
 
@@ -95,7 +89,7 @@ def _collate_eval(items: list[tuple[torch.Tensor, int, str]]
 
 def eval_loader(manifest_dir: str | Path | ShardURL, *, transform: EvalTransform, batch_size: int,
                 num_workers: int = 0, max_images: int = 0,
-                pin_memory: bool = False, manifest: dict[str, Any] | None = None) -> DataLoader:
+                pin_memory: bool = False, manifest: Manifest | None = None) -> DataLoader:
     """Every sample of a split exactly once, in manifest order.
 
     "Deterministic order" means the order the samples were written at build time (a seeded
@@ -127,7 +121,7 @@ def eval_loader(manifest_dir: str | Path | ShardURL, *, transform: EvalTransform
     directory = shards_location(manifest_dir)
     manifest = read_manifest(directory) if manifest is None else manifest
     require_images(manifest, directory)
-    total = min(max_images, manifest["num_samples"]) if max_images else manifest["num_samples"]
-    stream = _EvalStream(shard_list(directory, manifest), manifest["mode"], transform,
+    total = min(max_images, manifest.num_samples) if max_images else manifest.num_samples
+    stream = _EvalStream(shard_list(directory, manifest), manifest.mode, transform,
                          batch_size=batch_size, total=total)
     return SizedLoader(stream, math.ceil(total / batch_size), num_workers, pin_memory)

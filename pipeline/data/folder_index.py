@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.atomic import read_json
 from pipeline.data.index import INDEX_DIR, over_budget
-from pipeline.data.shards import CHANNELS
+from pipeline.data.manifest import CHANNELS
 from pipeline.data.sources.base import SourceError, local_path
 from pipeline.data.sources.files import read_images
 from pipeline.data.sources.imagefolder import (

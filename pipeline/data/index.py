@@ -31,11 +31,10 @@ first key.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,20 +48,22 @@ from pipeline.data.external import (
     sample_label,
     shard_stat,
 )
-from pipeline.data.remote import RemoteError, ShardURL, is_url
-from pipeline.data.shards import (
+from pipeline.data.manifest import (
     CHANNELS,
     LAYOUT_OWN,
     LAYOUT_WEBDATASET,
-    MANIFEST_FORMAT,
     MANIFEST_NAME,
+    BrokenSample,
+    Manifest,
+    ShardEntry,
     ShardError,
-    image_spec,
-    iter_shard,
+    ShardStats,
+    pixel_stats,
     read_manifest,
-    sha256_file,
-    shard_location,
+    round6,
 )
+from pipeline.data.remote import RemoteError, ShardURL, is_url
+from pipeline.data.shards import image_spec, iter_shard, sha256_file, shard_location
 from pipeline.data.sources.modes import folder_mode, image_kind, to_mode
 from pipeline.data.sources.webdataset import check_labels, label_summary, split_sizes
 
@@ -77,19 +78,14 @@ SETS = ("pretrain", "labelled")
 _VALUES = np.arange(256, dtype=np.uint64)
 
 
-def _round6(xs: Any) -> list[float]:
-    return [round(float(x), 6) for x in xs]
-
-
-def empty_manifest(split: str) -> dict[str, Any]:
+def empty_manifest(split: str) -> Manifest:
     """The manifest of a set with no shards (an empty spec)."""
-    return {"format": MANIFEST_FORMAT, "source": "webdataset", "split": split,
-            "num_samples": 0, "num_broken": 0, "class_names": [], "mode": "L", "mean": [],
-            "std": [], "pixel_mean": [], "pixel_std": [], "image_shape": None,
-            "label_counts": {}, "build": {}, "shards": []}
+    return Manifest(source="webdataset", split=split, num_samples=0, num_broken=0,
+                    class_names=(), mode="L", mean=(), std=(), pixel_mean=(), pixel_std=(),
+                    image_shape=None, label_counts={}, build={}, shards=())
 
 
-def _read_shard(url: str, label_field: str | None = None) -> dict[str, Any]:
+def _read_shard(url: str, label_field: str | None = None) -> ShardEntry:
     """Stream one shard: sha256, bytes, decodable samples, broken keys, pixel statistics.
 
     With ``label_field`` (the labelled set) also the labels of the decodable samples
@@ -105,7 +101,8 @@ def _read_shard(url: str, label_field: str | None = None) -> dict[str, Any]:
     local = not is_url(url)
     records: Iterator[dict[str, Any]] = iter_shard(url) if local else iter_shard(url,
                                                                              digest=digest)
-    good, broken, grey = 0, [], True
+    good, grey = 0, True
+    broken: list[BrokenSample] = []
     sizes: set[tuple[int, int]] = set()
     pix_sum = np.zeros(3, dtype=np.uint64)
     pix_sq = np.zeros(3, dtype=np.uint64)
@@ -115,7 +112,7 @@ def _read_shard(url: str, label_field: str | None = None) -> dict[str, Any]:
         data = image_member(record)
         if data is None:
             members = sorted(k for k in record if not k.startswith("__"))
-            broken.append({"key": key, "why": f"no image member (has {', '.join(members)})"})
+            broken.append(BrokenSample(key, f"no image member (has {', '.join(members)})"))
             continue
         try:
             with open_image(data) as im:
@@ -124,7 +121,7 @@ def _read_shard(url: str, label_field: str | None = None) -> dict[str, Any]:
                 # (3, 256) pixel counts per channel value: exact sums, ~10x faster than numpy
                 hist = np.asarray(to_mode(im, "RGB").histogram(), np.uint64).reshape(3, 256)
         except Exception as e:  # noqa: BLE001 (PIL and the mode conversion raise many types)
-            broken.append({"key": key, "why": f"{type(e).__name__}: {str(e)[:120]}"})
+            broken.append(BrokenSample(key, f"{type(e).__name__}: {str(e)[:120]}"))
             continue
         pix_sum += hist @ _VALUES
         pix_sq += hist @ _VALUES**2
@@ -138,73 +135,85 @@ def _read_shard(url: str, label_field: str | None = None) -> dict[str, Any]:
     if local:
         digest.update(bytes=Path(url).stat().st_size, sha256=sha256_file(url))
     (w, h), = sizes if len(sizes) == 1 else [(None, None)]
-    entry = {"url": url, "layout": LAYOUT_WEBDATASET, "num_samples": good,
-             "bytes": digest["bytes"], "sha256": digest["sha256"], "broken": broken,
-             "grey": grey, "image_wh": [w, h] if w is not None else None, "pixels": n_pix,
-             "pixel_sum": [int(x) for x in pix_sum], "pixel_sq": [int(x) for x in pix_sq]}
-    if label_field is not None:
-        entry["labels"] = label_summary(labels, url, label_field)
-    return entry
+    stats = ShardStats(grey=grey, image_wh=(w, h) if w is not None else None, pixels=n_pix,
+                       pixel_sum=tuple(int(x) for x in pix_sum),
+                       pixel_sq=tuple(int(x) for x in pix_sq))
+    return ShardEntry(url=url, layout=LAYOUT_WEBDATASET, num_samples=good,
+                      bytes=digest["bytes"], sha256=digest["sha256"], broken=tuple(broken),
+                      stats=stats, labels=(label_summary(labels, url, label_field)
+                                           if label_field is not None else None))
 
 
-def check_broken_budget(entries: list[dict[str, Any]], max_fraction: float, key: str) -> None:
+def check_broken_budget(entries: Sequence[ShardEntry], max_fraction: float, key: str) -> None:
     """Stop when more than ``max_fraction`` of all samples are broken.
 
     Raises:
         ShardError: over the budget; one line naming the shard with the most broken samples,
             its first broken key and why, and the totals.
     """
-    n_broken = sum(len(s["broken"]) for s in entries)
-    total = n_broken + sum(s["num_samples"] for s in entries)
+    n_broken = sum(len(s.broken or ()) for s in entries)
+    total = n_broken + sum(s.num_samples for s in entries)
     if not over_budget(n_broken, total, max_fraction):
         return
-    worst = max(entries, key=lambda s: len(s["broken"]))
-    first = worst["broken"][0]
+    worst = max(entries, key=lambda s: len(s.broken or ()))
+    bad = worst.broken or ()
+    first = bad[0]
     raise ShardError(
-        f"{worst['url']}: {len(worst['broken'])} of "
-        f"{len(worst['broken']) + worst['num_samples']} samples undecodable, first key "
-        f"{first['key']!r} ({first['why']}); {n_broken} of {total} in {key} = "
+        f"{worst.url}: {len(bad)} of "
+        f"{len(bad) + worst.num_samples} samples undecodable, first key "
+        f"{first.key!r} ({first.why}); {n_broken} of {total} in {key} = "
         f"{100 * n_broken / total:.2f} % > data.max_broken_fraction {max_fraction:g} "
         f"({100 * max_fraction:g} %)")
 
 
-def _assemble(entries: list[dict[str, Any]], *, split: str, max_fraction: float,
-              label_field: str | None = None) -> dict[str, Any]:
+def _assemble(entries: list[ShardEntry], *, split: str, max_fraction: float,
+              label_field: str | None = None) -> Manifest:
     """The set's manifest from its shard entries (statistics summed exactly).
 
     The spec is not in it: the same shards spelled another way (a directory, a glob, braces)
     give the same manifest, so respelling ``data.pretrain_shards`` reruns nothing downstream.
     """
-    grey = all(s["grey"] for s in entries if s["num_samples"])
+    stats = [_stats(s) for s in entries]
+    grey = all(st.grey for s, st in zip(entries, stats) if s.num_samples)
     mode = "L" if grey else "RGB"
-    n_pix = sum(s["pixels"] for s in entries)
-    total = np.array([sum(s["pixel_sum"][c] for s in entries) for c in range(3)], np.float64)
-    sq = np.array([sum(s["pixel_sq"][c] for s in entries) for c in range(3)], np.float64)
-    mean = total / (255.0 * max(n_pix, 1))
-    std = np.sqrt(np.maximum(sq / (255.0**2 * max(n_pix, 1)) - mean**2, 0.0))
+    n_pix = sum(st.pixels for st in stats)
+    total = [sum(st.pixel_sum[c] for st in stats) for c in range(3)]
+    sq = [sum(st.pixel_sq[c] for st in stats) for c in range(3)]
+    mean, std = pixel_stats(total, sq, n_pix)
     if grey:  # three equal channels
         mean, std = mean[:1], std[:1]
-    shapes = {tuple(s["image_wh"]) if s["image_wh"] else None for s in entries
-              if s["num_samples"]}
+    shapes = {st.image_wh for s, st in zip(entries, stats) if s.num_samples}
     shape = None
     if len(shapes) == 1 and None not in shapes:
         (w, h), = shapes
-        shape = [CHANNELS[mode], h, w]
-    return {"format": MANIFEST_FORMAT, "source": "webdataset", "split": split,
-            "num_samples": sum(s["num_samples"] for s in entries),
-            "num_broken": sum(len(s["broken"]) for s in entries), "class_names": [],
-            "mode": mode, "mean": _round6(mean), "std": _round6(std),
-            "pixel_mean": _round6(mean), "pixel_std": _round6(std), "image_shape": shape,
-            "label_counts": {}, "build": {"max_broken_fraction": max_fraction,
-                                          **({"label_field": label_field} if label_field else {})},
-            "shards": entries}
+        shape = (CHANNELS[mode], h, w)
+    return Manifest(source="webdataset", split=split,
+                    num_samples=sum(s.num_samples for s in entries),
+                    num_broken=sum(len(s.broken or ()) for s in entries), class_names=(),
+                    mode=mode, mean=round6(mean), std=round6(std), pixel_mean=round6(mean),
+                    pixel_std=round6(std), image_shape=shape, label_counts={},
+                    build={"max_broken_fraction": max_fraction,
+                           **({"label_field": label_field} if label_field else {})},
+                    shards=tuple(entries))
+
+
+def _stats(entry: ShardEntry) -> ShardStats:
+    """An indexed shard's pixel statistics (every entry :func:`_read_shard` makes has them).
+
+    Raises:
+        ShardError: an entry without them (an index written by hand or another version).
+    """
+    if entry.stats is None:
+        raise ShardError(f"{entry.url}: the index entry has no pixel statistics (grey, "
+                         "image_wh, pixels, pixel_sum, pixel_sq): index the set again")
+    return entry.stats
 
 
 def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
-                 previous: dict[str, Any] | None = None,
+                 previous: Manifest | None = None,
                  validators: dict[str, dict[str, Any]] | None = None,
                  label_field: str | None = None
-                 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+                 ) -> tuple[Manifest, dict[str, dict[str, Any]]]:
     """Index one shard set, re-reading only the shards that changed since ``previous``.
 
     Args:
@@ -241,21 +250,22 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
         raise ShardError(str(e)) from None
     # keyed by URL, not by spec: the same shards spelled another way (a directory, a glob,
     # braces) are the same URLs, and their size and validator say whether they changed
-    same_labels = (previous or {}).get("build", {}).get("label_field") == label_field
-    old = {s["url"]: s for s in (previous or {}).get("shards", []) if "url" in s
-           and same_labels}
+    same_labels = (previous is not None
+                   and previous.settings.get("label_field") == label_field)
+    old = {s.url: s for s in (previous.shards if previous is not None else ())
+           if s.url is not None and same_labels}
     entries, fresh = [], {}
     for url, (nbytes, detector) in zip(urls, stats):
         last, seen = old.get(url), (validators or {}).get(url)
         if (last is not None and detector and seen == {"bytes": nbytes, "validator": detector}
-                and last["bytes"] == nbytes):
+                and last.bytes == nbytes):
             entries.append(last)
         else:
             t = time.monotonic()
             entry = _read_shard(url, label_field)
             log.info("index %s: %s: %d samples, %d broken (%.1fs)", split, url,
-                     entry["num_samples"], len(entry["broken"]), time.monotonic() - t)
-            if entry["bytes"] != nbytes:  # changed while being read: read again next time
+                     entry.num_samples, len(entry.broken or ()), time.monotonic() - t)
+            if entry.bytes != nbytes:  # changed while being read: read again next time
                 detector = ""
             entries.append(entry)
         fresh[url] = {"bytes": nbytes, "validator": detector}
@@ -267,13 +277,13 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
     reread = sum(1 for e, u in zip(entries, urls) if e is not old.get(u))
     log.info("index %s: %d shards (%d read, %d unchanged), %d images, %d broken skipped "
              "(%.1fs)", split, len(entries), reread, len(entries) - reread,
-             manifest["num_samples"], manifest["num_broken"], time.monotonic() - t0)
+             manifest.num_samples, manifest.num_broken, time.monotonic() - t0)
     return manifest, fresh
 
 
 def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float,
                label_fields: Mapping[str, str] | None = None
-               ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], bool]:
+               ) -> tuple[dict[str, Manifest], dict[str, dict[str, Any]], bool]:
     """Index every shard set against its last manifest (:func:`index_shards` on each).
 
     Args:
@@ -301,8 +311,7 @@ def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float,
             previous=previous, validators=validators,
             label_field=(label_fields or {}).get(split))
         fresh.update(found)
-        changed |= (json.dumps(previous, sort_keys=True)
-                    != json.dumps(manifests[split], sort_keys=True))
+        changed |= previous is None or previous.to_json() != manifests[split].to_json()
     return manifests, fresh, changed
 
 
@@ -333,7 +342,7 @@ class PretrainPlan:
 
 
 def plan_pretraining(data: DataParams, *, folders: Mapping[str, dict[str, Any]],
-                     manifests: Mapping[str, dict[str, Any]]) -> PretrainPlan:
+                     manifests: Mapping[str, Manifest]) -> PretrainPlan:
     """The size and mode of the pretraining set, from the params and the index alone.
 
     ``index_shards`` refuses with it what the data refutes (``moco.K >= N``, a colour
@@ -374,7 +383,7 @@ def plan_pretraining(data: DataParams, *, folders: Mapping[str, dict[str, Any]],
     elif source == "webdataset":
         index = manifests["labelled"]
         labelled = split_sizes(index, data.test_fraction, data.root)["pretrain"]
-        label_mode, named = index["mode"], f"data.source webdataset, data.root {data.root}"
+        label_mode, named = index.mode, f"data.source webdataset, data.root {data.root}"
     elif source == "none":
         labelled, label_mode, named = 0, None, ""
     else:
@@ -395,9 +404,8 @@ def plan_pretraining(data: DataParams, *, folders: Mapping[str, dict[str, Any]],
         parts = [f"data.max_pretrain_images {cap} of {' + '.join(parts)}"]
         built = cap
     ext = manifests["pretrain"]
-    if ext["num_samples"]:
-        parts.append(f"{ext['num_samples']} in data.pretrain_shards ({len(ext['shards'])} "
-                     "shards)")
+    if ext.num_samples:
+        parts.append(f"{ext.num_samples} in data.pretrain_shards ({len(ext.shards)} shards)")
     if label_mode is not None:
         kinds = {label_mode} | ({tree["mode"]} if tree is not None else set())
         mode = folder_mode(kinds)
@@ -405,13 +413,13 @@ def plan_pretraining(data: DataParams, *, folders: Mapping[str, dict[str, Any]],
     elif tree is not None:
         mode, mode_from = tree["mode"], f"data.unlabelled_root {tree['root']}"
     else:
-        mode, mode_from = ext["mode"], "data.pretrain_shards, no labelled or folder images"
-    return PretrainPlan(built + ext["num_samples"], " + ".join(parts) or "none", mode,
+        mode, mode_from = ext.mode, "data.pretrain_shards, no labelled or folder images"
+    return PretrainPlan(built + ext.num_samples, " + ".join(parts) or "none", mode,
                         mode_from)
 
 
 def pretrain_manifest(shards_dir: Path | ShardURL, index_dir: Path | None = None, *,
-                      image_size: int = 0) -> dict[str, Any]:
+                      image_size: int = 0) -> Manifest:
     """The pretraining set: the built ``pretrain`` split joined with the indexed shards.
 
     Without an index (or an empty one) this is the built split's manifest unchanged. Otherwise
@@ -427,7 +435,8 @@ def pretrain_manifest(shards_dir: Path | ShardURL, index_dir: Path | None = None
         image_size: ``data.image_size``: the training crop when nothing else fixes it.
 
     Returns:
-        A manifest dict (:func:`pipeline.data.shards.read_manifest`'s format).
+        A :class:`~pipeline.data.manifest.Manifest` (not written: the loader and the
+        fingerprint read it).
 
     Raises:
         ShardError: a manifest is missing or invalid, there are no pretraining images at all,
@@ -439,8 +448,8 @@ def pretrain_manifest(shards_dir: Path | ShardURL, index_dir: Path | None = None
                          "index_shards stage writes it: `dvc repro`, or `python "
                          "stages/index_shards.py`)")
     ext = read_manifest(index_dir) if index_dir is not None else None
-    if ext is None or not ext["num_samples"]:
-        if not built["num_samples"]:
+    if ext is None or not ext.num_samples:
+        if not built.num_samples:
             raise ShardError(f"{shards_dir / 'pretrain'}: no pretraining images (set "
                              "data.unlabelled_root, data.pretrain_shards or "
                              "data.pretrain_labelled)")
@@ -448,25 +457,25 @@ def pretrain_manifest(shards_dir: Path | ShardURL, index_dir: Path | None = None
     train = read_manifest(shards_dir / "train")
     candidates = [(train, shards_dir / "train"), (built, shards_dir / "pretrain"),
                   (ext, index_dir)]
-    ref, ref_at = next((m, at) for m, at in candidates if m["num_samples"])
-    parts = [m for m in (built, ext) if m["num_samples"]]
-    sides = {tuple(m["image_shape"][1:]) if m.get("image_shape") else None for m in parts}
-    spec = image_spec(ref, ref_at) if ref is not ext or ext.get("image_shape") else None
+    ref, ref_at = next((m, at) for m, at in candidates if m.num_samples)
+    parts = [m for m in (built, ext) if m.num_samples]
+    sides = {m.image_shape[1:] if m.image_shape else None for m in parts}
+    spec = image_spec(ref, ref_at) if ref is not ext or ext.image_shape else None
     side = spec.size if spec is not None else image_size
     (h, w), = sides if len(sides) == 1 and None not in sides else [(None, None)]
     fixed = (h is not None and h == w and (spec is None or (not spec.variable and h == side)))
     if not fixed and not side:
         raise ShardError(f"{index_dir}: the pretraining images have no single square size and "
                          "no labelled split fixes one: set data.image_size (the training crop)")
-    shards = [{**s, "url": shard_location(shards_dir / "pretrain", s), "layout": LAYOUT_OWN}
-              for s in built["shards"]] + ext["shards"]
-    return {**ref, "split": "pretrain", "source": "+".join(m["source"] for m in parts),
-            "num_samples": sum(m["num_samples"] for m in parts),
-            "num_broken": ext.get("num_broken", 0),
-            "image_shape": [CHANNELS[ref["mode"]], h, w] if fixed else None,
-            "build": {"image_size": side if not fixed else h, "variable": not fixed,
-                      "parts": [str(shards_dir / "pretrain"), str(index_dir)]},
-            "shards": shards}
+    shards = tuple(replace(s, url=shard_location(shards_dir / "pretrain", s), layout=LAYOUT_OWN)
+                   for s in built.shards) + ext.shards
+    return replace(ref, split="pretrain", source="+".join(m.source for m in parts),
+                   num_samples=sum(m.num_samples for m in parts),
+                   num_broken=ext.num_broken if ext.num_broken is not None else 0,
+                   image_shape=(CHANNELS[ref.mode], h, w) if fixed else None,
+                   build={"image_size": side if not fixed else h, "variable": not fixed,
+                          "parts": [str(shards_dir / "pretrain"), str(index_dir)]},
+                   shards=shards)
 
 
 def index_location(split: str) -> Path:
@@ -474,7 +483,7 @@ def index_location(split: str) -> Path:
     return INDEX_DIR / split
 
 
-def read_previous(split: str) -> dict[str, Any] | None:
+def read_previous(split: str) -> Manifest | None:
     """The last written manifest of a set, or None (missing or unreadable: index afresh)."""
     path = index_location(split)
     if not (path / MANIFEST_NAME).is_file():

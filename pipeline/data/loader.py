@@ -40,6 +40,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset
 
 from pipeline.data.jpeg import cut_views, decode_jpeg_bytes, is_jpeg, reduction
+from pipeline.data.manifest import CHANNELS, LAYOUT_OWN, Manifest, ShardError, read_manifest
 from pipeline.data.readers import (
     Shard,
     SizedLoader,
@@ -51,13 +52,7 @@ from pipeline.data.readers import (
     worker_slot,
 )
 from pipeline.data.remote import ShardURL, shards_location
-from pipeline.data.shards import (
-    CHANNELS,
-    LAYOUT_OWN,
-    ShardError,
-    check_members,
-    read_manifest,
-)
+from pipeline.data.shards import check_members
 from pipeline.errors import InputError
 from pipeline.seeds import derive_seed
 
@@ -369,7 +364,7 @@ def _stack_uint8(items: list[tuple[np.ndarray, str]]) -> tuple[torch.Tensor, lis
     return torch.from_numpy(np.stack([a for a, _ in items])), [k for _, k in items]
 
 
-def auto_shuffle_buffer(manifest: dict[str, Any], budget_bytes: int = SHUFFLE_BUDGET_BYTES) -> int:
+def auto_shuffle_buffer(manifest: Manifest, budget_bytes: int = SHUFFLE_BUDGET_BYTES) -> int:
     """Samples that fit the shuffle budget, from the manifest's mean bytes per sample.
 
     The buffer holds raw (encoded) samples. Whenever a reader's slice fits in it — always for
@@ -383,8 +378,8 @@ def auto_shuffle_buffer(manifest: dict[str, Any], budget_bytes: int = SHUFFLE_BU
     Returns:
         The buffer size in samples (>= 1000).
     """
-    total_bytes = sum(int(s["bytes"]) for s in manifest["shards"])
-    per_sample = max(1.0, total_bytes / max(1, int(manifest["num_samples"])))
+    total_bytes = sum(s.bytes for s in manifest.shards)
+    per_sample = max(1.0, total_bytes / max(1, manifest.num_samples))
     return max(1000, int(budget_bytes / per_sample))
 
 
@@ -392,7 +387,7 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
                  seed: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
                  skip_batches: int = 0, shuffle_buffer: int = 0,
                  pin_memory: bool = False, crop: SeededRandomResizedCrop | None = None,
-                 views: int = 2, manifest: dict[str, Any] | None = None, draft: bool = True,
+                 views: int = 2, manifest: Manifest | None = None, draft: bool = True,
                  decode: str = DECODE_WORKERS) -> DataLoader:
     """One rank's batches of one epoch, as uint8 images (augmentation happens on the device).
 
@@ -476,12 +471,12 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
         raise InputError(f"skip_batches must be <= steps ({steps}), got {skip_batches}")
     directory = shards_location(manifest_dir)
     manifest = read_manifest(directory) if manifest is None else manifest
-    n = int(manifest["num_samples"])
+    n = manifest.num_samples
     if steps * batch_size * world_size > n:
         raise InputError(f"{directory}: an epoch of {steps} steps x {batch_size} images x "
                          f"{world_size} ranks needs {steps * batch_size * world_size} images, "
                          f"the split has {n} (lower pretrain.steps_per_epoch or batch_size)")
-    stream = _TrainStream(shard_list(directory, manifest), manifest["mode"],
+    stream = _TrainStream(shard_list(directory, manifest), manifest.mode,
                           batch_size=batch_size, steps=steps,
                           epoch=epoch, seed=seed, rank=rank, world_size=world_size,
                           skip_batches=skip_batches,

@@ -19,11 +19,10 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.data.external import image_member, open_image
+from pipeline.data.manifest import LAYOUT_OWN, Manifest, ShardError
 from pipeline.data.remote import ShardURL, is_url
 from pipeline.data.shards import (
     IMAGE_EXTS,
-    LAYOUT_OWN,
-    ShardError,
     check_members,
     decode_record,
     iter_shard,
@@ -71,7 +70,7 @@ class Shard(NamedTuple):
         return (r for r in raw if r.get("__key__") not in self.skip) if self.skip else raw
 
 
-def shard_list(directory: Path | ShardURL, manifest: dict[str, Any]) -> list[Shard]:
+def shard_list(directory: Path | ShardURL, manifest: Manifest) -> list[Shard]:
     """The shards in manifest order (:class:`Shard`: location, samples, expect, layout).
 
     Local files are checked here, before any reading: each present with the manifest's byte
@@ -89,25 +88,25 @@ def shard_list(directory: Path | ShardURL, manifest: dict[str, Any]) -> list[Sha
             (names the file).
     """
     out: list[Shard] = []
-    for s in manifest["shards"]:
+    for s in manifest.shards:
         where = shard_location(directory, s)
-        layout = s.get("layout", LAYOUT_OWN)
-        skip = frozenset(b["key"] for b in s.get("broken", ()))
+        layout = s.read_layout
+        skip = frozenset(b.key for b in s.broken or ())
         if is_url(where):
-            out.append(Shard(where, s["num_samples"], (s["bytes"], s["sha256"]), layout, skip))
+            out.append(Shard(where, s.num_samples, (s.bytes, s.sha256), layout, skip))
             continue
         path = Path(where)
         if not path.is_file():
             raise ShardError(f"{path}: shard listed in the manifest is missing")
         st = path.stat()
-        if st.st_size != s["bytes"]:
-            raise ShardError(f"{path}: {st.st_size} bytes, manifest says {s['bytes']} (truncated "
+        if st.st_size != s.bytes:
+            raise ShardError(f"{path}: {st.st_size} bytes, manifest says {s.bytes} (truncated "
                              "or altered; check with `python -m pipeline verify-shards`)")
         digest = _file_sha256(path, st.st_size, st.st_mtime_ns)
-        if digest != s["sha256"]:
-            raise ShardError(f"{path}: sha256 {digest[:16]}... != manifest {s['sha256'][:16]}... "
+        if digest != s.sha256:
+            raise ShardError(f"{path}: sha256 {digest[:16]}... != manifest {s.sha256[:16]}... "
                              "(altered; rebuild with `dvc repro -f build_shards`)")
-        out.append(Shard(str(path), s["num_samples"], None, layout, skip))
+        out.append(Shard(str(path), s.num_samples, None, layout, skip))
     return out
 
 def open_header(data: bytes, record: dict[str, Any]) -> Image.Image:

@@ -6,20 +6,16 @@ fixed options and no metadata) or ``<key>.jpg`` (a source JPEG's own bytes, or a
 quality 95; ``data.shard_format``), and ``<key>.cls`` (the integer label as ASCII text, ``-1`` =
 unlabelled). :mod:`pipeline.data.build` writes them; this module reads them.
 
-The manifest lists the shards in order with their sample count, byte size and sha256, plus the
-class names, image mode and shape, and the normalisation ``mean``/``std`` the loaders should use.
-A split may be empty (``num_samples`` 0, no shards: ``data.source: none`` has no train/test
-images). A shard entry names a file of the split directory (``name``) or, in the index of
-existing WebDataset shards (:mod:`pipeline.data.index`), gives its own location (``url``: a
-path or URL) and ``layout: "webdataset"``: img2dataset-style samples whose image is read and
-every other member ignored, minus the ``broken`` keys the index found undecodable.
+The manifest (``manifest.json``: the shards in order with their sample count, bytes and sha256,
+the class names, image mode and shape, and the normalisation the loaders use) is the typed
+:class:`~pipeline.data.manifest.Manifest` of :mod:`pipeline.data.manifest`, its one reader
+and writer; :func:`read_manifest` and :class:`ShardError` are imported from there.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import json
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -28,25 +24,22 @@ from typing import Any
 
 from PIL import Image
 
-from pipeline.data.remote import RemoteError, ShardURL, open_stream, read_url, shards_location
-from pipeline.errors import PipelineError
+from pipeline.data.manifest import (
+    LAYOUT_OWN,
+    MANIFEST_NAME,
+    Manifest,
+    ShardEntry,
+    ShardError,
+    read_manifest,
+)
+from pipeline.data.remote import RemoteError, ShardURL, open_stream, shards_location
 
-MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = "moco-pipeline-shards/1"
 SHARD_PATTERN = "shard-%06d.tar"
-_SHARD_NAME_RE = re.compile(r"^shard-\d{6}\.tar$")
 KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,90}$")
 IMAGE_EXTS = ("png", "jpg", "jpeg")
 LABEL_EXT = "cls"
-LAYOUT_OWN, LAYOUT_WEBDATASET = "pipeline", "webdataset"  # shard entry ``layout``
 # members that would need unpickling (or are otherwise unknown) are refused by the readers
 _PICKLE_EXTS = ("pyd", "pickle", "pkl", "pth", "pt", "npy", "npz")
-CHANNELS = {"L": 1, "RGB": 3}
-
-
-class ShardError(PipelineError):
-    """Shards or a manifest that are missing, inconsistent or corrupt (message names the path)."""
-
 
 
 def sha256_file(path: str | Path) -> str:
@@ -61,71 +54,6 @@ def sha256_file(path: str | Path) -> str:
             h.update(block)
     return h.hexdigest()
 
-
-
-def read_manifest(directory: str | Path | ShardURL) -> dict[str, Any]:
-    """Load and validate a split's ``manifest.json``.
-
-    Args:
-        directory: the split directory, or its URL (``https://…/pretrain``, ``s3://…``).
-
-    Returns:
-        The manifest dict; ``shards`` in storage order.
-
-    Raises:
-        ShardError: missing file, invalid JSON, or a missing/inconsistent field (names the file
-            or URL).
-    """
-    location = shards_location(directory)
-    path = location / MANIFEST_NAME
-    if isinstance(path, ShardURL):
-        try:
-            text = read_url(path)
-        except RemoteError as e:
-            raise ShardError(f"{e} (manifest not found or unreadable)") from None
-    else:
-        if not path.is_file():
-            raise ShardError(f"{path}: manifest not found (build the shards first)")
-        text = None
-    try:
-        m = json.loads(path.read_text() if text is None else text)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ShardError(f"{path}: not a readable JSON manifest ({e})") from None
-
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise ShardError(f"{path}: invalid manifest: {what}")
-
-    need(isinstance(m, dict) and m.get("format") == MANIFEST_FORMAT,
-         f"'format' must be {MANIFEST_FORMAT!r}")
-    for field, typ in (("source", str), ("split", str), ("num_samples", int), ("mode", str),
-                       ("class_names", list), ("mean", list), ("std", list), ("shards", list)):
-        need(isinstance(m.get(field), typ), f"'{field}' missing or not a {typ.__name__}")
-    need(m["mode"] in CHANNELS, f"'mode' must be one of {list(CHANNELS)}")
-    empty = not m["shards"]
-    need(len(m["mean"]) == len(m["std"]) == CHANNELS[m["mode"]]
-         or (empty and not m["mean"] and not m["std"]), "'mean'/'std' length != channels")
-    need(not empty or m["num_samples"] == 0, "no shards")
-    names = []
-    for i, s in enumerate(m["shards"]):
-        external = isinstance(s, dict) and "url" in s
-        if external:
-            need(isinstance(s["url"], str) and bool(s["url"])
-                 and s.get("layout", LAYOUT_OWN) in (LAYOUT_OWN, LAYOUT_WEBDATASET),
-                 f"shards[{i}] needs a 'url' string and a known 'layout'")
-        else:
-            need(isinstance(s, dict) and isinstance(s.get("name"), str)
-                 and bool(_SHARD_NAME_RE.match(s["name"])), f"shards[{i}].name invalid")
-            names.append(s["name"])
-        need(isinstance(s.get("num_samples"), int) and (s["num_samples"] > 0 or (
-            external and s["num_samples"] == 0)), f"shards[{i}].num_samples must be a "
-             "positive int")
-        need(isinstance(s.get("bytes"), int) and isinstance(s.get("sha256"), str),
-             f"shards[{i}] needs 'bytes' and 'sha256'")
-    need(names == sorted(set(names)), "shard names must be unique and sorted")
-    need(sum(s["num_samples"] for s in m["shards"]) == m["num_samples"],
-         "'num_samples' != sum of the shards' num_samples")
-    return m
 
 
 @dataclass(frozen=True)
@@ -149,19 +77,19 @@ class ImageSpec:
     variable: bool = False
 
 
-def require_images(manifest: dict[str, Any], where: Path | ShardURL | str) -> None:
+def require_images(manifest: Manifest, where: Path | ShardURL | str) -> None:
     """Refuse a split without images (``data.source: none`` builds no train or test images).
 
     Raises:
         ShardError: the split is empty; the message says what the evaluation stages need.
     """
-    if not manifest["num_samples"]:
+    if not manifest.num_samples:
         raise ShardError(f"{where}: no images in this split (data.source "
-                         f"{manifest['source']}): the evaluation stages need a labelled source "
+                         f"{manifest.source}): the evaluation stages need a labelled source "
                          "with train and test images (docs/data.md, no labels at all)")
 
 
-def image_spec(manifest: dict[str, Any], where: Path | ShardURL | str) -> ImageSpec:
+def image_spec(manifest: Manifest, where: Path | ShardURL | str) -> ImageSpec:
     """The :class:`ImageSpec` of a split, from its manifest (:func:`read_manifest`).
 
     Shards of one square size train and evaluate at that size. Shards built with
@@ -173,21 +101,22 @@ def image_spec(manifest: dict[str, Any], where: Path | ShardURL | str) -> ImageS
             nor built with ``max_side`` (names the manifest).
     """
     require_images(manifest, where)
-    shape = manifest.get("image_shape")
-    build = manifest.get("build") or {}
-    mean, std = tuple(manifest["mean"]), tuple(manifest["std"])
+    shape = manifest.image_shape
+    build = manifest.settings
+    mean, std = manifest.mean, manifest.std
     whole = (build.get("max_side") or build.get("variable")) and build.get("image_size")
     if whole and (not shape or shape[1] != shape[2]):  # mixed sizes, or one non-square size
         return ImageSpec(len(mean), int(build["image_size"]), mean, std, variable=True)
     if not shape or shape[1] != shape[2]:
+        shown = list(shape) if shape else shape  # as the JSON reads: [3, 375, 500]
         raise ShardError(f"{where}/{MANIFEST_NAME}: images are not all the same square size "
-                         f"({shape}); set data.image_size to resize them when sharding")
+                         f"({shown}); set data.image_size to resize them when sharding")
     return ImageSpec(int(shape[0]), int(shape[1]), mean, std)
 
 
-def shard_location(directory: Path | ShardURL, entry: dict[str, Any]) -> str:
+def shard_location(directory: Path | ShardURL, entry: ShardEntry) -> str:
     """Where a manifest's shard entry lives: its ``url``, else ``directory / name``."""
-    return entry["url"] if "url" in entry else str(directory / entry["name"])
+    return entry.url if entry.url is not None else str(directory / str(entry.name))
 
 
 def iter_shard(path: str | Path | ShardURL, *, expect: tuple[int, str] | None = None,
@@ -433,9 +362,9 @@ def verify_shards(directory: str | Path | ShardURL) -> dict[str, Any]:
     """
     directory = shards_location(directory)
     m = read_manifest(directory)
-    if any("url" in s for s in m["shards"]):
+    if any(s.url is not None for s in m.shards):
         return _verify_entries(directory, m)
-    listed = [s["name"] for s in m["shards"]]
+    listed = [str(s.name) for s in m.shards]
     if isinstance(directory, ShardURL):
         return _verify_url(directory, m)
     present = sorted(p.name for p in directory.glob("*.tar"))
@@ -446,28 +375,33 @@ def verify_shards(directory: str | Path | ShardURL) -> dict[str, Any]:
         if name not in listed:
             raise ShardError(f"{directory / name}: shard not listed in {MANIFEST_NAME}")
     keys: set[str] = set()
-    for s in m["shards"]:
-        path = directory / s["name"]
+    for s in m.shards:
+        path = directory / str(s.name)
         size = path.stat().st_size
-        if size != s["bytes"]:
-            raise ShardError(f"{path}: {size} bytes, manifest says {s['bytes']} (truncated or "
+        if size != s.bytes:
+            raise ShardError(f"{path}: {size} bytes, manifest says {s.bytes} (truncated or "
                              "altered)")
         digest = sha256_file(path)
-        if digest != s["sha256"]:
-            raise ShardError(f"{path}: sha256 {digest} != manifest {s['sha256']} (altered)")
-        _verify_samples(iter_shard(path), path, s["num_samples"], m, keys)
-    return {"dir": str(directory), "split": m["split"], "source": m["source"],
-            "num_shards": len(listed), "num_samples": m["num_samples"],
-            "bytes": sum(s["bytes"] for s in m["shards"])}
+        if digest != s.sha256:
+            raise ShardError(f"{path}: sha256 {digest} != manifest {s.sha256} (altered)")
+        _verify_samples(iter_shard(path), path, s.num_samples, m, keys)
+    return _summary(directory, m)
+
+
+def _summary(directory: Path | ShardURL, m: Manifest) -> dict[str, Any]:
+    """:func:`verify_shards`' answer."""
+    return {"dir": str(directory), "split": m.split, "source": m.source,
+            "num_shards": len(m.shards), "num_samples": m.num_samples,
+            "bytes": sum(s.bytes for s in m.shards)}
 
 
 def _verify_samples(records: Iterator[dict[str, Any]], where: Path | ShardURL, expected: int,
-                    m: dict[str, Any], keys: set[str]) -> None:
+                    m: Manifest, keys: set[str]) -> None:
     """Decode every sample of one shard; labels in range, keys unique, count as listed."""
-    num_classes = len(m["class_names"])
+    num_classes = len(m.class_names)
     count = 0
     for record in records:
-        key, image, label = decode_record(record, m["mode"])
+        key, image, label = decode_record(record, m.mode)
         if not -1 <= label < num_classes:
             raise ShardError(f"{where}: sample '{key}' label {label} outside "
                              f"-1..{num_classes - 1}")
@@ -479,16 +413,16 @@ def _verify_samples(records: Iterator[dict[str, Any]], where: Path | ShardURL, e
         raise ShardError(f"{where}: {count} samples, manifest says {expected}")
 
 
-def _verify_entries(directory: Path | ShardURL, m: dict[str, Any]) -> dict[str, Any]:
+def _verify_entries(directory: Path | ShardURL, m: Manifest) -> dict[str, Any]:
     """An index manifest: every listed shard (paths or URLs) against its size and sha256."""
     from pipeline.data.external import image_member, open_image
 
-    for s in m["shards"]:
+    for s in m.shards:
         where = shard_location(directory, s)
-        if s.get("layout", LAYOUT_OWN) == LAYOUT_OWN:
-            _verify_samples(_checked_records(where, s), where, s["num_samples"], m, set())
+        if s.read_layout == LAYOUT_OWN:
+            _verify_samples(_checked_records(where, s), where, s.num_samples, m, set())
             continue
-        broken = {b["key"] for b in s.get("broken", ())}
+        broken = {b.key for b in s.broken or ()}
         count = 0
         for record in _checked_records(where, s):
             if record["__key__"] in broken:
@@ -500,32 +434,28 @@ def _verify_entries(directory: Path | ShardURL, m: dict[str, Any]) -> dict[str, 
                 raise ShardError(f"{where}: sample '{record['__key__']}' undecodable "
                                  f"({type(e).__name__}) but not listed as broken") from None
             count += 1
-        if count != s["num_samples"]:
-            raise ShardError(f"{where}: {count} samples, manifest says {s['num_samples']}")
-    return {"dir": str(directory), "split": m["split"], "source": m["source"],
-            "num_shards": len(m["shards"]), "num_samples": m["num_samples"],
-            "bytes": sum(s["bytes"] for s in m["shards"])}
+        if count != s.num_samples:
+            raise ShardError(f"{where}: {count} samples, manifest says {s.num_samples}")
+    return _summary(directory, m)
 
 
-def _checked_records(where: str, s: dict[str, Any]) -> Iterator[dict[str, Any]]:
+def _checked_records(where: str, s: ShardEntry) -> Iterator[dict[str, Any]]:
     """The raw samples of a listed shard, its bytes and sha256 checked (URLs while streaming)."""
     if isinstance(shards_location(where), ShardURL):
-        return iter_shard(where, expect=(s["bytes"], s["sha256"]))
+        return iter_shard(where, expect=(s.bytes, s.sha256))
     path = Path(where)
     if not path.is_file():
         raise ShardError(f"{path}: shard listed in the manifest is missing")
-    if path.stat().st_size != s["bytes"] or sha256_file(path) != s["sha256"]:
+    if path.stat().st_size != s.bytes or sha256_file(path) != s.sha256:
         raise ShardError(f"{path}: size or sha256 differs from the manifest (altered; rerun "
                          "`dvc repro` to index it again)")
     return iter_shard(path)
 
 
-def _verify_url(directory: ShardURL, m: dict[str, Any]) -> dict[str, Any]:
+def _verify_url(directory: ShardURL, m: Manifest) -> dict[str, Any]:
     keys: set[str] = set()
-    for s in m["shards"]:
-        url = directory / s["name"]
-        _verify_samples(iter_shard(url, expect=(s["bytes"], s["sha256"])), url,
-                        s["num_samples"], m, keys)
-    return {"dir": str(directory), "split": m["split"], "source": m["source"],
-            "num_shards": len(m["shards"]), "num_samples": m["num_samples"],
-            "bytes": sum(s["bytes"] for s in m["shards"])}
+    for s in m.shards:
+        url = directory / str(s.name)
+        _verify_samples(iter_shard(url, expect=(s.bytes, s.sha256)), url, s.num_samples, m,
+                        keys)
+    return _summary(directory, m)

@@ -36,8 +36,9 @@ from torch import Tensor
 
 from pipeline.atomic import read_json
 from pipeline.data.external import IMAGE_MEMBERS
+from pipeline.data.manifest import ShardError, read_manifest
 from pipeline.data.remote import is_url, shards_location
-from pipeline.data.shards import ShardError, member_key, read_manifest
+from pipeline.data.shards import member_key
 
 log = logging.getLogger(__name__)
 
@@ -186,21 +187,20 @@ def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
         The :class:`RunOutputs`; missing or unreadable files are None.
     """
     root = Path(root)
-    if is_url(shards_dir):  # published shards: class names from the URL manifest
-        try:
-            manifest = read_manifest(shards_location(shards_dir) / "test")
-        except ShardError:
-            manifest = {}
-    else:
-        manifest = read_json(root / shards_dir / "test" / "manifest.json") or {}
-    names = manifest.get("class_names")
+    # published shards: class names from the URL manifest
+    test = (shards_location(shards_dir) / "test" if is_url(shards_dir)
+            else root / shards_dir / "test")
+    try:
+        names: list[str] | None = [str(n) for n in read_manifest(test).class_names]
+    except ShardError:  # no test split (yet) or an unreadable manifest: indices as names
+        names = None
     return RunOutputs(
         metrics={s: read_metrics(root / rel) for s, rel in
                  {**METRICS_FILES, "label_efficiency": LABEL_EFFICIENCY_FILE}.items()},
         plots={name: read_tsv(root / rel) for name, rel in PLOT_FILES.items()},
         details={e: read_details(root / f"eval/{e}_details.json") for e in EVALUATIONS},
         features={s: load_features(root / f"features/{s}.pt") for s in ("train", "test")},
-        test_class_names=[str(n) for n in names] if isinstance(names, list) else None,
+        test_class_names=names,
         runs={s: read_run(root / "runs" / f"{s}.json") for s in TRACKED_STAGES},
         dvc_lock=read_dvc_lock(root / "dvc.lock"),
         shards_dir=root / shards_dir,
@@ -346,10 +346,11 @@ def load_features(path: Path) -> Embeddings | None:
 
 def _shard_paths(shard_dir: Path) -> list[Path]:
     """The shards of one split: in manifest order when there is a manifest, else sorted."""
-    manifest = read_json(shard_dir / "manifest.json")
-    if manifest and isinstance(manifest.get("shards"), list):
-        return [shard_dir / s["name"] for s in manifest["shards"] if "name" in s]
-    return sorted(shard_dir.glob("*.tar"))
+    try:
+        manifest = read_manifest(shard_dir)
+    except ShardError:  # none, or unreadable: the files themselves
+        return sorted(shard_dir.glob("*.tar"))
+    return [shard_dir / s.name for s in manifest.shards if s.name is not None]
 
 
 def load_shard_images(shard_dir: Path, keys: Iterable[str]) -> dict[str, Any]:

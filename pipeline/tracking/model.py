@@ -22,11 +22,14 @@ import pickle
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from pipeline.data.remote import ShardURL
+
+if TYPE_CHECKING:
+    from pipeline.data.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -126,18 +129,18 @@ def pickled_globals(obj: Any) -> set[str]:
 
 
 def _example_images(split: Path | ShardURL, image_size: int,
-                    n: int) -> tuple[Any, dict[str, Any]]:
+                    n: int) -> tuple[Any, Manifest]:
     """The split's first ``n`` images after the evaluation transform, and its manifest.
 
     Returns:
         (``(n, C, S, S)`` float32 images, the manifest).
     """
     from pipeline.data.eval_loader import eval_loader
-    from pipeline.data.loader import read_manifest
+    from pipeline.data.manifest import read_manifest
     from pipeline.data.views import build_eval_transform
 
     m = read_manifest(split)
-    loader = eval_loader(split, transform=build_eval_transform(image_size, m["mean"], m["std"]),
+    loader = eval_loader(split, transform=build_eval_transform(image_size, m.mean, m.std),
                          batch_size=n, max_images=n)
     images, _, _ = next(iter(loader))
     return images, m
@@ -196,8 +199,8 @@ def log_encoder(*, encoder_path: Path, pool_grid: int, layer: int,
     signature = ModelSignature(
         inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, c, s, s))]),
         outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, int(meta["num_features"])))]))
-    preprocessing = {"image_size": int(meta["image_size"]), "mean": list(manifest["mean"]),
-                     "std": list(manifest["std"]),
+    preprocessing = {"image_size": int(meta["image_size"]), "mean": list(manifest.mean),
+                     "std": list(manifest.std),
                      "transform": "pipeline.data.views.build_eval_transform"}
     quiet = logging.getLogger("mlflow.pytorch")  # its advice against pickle: chosen, see above
     with tempfile.TemporaryDirectory() as tmp, _level(quiet, logging.ERROR):

@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,9 @@ from pipeline.config import (
     to_dict,
 )
 from pipeline.errors import NonFiniteError
+
+if TYPE_CHECKING:
+    from pipeline.data.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ def training_params(seed: int, model: ModelParams, moco: MocoParams, augment: Au
 
 def checkpoint_fingerprint(seed: int, model: ModelParams, moco: MocoParams,
                            augment: AugmentParams, opt: PretrainParams, world_size: int,
-                           manifest: dict[str, Any], *, code_root: Path = REPO) -> ResumeKey:
+                           manifest: Manifest, *, code_root: Path = REPO) -> ResumeKey:
     """The key a checkpoint must carry to be resumed; computed once per run, by the stage.
 
     Args:
@@ -87,7 +90,7 @@ def checkpoint_fingerprint(seed: int, model: ModelParams, moco: MocoParams,
     """
     params = training_params(seed, model, moco, augment, opt, world_size)
     code = output_code(PRETRAIN_SCRIPT, code_root)
-    digest = fingerprint(params, [s["sha256"] for s in manifest["shards"]],
+    digest = fingerprint(params, [s.sha256 for s in manifest.shards],
                          code_digest(code, code_root))
     return ResumeKey(digest, params, tuple(code))
 

@@ -26,7 +26,8 @@ from pipeline.config import (
     ModelParams,
     PretrainParams,
 )
-from pipeline.data.loader import read_manifest, train_loader
+from pipeline.data.loader import train_loader
+from pipeline.data.manifest import Manifest, read_manifest
 from pipeline.data.remote import ShardURL
 from pipeline.data.views import (
     BatchTwoCrop,
@@ -142,7 +143,7 @@ class Run:
     opt: PretrainParams
     seed: int
     shards_dir: Path | ShardURL
-    pretrain_set: dict[str, Any]
+    pretrain_set: Manifest
     net: MoCo
     ddp_net: nn.Module
     precision: Precision
@@ -279,7 +280,7 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
              checkpoint_dir: Path, metrics_path: Path,
              plots_path: Path, knn_plots_path: Path, run: StageRun | None = None,
              max_steps: int | None = None,
-             pretrain_set: dict[str, Any] | None = None,
+             pretrain_set: Manifest | None = None,
              resume_key: ResumeKey | None = None,
              abandoned: Callable[[], bool] | None = None) -> dict[str, float]:
     """Pretrain MoCo on the ``pretrain`` shards and export the query backbone.
@@ -352,11 +353,11 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
 def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
                augment: AugmentParams, seed: int, shards_dir: Path | ShardURL,
                checkpoint_dir: Path, run: StageRun | None,
-               pretrain_set: dict[str, Any] | None, resume_key: ResumeKey | None) -> Run:
+               pretrain_set: Manifest | None, resume_key: ResumeKey | None) -> Run:
     """Plan, build the model and optimizer, restore a fitting checkpoint, pick threads."""
     rt = setup_device()
-    manifest = pretrain_set or read_manifest(shards_dir / "pretrain")
-    parts = manifest.get("build", {}).get("parts")
+    manifest = pretrain_set if pretrain_set is not None else read_manifest(shards_dir / "pretrain")
+    parts = manifest.settings.get("parts")
     plan = plan_run(manifest, " + ".join(parts) if parts else shards_dir / "pretrain", opt=opt,
                     moco=moco, world_size=rt.world_size, cuda=rt.device.type == "cuda")
     spec = plan.spec
@@ -435,8 +436,8 @@ def _finish(r: Run, model: ModelParams, encoder_path: Path, metrics_path: Path,
                             world_size=r.rt.world_size)
     if r.rt.world_size > 1:
         metrics["queue_ranks_identical"] = int(_queues_identical(r.net))
-    metrics["pretrain_images"] = int(r.pretrain_set["num_samples"])
-    metrics["broken_images_skipped"] = int(r.pretrain_set.get("num_broken", 0))
+    metrics["pretrain_images"] = r.pretrain_set.num_samples
+    metrics["broken_images_skipped"] = r.pretrain_set.num_broken or 0
     if r.rt.is_main:
         export_outputs(r.net, model, in_channels=r.plan.spec.channels,
                        image_size=r.plan.spec.size, state=r.state, metrics=metrics,
@@ -465,7 +466,7 @@ def _build_monitor(shards_dir: Path | ShardURL, *, spec: Any, augment: AugmentPa
            if _labelled(shards_dir) else None)
     labelfree = None
     if opt.labelfree_images:
-        if read_manifest(shards_dir / "pretrain")["num_samples"]:
+        if read_manifest(shards_dir / "pretrain").num_samples:
             labelfree = LabelFreeProbe(shards_dir / "pretrain", image_size=spec.size,
                                        mean=spec.mean, std=spec.std, preset=augment.preset,
                                        crop_min_scale=augment.crop_min_scale, device=rt.device,
@@ -478,7 +479,7 @@ def _build_monitor(shards_dir: Path | ShardURL, *, spec: Any, augment: AugmentPa
 
 def _labelled(shards_dir: Path | ShardURL) -> bool:
     """Whether the train and test splits hold images (the kNN monitor needs both)."""
-    empty = [s for s in ("train", "test") if not read_manifest(shards_dir / s)["num_samples"]]
+    empty = [s for s in ("train", "test") if not read_manifest(shards_dir / s).num_samples]
     if empty:
         log.info("kNN monitor off: no labelled %s images (data.source none)", " or ".join(empty))
     return not empty

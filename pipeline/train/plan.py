@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pipeline.config import (
     BnMode,
@@ -20,6 +19,7 @@ from pipeline.config import (
     PretrainParams,
 )
 from pipeline.data.checks import check_queue_size
+from pipeline.data.manifest import Manifest
 from pipeline.data.remote import ShardURL
 from pipeline.data.shards import ImageSpec, image_spec
 from pipeline.errors import InputError
@@ -63,7 +63,7 @@ class RunPlan:
     momenta: list[float]
 
 
-def plan_run(manifest: dict[str, Any], where: Path | ShardURL | str, *, opt: PretrainParams,
+def plan_run(manifest: Manifest, where: Path | ShardURL | str, *, opt: PretrainParams,
              moco: MocoParams, world_size: int, cuda: bool) -> RunPlan:
     """Check the run's sizes against the pretraining data and precompute the schedules.
 
@@ -82,7 +82,7 @@ def plan_run(manifest: dict[str, Any], where: Path | ShardURL | str, *, opt: Pre
         ShardError: the manifest's images have no single training size.
     """
     spec = image_spec(manifest, where)
-    n_images = int(manifest["num_samples"])
+    n_images = manifest.num_samples
     if opt.batch_size % world_size:
         raise PlanError(f"pretrain.batch_size ({opt.batch_size}) must be divisible by the "
                         f"number of processes ({world_size})")

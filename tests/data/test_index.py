@@ -20,12 +20,12 @@ import pipeline.data.index as index_mod
 from pipeline.data.build import empty_split
 from pipeline.data.index import check_broken_budget, index_shards, pretrain_manifest
 from pipeline.data.loader import train_loader
+from pipeline.data.manifest import BrokenSample, ShardEntry, write_manifest
 from pipeline.data.shards import ShardError, read_manifest, verify_shards
 
 
 def write_index(directory, manifest):
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(manifest, directory)
     return directory
 
 
@@ -57,18 +57,18 @@ def test_index__counts_broken_keys_sha_and_pixel_stats(tmp_path):
     paths = img2dataset_shards(tmp_path / "ext", shards=3, per_shard=10, broken={1: 2})
     m, validators = index_shards(f"{tmp_path}/ext/{{00000..00002}}.tar", split="pretrain",
                                  key="data.pretrain_shards", max_broken_fraction=0.1)
-    assert [s["num_samples"] for s in m["shards"]] == [10, 8, 10]
-    assert m["num_samples"] == 28 and m["num_broken"] == 2
-    assert [b["key"] for b in m["shards"][1]["broken"]] == ["000010000", "000010001"]
-    assert [s["sha256"] for s in m["shards"]] == [
+    assert [s.num_samples for s in m.shards] == [10, 8, 10]
+    assert m.num_samples == 28 and m.num_broken == 2
+    assert [b.key for b in m.shards[1].broken] == ["000010000", "000010001"]
+    assert [s.sha256 for s in m.shards] == [
         hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
-    assert [s["bytes"] for s in m["shards"]] == [p.stat().st_size for p in paths]
+    assert [s.bytes for s in m.shards] == [p.stat().st_size for p in paths]
     ref = decoded_rgb(paths)
     assert len(ref) == 28
     pix = np.concatenate([a.reshape(-1, 3) for a in ref]) / 255
-    assert m["mode"] == "RGB" and m["image_shape"] == [3, 16, 16]
-    np.testing.assert_allclose(m["mean"], pix.mean(axis=0), atol=1e-6)
-    np.testing.assert_allclose(m["std"], pix.std(axis=0), atol=1e-6)
+    assert m.mode == "RGB" and m.image_shape == (3, 16, 16)
+    np.testing.assert_allclose(m.mean, pix.mean(axis=0), atol=1e-6)
+    np.testing.assert_allclose(m.std, pix.std(axis=0), atol=1e-6)
     assert set(validators) == {str(p) for p in paths}
 
 
@@ -76,14 +76,14 @@ def test_index__grey_set_is_one_channel(tmp_path):
     img2dataset_shards(tmp_path / "ext", shards=1, per_shard=4, colour=False)
     m, _ = index_shards(str(tmp_path / "ext"), split="pretrain", key="k",
                         max_broken_fraction=0.0)
-    assert m["mode"] == "L" and len(m["mean"]) == 1 and m["image_shape"] == [1, 16, 16]
+    assert m.mode == "L" and len(m.mean) == 1 and m.image_shape == (1, 16, 16)
 
 
 def test_broken_budget__at_the_budget_accepted_above_refused_one_line(tmp_path):
     img2dataset_shards(tmp_path / "ext", shards=2, per_shard=100, broken={1: 1})
     spec = str(tmp_path / "ext")
     m, _ = index_shards(spec, split="pretrain", key="k", max_broken_fraction=0.005)
-    assert m["num_broken"] == 1  # 1 of 200 = 0.5 %: exactly the budget
+    assert m.num_broken == 1  # 1 of 200 = 0.5 %: exactly the budget
     with pytest.raises(ShardError) as e:
         index_shards(spec, split="pretrain", key="data.pretrain_shards",
                      max_broken_fraction=0.001)
@@ -96,8 +96,10 @@ def test_broken_budget__at_the_budget_accepted_above_refused_one_line(tmp_path):
 
 
 def test_broken_budget__names_the_worst_shard():
-    entries = [{"url": "a", "num_samples": 9, "broken": [{"key": "k1", "why": "x"}]},
-               {"url": "b", "num_samples": 7, "broken": [{"key": "k2", "why": "y"}] * 3}]
+    entries = [ShardEntry(url="a", num_samples=9, bytes=0, sha256="",
+                          broken=(BrokenSample("k1", "x"),)),
+               ShardEntry(url="b", num_samples=7, bytes=0, sha256="",
+                          broken=(BrokenSample("k2", "y"),) * 3)]
     with pytest.raises(ShardError, match=r"^b: 3 of 10 samples undecodable, first key 'k2'"):
         check_broken_budget(entries, 0.1, "k")
     check_broken_budget(entries, 0.2, "k")  # 4 of 20
@@ -130,13 +132,13 @@ def test_index__unchanged_shards_not_read_again_changed_ones_are(tmp_path, monke
     changed, v3 = index_shards(spec, split="pretrain", key="k", max_broken_fraction=0,
                                previous=first, validators=v1)
     assert reads == [str(paths[1])]
-    assert changed["num_samples"] == 17 and changed["shards"][0] == first["shards"][0]
+    assert changed.num_samples == 17 and changed.shards[0] == first.shards[0]
     # the same shards spelled as a glob: the same URLs, unchanged, so none is read again, and
     # the manifest (a dep of build_shards and pretrain) has the same bytes: nothing reruns
     globbed, v4 = index_shards(f"{spec}/*.tar", split="pretrain", key="k", max_broken_fraction=0,
                                previous=changed, validators=v3)
     assert len(reads) == 1 and v4 == v3
-    assert json.dumps(globbed, sort_keys=True) == json.dumps(changed, sort_keys=True)
+    assert globbed.to_json() == changed.to_json()
 
 
 def test_index__a_shard_added_to_the_directory_is_read_the_others_kept(tmp_path, monkeypatch):
@@ -150,24 +152,23 @@ def test_index__a_shard_added_to_the_directory_is_read_the_others_kept(tmp_path,
     (added,) = img2dataset_shards(tmp_path / "ext", shards=1, per_shard=3, start=2)
     now, _ = index_shards(str(tmp_path / "ext"), split="pretrain", key="k",
                           max_broken_fraction=0, previous=first, validators=v1)
-    assert reads == [str(added)] and now["num_samples"] == 13
-    assert now["shards"][:2] == first["shards"]
+    assert reads == [str(added)] and now.num_samples == 13
+    assert now.shards[:2] == first.shards
 
 
 def test_index_sets__changed_only_when_a_manifest_on_disk_differs(tmp_path, monkeypatch):
     from pipeline.atomic import write_json
     from pipeline.data.index import VALIDATORS, index_location, index_sets
-    from pipeline.data.shards import MANIFEST_NAME
 
     monkeypatch.chdir(tmp_path)
     img2dataset_shards(tmp_path / "ext", shards=2, per_shard=5)
     sets = {"pretrain": ("ext", "data.pretrain_shards"), "labelled": ("", "data.root")}
     manifests, fresh, changed = index_sets(sets, max_broken_fraction=0)
     assert changed  # nothing on disk yet
-    assert manifests["pretrain"]["num_samples"] == 10 and manifests["labelled"]["shards"] == []
+    assert manifests["pretrain"].num_samples == 10 and manifests["labelled"].shards == ()
     assert len(fresh) == 2  # one change detector per shard
     for split, m in manifests.items():  # what the stage writes
-        write_json(index_location(split) / MANIFEST_NAME, m)
+        write_manifest(m, index_location(split))
     write_json(VALIDATORS, fresh)
     reads = []
     real = index_mod._read_shard
@@ -177,7 +178,7 @@ def test_index_sets__changed_only_when_a_manifest_on_disk_differs(tmp_path, monk
     assert not changed2 and reads == [] and again == manifests and fresh2 == fresh
     img2dataset_shards(tmp_path / "ext", shards=1, per_shard=7, start=1, seed=5)  # rewrite one
     now, _, changed3 = index_sets(sets, max_broken_fraction=0)
-    assert changed3 and len(reads) == 1 and now["pretrain"]["num_samples"] == 12
+    assert changed3 and len(reads) == 1 and now["pretrain"].num_samples == 12
 
 
 def test_pretrain_manifest__no_index_is_the_built_split(tmp_path):
@@ -193,16 +194,16 @@ def test_pretrain_manifest__joined_takes_the_evaluation_mode_and_size(tmp_path):
     m, _ = index_shards(str(tmp_path / "ext"), split="pretrain", key="k", max_broken_fraction=0)
     joined = pretrain_manifest(shards, write_index(tmp_path / "idx", m))
     train = read_manifest(shards / "train")
-    assert joined["num_samples"] == 32 + 20 and len(joined["shards"]) == 1 + 2
-    assert (joined["mode"], joined["mean"], joined["std"]) == ("L", train["mean"], train["std"])
-    assert joined["image_shape"] == [1, 16, 16] and joined["build"]["variable"] is False
-    assert joined["shards"][0]["url"] == str(shards / "pretrain" / "shard-000000.tar")
+    assert joined.num_samples == 32 + 20 and len(joined.shards) == 1 + 2
+    assert (joined.mode, joined.mean, joined.std) == ("L", train.mean, train.std)
+    assert joined.image_shape == (1, 16, 16) and joined.build["variable"] is False
+    assert joined.shards[0].url == str(shards / "pretrain" / "shard-000000.tar")
     # external images of another size: cropped per image to the evaluation size
     img2dataset_shards(tmp_path / "ext24", shards=1, per_shard=10, size=24)
     m24, _ = index_shards(str(tmp_path / "ext24"), split="pretrain", key="k",
                           max_broken_fraction=0)
     j24 = pretrain_manifest(shards, write_index(tmp_path / "idx24", m24))
-    assert j24["image_shape"] is None and j24["build"] == {
+    assert j24.image_shape is None and j24.build == {
         "image_size": 16, "variable": True, "parts": [str(shards / "pretrain"),
                                                       str(tmp_path / "idx24")]}
 
@@ -216,11 +217,11 @@ def test_pretrain_manifest__no_labelled_data_needs_a_crop_size(tmp_path):
     with pytest.raises(ShardError, match="no single square size .* set data.image_size"):
         pretrain_manifest(tmp_path / "sh", idx)
     j = pretrain_manifest(tmp_path / "sh", idx, image_size=12)
-    assert (j["mode"], j["mean"], j["build"]["image_size"]) == ("RGB", m["mean"], 12)
+    assert (j.mode, j.mean, j.build["image_size"]) == ("RGB", m.mean, 12)
 
 
 def _epoch_keys(manifest, *, world_size=1, num_workers=0, epoch=0, batch=4):
-    steps = manifest["num_samples"] // (batch * world_size)
+    steps = manifest.num_samples // (batch * world_size)
     keys = []
     for rank in range(world_size):
         for _, k in train_loader("joined", batch_size=batch, steps=steps, epoch=epoch, seed=3,
@@ -238,7 +239,7 @@ def test_train_loader__joined_set_true_epoch_broken_never_seen(tmp_path, world_s
     m, _ = index_shards(str(tmp_path / "ext"), split="pretrain", key="k",
                         max_broken_fraction=0.1)
     joined = pretrain_manifest(shards, write_index(tmp_path / "idx", m))
-    assert joined["num_samples"] == 24 + 17
+    assert joined.num_samples == 24 + 17
     everything = {f"s{i:05d}" for i in range(24)} | {
         f"{s:05d}{i:04d}" for s in (0, 1) for i in range(9)} - {"000000000"}
     keys = _epoch_keys(joined, world_size=world_size, num_workers=num_workers)
@@ -785,10 +786,10 @@ def test_index__dotted_keys_counted_as_in_the_tar_index_and_loader_agree(tmp_pat
             t.addfile(info, io.BytesIO(data))
     m, _ = index_shards(str(path.parent), split="pretrain", key="data.pretrain_shards",
                         max_broken_fraction=0.5)
-    assert (m["num_samples"], m["num_broken"]) == (4, 2)
-    (entry,) = m["shards"]
-    assert [b["key"] for b in entry["broken"]] == ["x.y", "only.meta"]
-    assert entry["broken"][1]["why"] == "no image member (has json)"
+    assert (m.num_samples, m.num_broken) == (4, 2)
+    (entry,) = m.shards
+    assert [b.key for b in entry.broken] == ["x.y", "only.meta"]
+    assert entry.broken[1].why == "no image member (has json)"
     # the loader reads the same 4 samples under the same keys, once each per epoch
     no_labels(tmp_path / "sh")
     joined = pretrain_manifest(tmp_path / "sh", write_index(tmp_path / "idx", m))
@@ -838,10 +839,13 @@ def _folder(root, images, mode, broken=(), **more):
 
 
 def _ext(n, mode="RGB", shards=2):
+    from dataclasses import replace
+
     from pipeline.data.index import empty_manifest
 
-    return {**empty_manifest("pretrain"), "num_samples": n, "mode": mode,
-            "shards": [{}] * shards if n else []}
+    entry = ShardEntry(url="s", num_samples=n // shards, bytes=0, sha256="")
+    return replace(empty_manifest("pretrain"), num_samples=n, mode=mode,
+                   shards=(entry,) * shards if n else ())
 
 
 EMPTY = {"pretrain": _ext(0), "labelled": _ext(0)}

@@ -132,8 +132,8 @@ def test_train_loader__views_against_pil_reference(shards):
                                 crop=crop, draft=False))
     (views, keys), = batches
     m = read_manifest(shards / "pretrain")
-    data = {r["__key__"]: r["jpg"] for s in m["shards"]
-            for r in iter_shard(shards / "pretrain" / s["name"])}
+    data = {r["__key__"]: r["jpg"] for s in m.shards
+            for r in iter_shard(shards / "pretrain" / s.name)}
     order = _positions(shards, seed=7, epoch=2)
     for i, key in enumerate(keys):
         image = Image.open(io.BytesIO(data[key])).convert("RGB")
@@ -149,10 +149,10 @@ def _positions(shards, *, seed, epoch):
     from pipeline.data.shards import iter_shard, read_manifest
 
     m = read_manifest(shards / "pretrain")
-    counts = [s["num_samples"] for s in m["shards"]]
+    counts = [s.num_samples for s in m.shards]
     perm, offset = epoch_order(counts, seed=seed, epoch=epoch)
     seq = [r["__key__"] for i in perm for r in iter_shard(shards / "pretrain" /
-                                                           m["shards"][i]["name"])]
+                                                           m.shards[i].name)]
     n = len(seq)
     return {seq[(p + offset) % n]: p for p in range(n)}
 

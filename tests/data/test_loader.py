@@ -59,7 +59,7 @@ def load(d: Path, **kw) -> list[tuple[torch.Tensor, list[str]]]:
 def epoch_ids(d: Path, *, ranks: int, workers: int, batch: int, epoch: int = 0,
               seed: int = 0) -> list[int]:
     """Every image index one epoch yields over all ranks (the batch-per-rank view)."""
-    n = read_manifest(d)["num_samples"]
+    n = read_manifest(d).num_samples
     steps = n // (batch * ranks)
     out = []
     for r in range(ranks):
@@ -146,7 +146,7 @@ def test_train_loader__mixing_close_to_random_permutations(tmp_path: Path):
 
 
 def test_train_loader__equal_batches_across_ranks(uneven: Path):
-    assert [s["num_samples"] for s in read_manifest(uneven)["shards"]] == [5, 5, 2]
+    assert [s.num_samples for s in read_manifest(uneven).shards] == [5, 5, 2]
     per_rank = [load(uneven, rank=r, world_size=2, batch_size=2, num_workers=w)
                 for r in (0, 1) for w in (0, 2)]
     assert all(len(batches) == 3 for batches in per_rank)

@@ -45,13 +45,13 @@ def shards(tmp_path_factory):
 
 def test_build__max_side_keeps_aspect_ratio_without_crop(shards):
     m = read_manifest(shards / "pretrain")
-    assert m["image_shape"] is None and m["build"]["max_side"] == 32
+    assert m.image_shape is None and m.build["max_side"] == 32
     seen = {}
-    for s in m["shards"]:
-        for record in iter_shard(shards / "pretrain" / s["name"]):
-            key, image, _ = decode_record(record, m["mode"])
+    for s in m.shards:
+        for record in iter_shard(shards / "pretrain" / s.name):
+            key, image, _ = decode_record(record, m.mode)
             seen[key] = image.size
-    assert len(seen) == m["num_samples"] > 0
+    assert len(seen) == m.num_samples > 0
     # keys carry the original size in the file name: each stored image is the expected resize
     for key, size in seen.items():
         w, h = (int(v) for v in key.rsplit("_", 1)[1].split("x"))
@@ -119,9 +119,9 @@ def test_eval__resizes_and_centre_crops_once(shards):
     assert x.shape == (4, 3, 24, 24) and len(keys) == len(y) == 4
     # each tensor is the stored (short side 32) image resized once to 24 and centre-cropped
     stored = {}
-    for s in m["shards"]:
-        for record in iter_shard(shards / "test" / s["name"]):
-            key, image, _ = decode_record(record, m["mode"])
+    for s in m.shards:
+        for record in iter_shard(shards / "test" / s.name):
+            key, image, _ = decode_record(record, m.mode)
             stored[key] = image
     for i, key in enumerate(keys):
         want = (_resize_centre_crop_by_hand(stored[key], 24) - np.float32(mean)) / np.float32(std)
@@ -143,7 +143,7 @@ def test_pretrain__max_side_shards_train_on_per_image_crops(shards, tmp_path):
     m = run_pretrain(shards, tmp_path, {"moco": {"K": 8}, "pretrain": {
         "batch_size": 4, "epochs": 2, "knn_every_epochs": 1, "knn_monitor_train_images": 8,
         "knn_monitor_test_images": 4}})
-    n = read_manifest(shards / "pretrain")["num_samples"]
+    n = read_manifest(shards / "pretrain").num_samples
     assert m["steps"] == 2 * (n // 4) and np.isfinite(m["loss"])
     backbone, meta = load_encoder(tmp_path / "encoder.pt")
     assert (meta["image_size"], meta["in_channels"]) == (24, 3)  # the build's training size

@@ -70,9 +70,9 @@ def test_build__unchanged_jpegs_keep_their_bytes(photos, tmp_path, monkeypatch):
     assert len(stored) == 24 and all(name.endswith(".jpg") for name in stored)
     assert set(stored.values()) == files  # byte for byte: every file once, nothing else
     m = manifests["pretrain"]
-    assert m["build"]["shard_format"] == "auto" and m["build"]["jpeg_quality"] == 95
-    assert m["num_samples"] + manifests["test"]["num_samples"] == 24
-    assert m["build"]["members"] == {"jpg_copied": m["num_samples"], "jpg_encoded": 0, "png": 0}
+    assert m.build["shard_format"] == "auto" and m.build["jpeg_quality"] == 95
+    assert m.num_samples + manifests["test"].num_samples == 24
+    assert m.build["members"] == {"jpg_copied": m.num_samples, "jpg_encoded": 0, "png": 0}
     for split in ("pretrain", "train", "test"):
         verify_shards(tmp_path / "shards" / split)  # every member decodes, sizes and hashes
 
@@ -115,8 +115,8 @@ def test_build__exif_turned_jpeg_is_stored_upright_as_new_jpeg(tmp_path, monkeyp
     got = decode(stored[name])
     assert got.shape == upright.shape == (160, 120, 3)
     assert psnr(got, upright) > 33
-    members_count = (manifests["pretrain"]["build"]["members"],
-                     manifests["test"]["build"]["members"])
+    members_count = (manifests["pretrain"].build["members"],
+                     manifests["test"].build["members"])
     assert sum(c["jpg_encoded"] for c in members_count) == 1
     assert sum(c["jpg_copied"] for c in members_count) == 7
 
@@ -130,7 +130,7 @@ def test_build__png_stays_png_and_png_format_is_lossless(photos, tmp_path, monke
     m = build(pngs, tmp_path / "a", monkeypatch=monkeypatch)["pretrain"]
     stored = members(tmp_path / "a" / "pretrain")
     assert all(n.endswith(".png") for n in stored)
-    assert "shard_format" not in m["build"] and "members" not in m["build"]
+    assert "shard_format" not in m.build and "members" not in m.build
     sources = {np.asarray(Image.open(p)).tobytes() for p in pngs.rglob("*.png")}
     assert {decode(d).tobytes() for d in stored.values()} <= sources  # lossless
     # shard_format png: the JPEG photos as PNG of their decoded pixels
@@ -142,7 +142,7 @@ def test_build__png_stays_png_and_png_format_is_lossless(photos, tmp_path, monke
     # shard_format jpeg: PNG files become JPEG members
     m = build(pngs, tmp_path / "c", shard_format="jpeg", monkeypatch=monkeypatch)["pretrain"]
     assert all(n.endswith(".jpg") for n in members(tmp_path / "c" / "pretrain"))
-    assert m["build"]["members"] == {"jpg_copied": 0, "jpg_encoded": m["num_samples"],
+    assert m.build["members"] == {"jpg_copied": 0, "jpg_encoded": m.num_samples,
                                      "png": 0}
 
 
@@ -162,7 +162,7 @@ def test_write_shards__arrays_stay_png_and_manifest_as_before(tmp_path):
     m = write_shards(make_samples(12), tmp_path / "s", split="train", source="synthetic",
                      class_names=["a", "b", "c", "d"], mode="L", samples_per_shard=5,
                      progress=False, build={"seed": 0})
-    assert m["build"] == {"seed": 0}
+    assert m.build == {"seed": 0}
     assert set(json.loads((tmp_path / "s/manifest.json").read_text())["build"]) == {"seed"}
     assert all(n.endswith(".png") for n in members(tmp_path / "s"))
 
@@ -189,7 +189,7 @@ def test_build__photo_shard_bytes_against_the_source_jpegs(tmp_path, monkeypatch
         (tmp_path / name).mkdir()
         ms = build(root, tmp_path / name / "shards", max_side=max_side, image_size=224,
                    monkeypatch=monkeypatch)
-        stored = sum(s["bytes"] for split in ("pretrain", "test") for s in ms[split]["shards"])
+        stored = sum(s.bytes for split in ("pretrain", "test") for s in ms[split].shards)
         ratios[name] = stored / source
     assert 1.0 < ratios["native"] <= 1.05  # the files plus tar headers and padding
     assert ratios["side256"] <= 1.0

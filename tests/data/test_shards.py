@@ -52,13 +52,13 @@ def test_write_shards__manifest_counts_and_members(tmp_path: Path):
     items = samples(10)
     m = write(tmp_path / "s", items)
     assert m == read_manifest(tmp_path / "s")
-    assert m["num_samples"] == 10
-    assert [s["num_samples"] for s in m["shards"]] == [4, 4, 2]
-    assert m["label_counts"] == {"0": 4, "1": 3, "2": 3}
-    assert (m["mode"], m["image_shape"], m["class_names"]) == ("L", [1, 6, 5], ["a", "b", "c"])
-    for s in m["shards"]:
-        data = (tmp_path / "s" / s["name"]).read_bytes()
-        assert (s["bytes"], s["sha256"]) == (len(data), hashlib.sha256(data).hexdigest())
+    assert m.num_samples == 10
+    assert [s.num_samples for s in m.shards] == [4, 4, 2]
+    assert m.label_counts == {"0": 4, "1": 3, "2": 3}
+    assert (m.mode, m.image_shape, m.class_names) == ("L", (1, 6, 5), ("a", "b", "c"))
+    for s in m.shards:
+        data = (tmp_path / "s" / s.name).read_bytes()
+        assert (s.bytes, s.sha256) == (len(data), hashlib.sha256(data).hexdigest())
     # read the tar with the standard library, independently of webdataset
     with tarfile.open(tmp_path / "s" / "shard-000002.tar") as tar:
         members = tar.getmembers()
@@ -72,7 +72,7 @@ def test_write_shards__manifest_counts_and_members(tmp_path: Path):
 
 def test_write_shards__exact_multiple_has_no_empty_shard(tmp_path: Path):
     m = write(tmp_path / "s", samples(8))
-    assert [s["num_samples"] for s in m["shards"]] == [4, 4]
+    assert [s.num_samples for s in m.shards] == [4, 4]
     assert sorted(p.name for p in (tmp_path / "s").glob("*.tar")) == ["shard-000000.tar",
                                                                      "shard-000001.tar"]
 
@@ -82,10 +82,10 @@ def test_write_shards__pixel_stats_by_hand(tmp_path: Path):
     white = Sample("k1", Image.new("RGB", (2, 2), (255, 255, 51)), 1)
     m = write(tmp_path / "s", [black, white], mode="RGB")
     # channel values {0, 255} -> mean 0.5, std 0.5; {0, 51} -> mean 0.1, std 0.1
-    assert m["pixel_mean"] == [0.5, 0.5, 0.1] and m["pixel_std"] == [0.5, 0.5, 0.1]
-    assert m["mean"] == m["pixel_mean"]  # none given: the split's own statistics
+    assert m.pixel_mean == (0.5, 0.5, 0.1) and m.pixel_std == (0.5, 0.5, 0.1)
+    assert m.mean == m.pixel_mean  # none given: the split's own statistics
     m2 = write(tmp_path / "t", [black, white], mode="RGB", mean=[0.4, 0.4, 0.4], std=[0.2] * 3)
-    assert (m2["mean"], m2["std"]) == ([0.4] * 3, [0.2] * 3)
+    assert (m2.mean, m2.std) == ((0.4,) * 3, (0.2,) * 3)
 
 
 def test_write_shards__nothing_to_write(tmp_path: Path):
@@ -253,12 +253,12 @@ def test_build_all__imagefolder_stats_and_resize(tmp_path: Path):
     params = DataParams(source="imagefolder", root=str(raw), image_size=6, samples_per_shard=3,
                         test_fraction=0.25, max_pretrain_images=4, shards_dir=str(tmp_path / "sh"))
     ms = build_all(params, seed=3, progress=False)
-    assert {k: m["num_samples"] for k, m in ms.items()} == {"pretrain": 4, "train": 6, "test": 2}
-    assert ms["pretrain"]["label_counts"] == {"0": 2, "1": 2}  # cap keeps class balance
-    assert ms["test"]["image_shape"] == [3, 6, 6]
+    assert {k: m.num_samples for k, m in ms.items()} == {"pretrain": 4, "train": 6, "test": 2}
+    assert ms["pretrain"].label_counts == {"0": 2, "1": 2}  # cap keeps class balance
+    assert ms["test"].image_shape == (3, 6, 6)
     # half black, half white pretrain images -> mean 0.5, std 0.5, used by every split
-    assert ms["pretrain"]["pixel_mean"] == [0.5, 0.5, 0.5]
-    assert ms["test"]["mean"] == [0.5, 0.5, 0.5] and ms["test"]["std"] == [0.5, 0.5, 0.5]
+    assert ms["pretrain"].pixel_mean == (0.5, 0.5, 0.5)
+    assert ms["test"].mean == (0.5, 0.5, 0.5) and ms["test"].std == (0.5, 0.5, 0.5)
     assert verify_main(tmp_path / "sh") == 0
     first = {p.name: p.read_bytes() for p in (tmp_path / "sh" / "train").iterdir()}
     build_all(params, seed=3, progress=False)
@@ -271,10 +271,10 @@ def test_build_all__fashion_mnist_small(tmp_path: Path):
     params = DataParams(max_pretrain_images=200, max_train_images=100, max_test_images=50,
                         samples_per_shard=64, shards_dir=str(tmp_path / "sh"))
     ms = build_all(params, seed=0, progress=False)
-    assert [s["num_samples"] for s in ms["pretrain"]["shards"]] == [64, 64, 64, 8]
-    assert ms["test"]["label_counts"] == {str(c): 5 for c in range(10)}
-    assert (ms["train"]["mean"], ms["train"]["std"], ms["train"]["image_shape"]) == (
-        [0.286], [0.353], [1, 28, 28])
+    assert [s.num_samples for s in ms["pretrain"].shards] == [64, 64, 64, 8]
+    assert ms["test"].label_counts == {str(c): 5 for c in range(10)}
+    assert (ms["train"].mean, ms["train"].std, ms["train"].image_shape) == (
+        (0.286,), (0.353,), (1, 28, 28))
 
 
 def test_build_all__image_cut_short_names_split_file_and_restore(tmp_path: Path):
@@ -335,13 +335,13 @@ def test_build_all__leaves_out_the_broken_files_index_shards_listed(tmp_path: Pa
                         max_broken_fraction=0.25, shards_dir=str(tmp_path / "sh"))
     write_json(FOLDERS, index_params_folders(params))
     ms = build_all(params, seed=0, progress=False)
-    assert ms["train"]["label_counts"] == {"0": 2, "1": 2}  # train/b/9.png left out
-    assert ms["test"]["label_counts"] == {"0": 2, "1": 2}
-    assert ms["pretrain"]["label_counts"] == {"-1": 4, "0": 2, "1": 2}  # zz.png left out
+    assert ms["train"].label_counts == {"0": 2, "1": 2}  # train/b/9.png left out
+    assert ms["test"].label_counts == {"0": 2, "1": 2}
+    assert ms["pretrain"].label_counts == {"-1": 4, "0": 2, "1": 2}  # zz.png left out
     # the manifests do not count them: a broken download added or removed leaves them as
     # they are, so pretraining does not rerun on the same shards
-    assert all("broken_left_out" not in json.dumps(m) for m in ms.values())
-    assert ms["pretrain"]["build"]["unlabelled"]["images"] == 4
+    assert all("broken_left_out" not in m.to_json() for m in ms.values())
+    assert ms["pretrain"].build["unlabelled"]["images"] == 4
     # without the index (a build run by hand) nothing is left out: the file stops the build
     FOLDERS.unlink()
     from pipeline.data.sources import SourceError
@@ -367,7 +367,7 @@ def test_build_all__cap_that_drops_the_folder_says_so(tmp_path: Path, caplog):
                         shards_dir=str(tmp_path / "sh"))
     caplog.set_level("INFO")
     ms = build_all(params, seed=0, progress=False)
-    assert ms["pretrain"]["label_counts"] == {"0": 2, "1": 2}
+    assert ms["pretrain"].label_counts == {"0": 2, "1": 2}
     assert ("pretrain: 0 of the 1 images of data.unlabelled_root are in the split: "
             "data.max_pretrain_images = 4 keeps each label's share, the folder's included (0 "
             "keeps every image; data.pretrain_labelled: false leaves the cap to the folder)"

@@ -77,13 +77,13 @@ def test_unlabelled__repro_runs_every_stage(repo):
 def test_unlabelled__pretrain_shards_hold_all_300_with_label_minus_one(repo):
     dst, _, _ = repo
     m = read_manifest(dst / "data/shards/pretrain")
-    assert m["num_samples"] == 340 and m["label_counts"] == {
+    assert m.num_samples == 340 and m.label_counts == {
         "-1": 300, "0": 10, "1": 10, "2": 10, "3": 10}
     # the tree has grey and colour images: one colour image makes the whole set RGB, the
     # labelled grey ones included (three equal channels), and every split agrees
-    assert m["mode"] == "RGB" and m["image_shape"] == [3, 16, 16]
-    assert read_manifest(dst / "data/shards/train")["mode"] == "RGB"
-    rec = m["build"]["unlabelled"]
+    assert m.mode == "RGB" and m.image_shape == (3, 16, 16)
+    assert read_manifest(dst / "data/shards/train").mode == "RGB"
+    rec = m.build["unlabelled"]
     assert rec["images"] == 300 and "skipped" not in rec  # junk must not change the manifest
     # .DS_Store and the .thumbnails folder (hidden), ._im000.png (AppleDouble), README.txt:
     # counted in the folder index
@@ -93,8 +93,8 @@ def test_unlabelled__pretrain_shards_hold_all_300_with_label_minus_one(repo):
     assert folders["data.unlabelled_root"]["images"] == 300
     assert folders["data.root"]["images"] == 60 and folders["data.root"]["skipped"] == {}
     keys, labels = [], []
-    for s in m["shards"]:
-        for r in iter_shard(dst / "data/shards/pretrain" / s["name"]):
+    for s in m.shards:
+        for r in iter_shard(dst / "data/shards/pretrain" / s.name):
             keys.append(r["__key__"])
             labels.append(int(r["cls"]))
     unl = [k for k, y in zip(keys, labels) if y == -1]
@@ -230,7 +230,7 @@ def test_unlabelled__broken_files_within_the_budget_are_left_out(repo):
         assert folders["data.unlabelled_root"]["broken"] == ["d0/zz_cut.jpg", "d0/zz_page.jpg"]
         assert folders["data.unlabelled_root"]["images"] == 302
         m = read_manifest(dst / "data/shards/pretrain")
-        assert m["build"]["unlabelled"]["images"] == 300
+        assert m.build["unlabelled"]["images"] == 300
         assert file_digests(dst / "data/shards") == before
     finally:
         cut.unlink()
@@ -247,7 +247,7 @@ def test_unlabelled__an_image_added_to_the_tree_rebuilds_and_retrains(repo):
     assert {"index_shards", "build_shards", "check_data", "pretrain", "embed", "knn", "linear",
             "report"} <= set(ran(text)), text[-3000:]
     m = read_manifest(dst / "data/shards/pretrain")
-    assert m["num_samples"] == 341 and m["build"]["unlabelled"]["images"] == 301
+    assert m.num_samples == 341 and m.build["unlabelled"]["images"] == 301
     assert json.loads((dst / "metrics/pretrain.json").read_text())["pretrain_images"] == 341
     # a README beside the images is skipped and counted: the shards are rebuilt with the same
     # bytes, so nothing after build_shards reruns
@@ -306,8 +306,8 @@ def test_no_labels__repro_data_insights_gives_the_encoder_and_the_insights(nolab
     # logged and registered in MLflow, the pretraining images as its input example
     assert "could not log" not in text and "could not register" not in text, text[-3000:]
     assert json.loads((dst / "runs/pretrain.json").read_text())["model_version"] == "1"
-    assert read_manifest(dst / "data/shards/pretrain")["num_samples"] == 120
-    assert read_manifest(dst / "data/shards/train")["num_samples"] == 0
+    assert read_manifest(dst / "data/shards/pretrain").num_samples == 120
+    assert read_manifest(dst / "data/shards/train").num_samples == 0
     assert json.loads((dst / "metrics/pretrain.json").read_text())["pretrain_images"] == 120
 
 

@@ -101,8 +101,8 @@ def test_remote__repro_pretrains_from_the_url(repo, server):
     assert ran(text) == STAGES
     idx = read_manifest(dst / "data/index/pretrain")
     served = sorted((srv / "pre").glob("*.tar"))
-    assert [s["url"] for s in idx["shards"]] == [f"{url}/pre/{p.name}" for p in served]
-    assert [s["sha256"] for s in idx["shards"]] == [
+    assert [s.url for s in idx.shards] == [f"{url}/pre/{p.name}" for p in served]
+    assert [s.sha256 for s in idx.shards] == [
         hashlib.sha256(p.read_bytes()).hexdigest() for p in served]
     assert metrics(dst, "pretrain")["pretrain_images"] == 200
     assert metrics(dst, "pretrain")["broken_images_skipped"] == 0
@@ -121,7 +121,7 @@ def test_remote__no_copy_of_the_pretraining_images_on_disk(repo, server):
              for r in tarfile_samples([{"url": str(p)}])]
     assert len(jpegs) == 200
     shard_hashes = {hashlib.sha256(p.read_bytes()).hexdigest() for p in (srv / "pre").glob("*")}
-    assert read_manifest(dst / "data/shards/pretrain")["num_samples"] == 0
+    assert read_manifest(dst / "data/shards/pretrain").num_samples == 0
     for path in dst.rglob("*"):  # the workspace, .dvc/cache and mlartifacts included
         if not path.is_file() or path.suffix == ".py":
             continue
@@ -170,8 +170,8 @@ def test_remote__replaced_shard_with_one_broken_reruns_pretraining_counted(repo,
     assert m["pretrain_images"] == 150 + 199 and m["broken_images_skipped"] == 1
     assert latest_run(env, "pretrain").data.metrics["final_broken_images_skipped"] == 1
     assert latest_run(env, "index_shards").data.metrics["pretrain_broken_skipped"] == 1
-    (bad,) = [s for s in read_manifest(dst / "data/index/pretrain")["shards"] if s["broken"]]
-    assert bad["url"] == f"{url}/pre/00003.tar" and bad["broken"][0]["key"] == "000030000"
+    (bad,) = [s for s in read_manifest(dst / "data/index/pretrain").shards if s.broken]
+    assert bad.url == f"{url}/pre/00003.tar" and bad.broken[0].key == "000030000"
     commit(dst, env, "shard 3 replaced")
 
 

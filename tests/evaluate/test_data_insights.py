@@ -17,6 +17,7 @@ from PIL import Image
 from pipeline.config import from_dict
 from pipeline.data.build import empty_split, write_shards
 from pipeline.data.index import index_shards
+from pipeline.data.manifest import write_manifest
 from pipeline.data.shards import ShardError
 from pipeline.data.sources import Sample
 from pipeline.evaluate.features import load_features
@@ -108,8 +109,7 @@ def test_data_insights__pretrain_shards_read_in_place(encoder, tmp_path):
     img2dataset_shards(tmp_path / "ext", shards=1, per_shard=20, start=2, colour=True)
     manifest, _ = index_shards(str(tmp_path / "ext"), split="pretrain",
                                key="data.pretrain_shards", max_broken_fraction=0.1)
-    (tmp_path / "index").mkdir()
-    (tmp_path / "index/manifest.json").write_text(json.dumps(manifest))
+    write_manifest(manifest, tmp_path / "index")
     m = _run(encoder, shards, tmp_path, index_dir=tmp_path / "index", duplicate_cosine=0.9999,
              listed=100)
     d = json.loads((tmp_path / "eval/data_insights.json").read_text())

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pipeline.data.manifest import Manifest
 from pipeline.evaluate.knn import knn_classify, knn_predict
 from pipeline.evaluate.metrics import classification_metrics
 
@@ -274,6 +275,12 @@ def test_select_k_T__empty_grid_refused():
         select_k_T(x_tr, y_tr, x_va, y_va, ks=())
 
 
+def _classes(names: str) -> Manifest:
+    """A test split's manifest as far as knn_eval reads it: its class names."""
+    return Manifest(source="synthetic", split="test", num_samples=0, mode="L",
+                    class_names=tuple(names), mean=(), std=(), shards=())
+
+
 def test_knn_eval__val_top1_scores_the_linear_probe_split_against_the_rest(tmp_path, monkeypatch):
     # val_top1 = kNN of the held-out TRAIN rows (split_train_val, the linear probe's split)
     # against the remaining train rows; the test score still uses the whole train bank.
@@ -289,7 +296,7 @@ def test_knn_eval__val_top1_scores_the_linear_probe_split_against_the_rest(tmp_p
                       tmp_path / f"train{stem}.pt")
         save_features(FeatureSet(x_te, y_te, [f"te{i}" for i in range(len(y_te))]),
                       tmp_path / f"test{stem}.pt")
-    monkeypatch.setattr(run, "read_manifest", lambda _: {"class_names": list("abcde")})
+    monkeypatch.setattr(run, "read_manifest", lambda _: _classes("abcde"))
     out = knn_eval(features_dir=tmp_path, manifest_dir=tmp_path / "m",
                    knn=KnnParams(k=7, T=0.2, val_fraction=0.25, select="fixed"),
                    details_path=tmp_path / "d.json", seed=5)
@@ -323,7 +330,7 @@ def test_knn_eval__select_val_chooses_k_T_on_train_only(tmp_path, monkeypatch):
             for k in GRID_K if k <= len(tr) for t in GRID_T}
     best = max(grid.values())
     k_ref, t_ref = next(kt for kt, v in grid.items() if v == best)
-    monkeypatch.setattr(run, "read_manifest", lambda _: {"class_names": list("abcde")})
+    monkeypatch.setattr(run, "read_manifest", lambda _: _classes("abcde"))
 
     def evaluate(test_labels):
         for stem in ("", "_global"):

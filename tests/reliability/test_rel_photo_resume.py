@@ -55,8 +55,8 @@ def photo_shards(tmp_path_factory):
                        seed=0, progress=False)
     finally:
         os.chdir(cwd)
-    assert ms["pretrain"]["num_samples"] == 72
-    assert ms["pretrain"]["build"]["members"]["jpg_copied"] == 72
+    assert ms["pretrain"].num_samples == 72
+    assert ms["pretrain"].build["members"]["jpg_copied"] == 72
     return base
 
 

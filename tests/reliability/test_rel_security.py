@@ -87,7 +87,7 @@ def shard_with_member(split_dir, ext: str, marker) -> str:
 READERS = {
     # a whole true epoch (batch 1): every sample of the split passes the member check
     "train_loader": lambda d: list(train_loader(d, batch_size=1, epoch=0, seed=0,
-                                                steps=read_manifest(d)["num_samples"])),
+                                                steps=read_manifest(d).num_samples)),
     "eval_loader": lambda d: list(eval_loader(d, transform=build_eval_transform(
         16, (0.5,), (0.25,)), batch_size=8)),
     "verify_shards": verify_shards,

@@ -8,6 +8,8 @@ import torch
 import webdataset as wds
 from PIL import Image
 
+from pipeline.data.manifest import Manifest, ShardEntry, write_manifest
+
 CLASS_NAMES = ["shirt", "shoe", "bag"]
 PRETRAIN = {
     "loss": 5.4321,
@@ -116,14 +118,13 @@ def write_shards(split_dir, keys, labels, per_shard, *, manifest):
         with wds.TarWriter(str(split_dir / name)) as sink:
             for i in range(start, min(start + per_shard, len(keys))):
                 sink.write({"__key__": keys[i], "png": png(image(i)), "cls": int(labels[i])})
-        shards.append(
-            {"name": name, "num_samples": min(per_shard, len(keys) - start), "sha256": "0" * 64}
-        )
+        shards.append(ShardEntry(name=name, num_samples=min(per_shard, len(keys) - start),
+                                 bytes=(split_dir / name).stat().st_size, sha256="0" * 64))
     if manifest:
-        write_json(
-            split_dir / "manifest.json",
-            {"shards": shards, "class_names": CLASS_NAMES, "mode": "L", "shape": [1, 28, 28]},
-        )
+        write_manifest(Manifest(source="synthetic", split=split_dir.name,
+                                num_samples=len(keys), mode="L",
+                                class_names=tuple(CLASS_NAMES), mean=(0.5,), std=(0.25,),
+                                image_shape=(1, 28, 28), shards=tuple(shards)), split_dir)
 
 
 def _points(means, std):

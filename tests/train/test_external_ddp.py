@@ -18,6 +18,7 @@ import pytest
 from helpers import build_tiny_shards, img2dataset_shards
 
 from pipeline.data.index import index_shards
+from pipeline.data.manifest import write_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,8 +42,7 @@ def test_pretrain__torchrun_two_processes_on_a_joined_set(tmp_path):
     img2dataset_shards(tmp_path / "ext", shards=2, per_shard=30, broken={1: 1})
     m, _ = index_shards(str(tmp_path / "ext"), split="pretrain", key="k",
                         max_broken_fraction=0.05)
-    (tmp_path / "idx").mkdir()
-    (tmp_path / "idx" / "manifest.json").write_text(json.dumps(m))
+    write_manifest(m, tmp_path / "idx")
     out = tmp_path / "out"
     script = tmp_path / "run.py"
     script.write_text(SCRIPT.format(tests=str(ROOT / "tests"), shards=str(shards),

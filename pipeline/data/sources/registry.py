@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any
 
 from pipeline.config import DataSource
+from pipeline.data.manifest import Manifest
 from pipeline.data.sources.base import Source, local_path
 from pipeline.data.sources.checksum import Checksum
 from pipeline.data.sources.cifar import CifarSource
@@ -22,7 +22,7 @@ def open_source(name: str, root: str | Path = "", *, download: bool = False,
                 test_fraction: float = 0.2, seed: int = 0,
                 checksums: Mapping[str, Checksum] | None = None, label_field: str = "cls",
                 max_broken_fraction: float = 0.001,
-                index: dict[str, Any] | None = None,
+                index: Manifest | None = None,
                 exclude: Collection[str] = ()) -> Source:
     """Open a dataset by name (``data.source``).
 

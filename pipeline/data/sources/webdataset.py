@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from pipeline.data.external import expand_shards, image_member, open_image, sample_label
+from pipeline.data.manifest import LabelSummary, Manifest, ShardEntry, ShardError
 from pipeline.data.remote import RemoteError
-from pipeline.data.shards import ShardError, iter_shard, sha256_file, shard_location
+from pipeline.data.shards import iter_shard, sha256_file, shard_location
 from pipeline.data.sources.base import (
     Sample,
     Source,
@@ -65,25 +65,24 @@ class WebDatasetSource(Source):
 
     def __init__(self, spec: str, *, label_field: str = "cls", test_fraction: float = 0.2,
                  seed: int = 0, max_broken_fraction: float = 0.001,
-                 index: dict[str, Any] | None = None):
+                 index: Manifest | None = None):
         from pipeline.data.index import index_shards  # (the index imports this package)
 
-        if index is None or [s.get("url") for s in index["shards"]] != _urls(spec):
+        if index is None or [s.url for s in index.shards] != _urls(spec):
             try:
                 index, _ = index_shards(spec, split="labelled", key="data.root",
                                         max_broken_fraction=max_broken_fraction,
                                         label_field=label_field)
             except ShardError as e:
                 raise SourceError(str(e)) from None
-        self.mode = index["mode"]
-        shape = index.get("image_shape")
-        self.native_shape = tuple(shape) if shape else None
+        self.mode = index.mode
+        self.native_shape = index.image_shape or None
         keys, images, raw_labels = [], [], []
-        for entry in index["shards"]:
+        for entry in index.shards:
             where = shard_location(Path("."), entry)
-            broken = {b["key"] for b in entry.get("broken", ())}
-            expect = (entry["bytes"], entry["sha256"]) if "://" in where else None
-            if expect is None and sha256_file(where) != entry["sha256"]:
+            broken = {b.key for b in entry.broken or ()}
+            expect = (entry.bytes, entry.sha256) if "://" in where else None
+            if expect is None and sha256_file(where) != entry.sha256:
                 raise ShardError(f"{where}: sha256 differs from the index (changed since "
                                  "`dvc repro` indexed it: run it again)")
             for record in iter_shard(where, expect=expect):
@@ -114,7 +113,7 @@ class WebDatasetSource(Source):
         self._labels = np.asarray(labels, dtype=np.int64)
         log.info("webdataset %s: %d samples (%d labelled, %d unlabelled), %d classes, %d broken "
                  "skipped", spec, len(keys), len(items), len(unlabelled), len(self.class_names),
-                 index.get("num_broken", 0))
+                 index.num_broken or 0)
 
     def labels(self, split: str) -> np.ndarray:
         """Labels of a split, ``(N,)`` int64 (``-1`` = unlabelled), in shard order."""
@@ -172,7 +171,7 @@ def _kind(label: int | str) -> str:
 
 
 def label_summary(labels: list[tuple[str, int | str | None]], where: str,
-                  field: str) -> dict[str, Any]:
+                  field: str) -> LabelSummary:
     """One shard's labels (its decodable samples' :func:`~pipeline.data.external.sample_label`).
 
     Args:
@@ -181,10 +180,10 @@ def label_summary(labels: list[tuple[str, int | str | None]], where: str,
         field: ``data.label_field``.
 
     Returns:
-        The index entry's ``labels``: ``{"kind": "int" | "str" | None, "counts": {class:
-        samples}, "unlabelled": samples, "first": [key, label] | None}``: the class of an
-        integer label is its decimal text (``-1`` and a missing label count as unlabelled),
-        ``first`` the first labelled sample (messages name it).
+        The index entry's ``labels``: ``kind`` ``"int"``, ``"str"`` or None, ``counts``
+        ``{class: samples}``, ``unlabelled`` samples, ``first`` ``(key, label)`` or None: the
+        class of an integer label is its decimal text (``-1`` and a missing label count as
+        unlabelled), ``first`` the first labelled sample (messages name it).
 
     Raises:
         ShardError: integer and string labels in the shard; names both samples.
@@ -203,11 +202,11 @@ def label_summary(labels: list[tuple[str, int | str | None]], where: str,
         raise ShardError(f"{where}: labels are integers and strings mixed: sample {ki!r} has "
                          f"{vi!r}, sample {ks!r} {vs!r} (data.label_field {field!r})")
     (kind, hit), = first.items() if first else [(None, None)]
-    return {"kind": kind, "counts": dict(sorted(counts.items())), "unlabelled": unlabelled,
-            "first": list(hit) if hit else None}
+    return LabelSummary(kind=kind, counts=dict(sorted(counts.items())), unlabelled=unlabelled,
+                        first=tuple(hit) if hit else None)
 
 
-def check_labels(entries: list[dict[str, Any]], spec: str, field: str) -> None:
+def check_labels(entries: list[ShardEntry], spec: str, field: str) -> None:
     """Refuse the labels of a shard set that the build would refuse, naming shards and keys.
 
     Args:
@@ -219,22 +218,22 @@ def check_labels(entries: list[dict[str, Any]], spec: str, field: str) -> None:
         ShardError: integer labels in one shard and string labels in another (names both
             shards and a sample of each), or no labelled sample at all.
     """
-    seen: dict[str, dict[str, Any]] = {}
+    seen: dict[str, tuple[ShardEntry, LabelSummary]] = {}
     for entry in entries:
-        kind = entry["labels"]["kind"]
-        if kind is not None:
-            seen.setdefault(kind, entry)
+        labels = _labels(entry)
+        if labels.kind is not None:
+            seen.setdefault(labels.kind, (entry, labels))
     if len(seen) == 2:
-        (ki, vi), (ks, vs) = (seen[k]["labels"]["first"] for k in ("int", "str"))
-        raise ShardError(f"{seen['int']['url']}: sample {ki!r} has {vi!r}, "
-                         f"{seen['str']['url']}: sample {ks!r} {vs!r}: labels are integers and "
+        (ki, vi), (ks, vs) = (seen[k][1].first or ("", "") for k in ("int", "str"))
+        raise ShardError(f"{seen['int'][0].url}: sample {ki!r} has {vi!r}, "
+                         f"{seen['str'][0].url}: sample {ks!r} {vs!r}: labels are integers and "
                          f"strings mixed (data.label_field {field!r})")
     if not seen:
         raise ShardError(f"data.root = {spec!r}: no labelled sample (data.label_field "
                          f"{field!r}); data.source none pretrains without labels")
 
 
-def split_sizes(manifest: dict[str, Any], test_fraction: float, spec: str) -> dict[str, int]:
+def split_sizes(manifest: Manifest, test_fraction: float, spec: str) -> dict[str, int]:
     """The sizes of the splits the build makes from an indexed labelled set.
 
     Per class ``held_out(n, test_fraction)`` test samples
@@ -255,9 +254,10 @@ def split_sizes(manifest: dict[str, Any], test_fraction: float, spec: str) -> di
     """
     counts: dict[str, int] = {}
     unlabelled = 0
-    for entry in manifest["shards"]:
-        unlabelled += entry["labels"]["unlabelled"]
-        for name, n in entry["labels"]["counts"].items():
+    for entry in manifest.shards:
+        labels = _labels(entry)
+        unlabelled += labels.unlabelled
+        for name, n in labels.counts.items():
             counts[name] = counts.get(name, 0) + n
     test = sum(held_out(n, test_fraction) for n in counts.values())
     sizes = {"train": sum(counts.values()) - test, "test": test}
@@ -266,3 +266,15 @@ def split_sizes(manifest: dict[str, Any], test_fraction: float, spec: str) -> di
             raise SourceError(f"data.root = {spec!r}: data.test_fraction={test_fraction} "
                               f"leaves the {name} split empty")
     return {**sizes, "pretrain": sizes["train"] + unlabelled}
+
+
+def _labels(entry: ShardEntry) -> LabelSummary:
+    """An index entry's label summary (``index_shards`` with ``data.label_field`` makes it).
+
+    Raises:
+        ShardError: the entry has none (an index of unlabelled shards, or written by hand).
+    """
+    if entry.labels is None:
+        raise ShardError(f"{entry.url}: the index entry has no label summary: index data.root "
+                         "again (`dvc repro index_shards`)")
+    return entry.labels

@@ -70,7 +70,7 @@ def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
     device = pick_device()
     m = read_manifest(shards_dir / "train")
     spec = image_spec(m, shards_dir / "train")
-    size, channels, num_classes = spec.size, spec.channels, len(m["class_names"])
+    size, channels, num_classes = spec.size, spec.channels, len(m.class_names)
     tf = build_eval_transform(spec.size, spec.mean, spec.std)
     out: dict[str, float] = {}
     random_bb = random_encoder(model, seed=seed, image_size=size, in_channels=channels,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,9 @@ from pipeline.atomic import write_json
 from pipeline.config import EmbedParams, InsightsParams
 from pipeline.data.eval_loader import eval_loader
 from pipeline.data.index import pretrain_manifest
+from pipeline.data.manifest import Manifest, read_manifest
 from pipeline.data.remote import ShardURL
-from pipeline.data.shards import image_spec, read_manifest, shard_location
+from pipeline.data.shards import image_spec, shard_location
 from pipeline.data.views import build_eval_transform
 from pipeline.evaluate.features import FeatureSet, pick_device, save_features
 from pipeline.evaluate.insights import Neighbourhoods, find_neighbourhoods
@@ -38,9 +40,9 @@ log = logging.getLogger(__name__)
 COSINE_DECIMALS = 6  # cosines in eval/data_insights.json (fp32 resolution near 1 is ~6e-8)
 
 
-def _locations(where: Path | ShardURL, manifest: dict[str, Any]) -> list[str]:
+def _locations(where: Path | ShardURL, manifest: Manifest) -> list[str]:
     """The shard file or URL of every sample of a manifest, in manifest order."""
-    return [shard_location(where, s) for s in manifest["shards"] for _ in range(s["num_samples"])]
+    return [shard_location(where, s) for s in manifest.shards for _ in range(s.num_samples)]
 
 
 def _embed_set(*, encoder_path: Path, head_path: Path | None, shards_dir: Path | ShardURL,
@@ -62,23 +64,23 @@ def _embed_set(*, encoder_path: Path, head_path: Path | None, shards_dir: Path |
     spec = image_spec(pretrain_set, shards_dir / "pretrain")
     tf = build_eval_transform(spec.size, spec.mean, spec.std)
     reuse = same_shards(built, read_manifest(shards_dir / "train"))
-    cut = len(built["shards"])  # pretrain_set's shards: the built split's, then the indexed
-    parts: list[tuple[Path | ShardURL, dict[str, Any], str]] = [
+    cut = len(built.shards)  # pretrain_set's shards: the built split's, then the indexed
+    parts: list[tuple[Path | ShardURL, Manifest, str]] = [
         (shards_dir / "pretrain", built, "pretrain")]
     ext = read_manifest(index_dir) if index_dir is not None else None
-    if ext is not None and ext["num_samples"]:
+    if ext is not None and ext.num_samples:
         log.info("data_insights: %d images of data.pretrain_shards, read in place",
-                 ext["num_samples"])
+                 ext.num_samples)
         parts.append((index_dir, ext, "data.pretrain_shards"))
     pooled: list[FeatureSet] = []
     where: list[str] = []
     for_embed = None
     for n, (directory, manifest, name) in enumerate(parts):
-        if not manifest["num_samples"]:
+        if not manifest.num_samples:
             continue
-        as_pretrained = {**pretrain_set, "num_samples": manifest["num_samples"],
-                         "shards": pretrain_set["shards"][cut:] if n else
-                         pretrain_set["shards"][:cut]}
+        as_pretrained = replace(pretrain_set, num_samples=manifest.num_samples,
+                                shards=pretrain_set.shards[cut:] if n else
+                                pretrain_set.shards[:cut])
         embedder = (Embedder(encoder_path, pool_grid=embed.pool_grid, layer=embed.layer,
                              head_path=head_path if embed.use_head else None, device=device)
                     if reuse and n == 0 else Embedder(encoder_path, device=device))
@@ -90,7 +92,7 @@ def _embed_set(*, encoder_path: Path, head_path: Path | None, shards_dir: Path |
     features = FeatureSet(torch.cat([p.features for p in pooled]),
                           torch.cat([p.labels for p in pooled]),
                           [k for p in pooled for k in p.keys])
-    return features, where, for_embed, int(built["num_samples"])
+    return features, where, for_embed, built.num_samples
 
 
 def _image(row: int, keys: list[str], where: list[str]) -> dict[str, Any]:

@@ -15,8 +15,9 @@ from torch import Tensor, nn
 
 from pipeline.atomic import write_atomic
 from pipeline.data.eval_loader import eval_loader
+from pipeline.data.manifest import Manifest, read_manifest
 from pipeline.data.remote import ShardURL
-from pipeline.data.shards import image_spec, read_manifest
+from pipeline.data.shards import image_spec
 from pipeline.data.views import build_eval_transform
 from pipeline.errors import InputError
 from pipeline.evaluate.features import (
@@ -153,17 +154,17 @@ class Embedder:
         return fs, FeatureSet(pooled, fs.labels, fs.keys)
 
 
-def same_shards(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def same_shards(a: Manifest, b: Manifest) -> bool:
     """Whether two split manifests hold the same images with the same evaluation transform.
 
     The same non-empty list of shard files (name, sha256, samples), image geometry and
     normalisation: their features are then the same, so one split's features serve the other
     (the default run's ``pretrain`` and ``train`` splits are the same 60,000 images).
     """
-    def files(m: dict[str, Any]) -> list[tuple[Any, ...]]:
-        return [(s.get("name"), s.get("sha256"), s.get("num_samples")) for s in m["shards"]]
+    def files(m: Manifest) -> list[tuple[Any, ...]]:
+        return [(s.name, s.sha256, s.num_samples) for s in m.shards]
 
-    return (bool(a["num_samples"]) and files(a) == files(b) and a["mode"] == b["mode"]
+    return (bool(a.num_samples) and files(a) == files(b) and a.mode == b.mode
             and image_spec(a, "a") == image_spec(b, "b"))
 
 
@@ -259,7 +260,7 @@ def reused_features(embedder: Embedder, shards_dir: Path | ShardURL, reuse_dir: 
     if not same_shards(read_manifest(shards_dir / "pretrain"), train):
         return None
     fs, pooled = (load_features(reuse_dir / f"pretrain{s}.pt") for s in ("", "_global"))
-    if len(fs) != train["num_samples"] or len(pooled) != len(fs):
+    if len(fs) != train.num_samples or len(pooled) != len(fs):
         return None
     b = min(batch_size, len(fs))
     check, check_pooled = embedder(eval_loader(shards_dir / "train", transform=transform,

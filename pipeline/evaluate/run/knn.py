@@ -49,7 +49,7 @@ def knn_eval(*, features_dir: Path, manifest_dir: Path | ShardURL, knn: KnnParam
     """
     t0 = time.time()
     train, test = load_features(features_dir / "train.pt"), load_features(features_dir / "test.pt")
-    names = read_manifest(manifest_dir)["class_names"]
+    names = list(read_manifest(manifest_dir).class_names)
     device = pick_device()
     k, T, out = knn.k, knn.T, {}
     if knn.select == "val":

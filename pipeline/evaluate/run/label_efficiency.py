@@ -67,7 +67,7 @@ def label_efficiency(*, features_dir: Path, shards_dir: Path | ShardURL, model: 
     train, test = (load_features(features_dir / f"{s}.pt") for s in ("train", "test"))
     manifest = read_manifest(shards_dir / "train")
     spec = image_spec(manifest, shards_dir / "train")
-    num_classes = len(manifest["class_names"])
+    num_classes = len(manifest.class_names)
     rows = {i for n in per_class for d in range(draws)
             for i in draw_per_class(train.labels, n, seed=seed, draw=d)}
     tf = build_eval_transform(spec.size, spec.mean, spec.std)

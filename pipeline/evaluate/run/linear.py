@@ -50,7 +50,7 @@ def linear_probe(*, features_dir: Path, shards_dir: Path | ShardURL, encoder_pat
     """
     t0 = time.time()
     device = pick_device()
-    names = read_manifest(shards_dir / "test")["class_names"]
+    names = list(read_manifest(shards_dir / "test").class_names)
     settings = dict(epochs=linear.epochs, batch_size=linear.batch_size, lr=linear.lr,
                     lr_schedule=linear.lr_schedule, milestones=linear.lr_milestones,
                     weight_decay=linear.weight_decay, feature_norm=linear.feature_norm,
@@ -114,7 +114,7 @@ def _linear_augment(*, shards_dir: Path | ShardURL, encoder_path: Path, features
     size, mean, std = spec.size, spec.mean, spec.std
     test_tf = build_eval_transform(size, mean, std)
     feats = load_features(features_dir / "train.pt")
-    n = int(m["num_samples"])
+    n = m.num_samples
     if len(feats) != n:
         raise InputError(f"{features_dir / 'train.pt'} has {len(feats)} rows, "
                          f"{shards_dir / 'train'} has {n} samples: rerun the embed stage")

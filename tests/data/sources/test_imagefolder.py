@@ -140,8 +140,8 @@ def test_imagefolder__16bit_grey_png_shards_as_128(tmp_path: Path):
     params = DataParams(source="imagefolder", root=str(tmp_path / "raw"), test_fraction=0.5,
                         shards_dir=str(tmp_path / "sh"))
     ms = build_all(params, seed=0, progress=False)
-    assert ms["train"]["mode"] == "L" and ms["train"]["image_shape"] == [1, 4, 4]
-    assert ms["train"]["pixel_mean"] == [round(128 / 255, 6)]
+    assert ms["train"].mode == "L" and ms["train"].image_shape == (1, 4, 4)
+    assert ms["train"].pixel_mean == (round(128 / 255, 6),)
     for split in ("pretrain", "train", "test"):
         for record in iter_shard(tmp_path / "sh" / split / "shard-000000.tar"):
             with Image.open(io.BytesIO(record["png"])) as png:
@@ -179,8 +179,8 @@ def test_imagefolder__exif_orientation_6__sharded_upright(tmp_path: Path):
     params = DataParams(source="imagefolder", root=str(tmp_path / "raw"), test_fraction=0.5,
                         image_size=0, shards_dir=str(tmp_path / "sh"))
     ms = build_all(params, seed=0, progress=False)
-    assert ms["train"]["image_shape"] == [3, 3, 2]
-    assert ms["train"]["build"]["exif_orientation"].startswith("applied")
+    assert ms["train"].image_shape == (3, 3, 2)
+    assert ms["train"].build["exif_orientation"].startswith("applied")
     stored = [png for split in ("train", "test")
               for r in iter_shard(tmp_path / "sh" / split / "shard-000000.tar")
               for png in [Image.open(io.BytesIO(r["png"]))]]

@@ -12,6 +12,7 @@ from helpers import img2dataset_shards
 from PIL import Image
 
 from pipeline.data.index import index_shards
+from pipeline.data.manifest import LabelSummary
 from pipeline.data.sources import SourceError, open_source
 from pipeline.data.sources.webdataset import split_sizes
 
@@ -121,10 +122,10 @@ def test_index_labels__summary_per_shard_by_hand(tmp_path):
     labelled_tar(tmp_path / "lab" / "00001.tar", [("b0", cls(-1)), ("b1", cls(1))])
     m, _ = index_shards(str(tmp_path / "lab"), split="labelled", key="data.root",
                         max_broken_fraction=0, label_field="cls")
-    assert [s["labels"] for s in m["shards"]] == [
-        {"kind": "int", "counts": {"0": 2, "2": 1}, "unlabelled": 1, "first": ["a0", 0]},
-        {"kind": "int", "counts": {"1": 1}, "unlabelled": 1, "first": ["b1", 1]}]
-    assert m["build"]["label_field"] == "cls"
+    assert [s.labels for s in m.shards] == [
+        LabelSummary(kind="int", counts={"0": 2, "2": 1}, unlabelled=1, first=("a0", 0)),
+        LabelSummary(kind="int", counts={"1": 1}, unlabelled=1, first=("b1", 1))]
+    assert m.build["label_field"] == "cls"
     # classes 0..2 with 2, 1, 1 samples at test_fraction 0.5: int(n/2 + 0.5) = 1, 1, 1 test
     assert split_sizes(m, 0.5, "lab") == {"train": 1, "test": 3, "pretrain": 3}
     src = open_source("webdataset", str(tmp_path / "lab"), test_fraction=0.5, index=m)
@@ -184,4 +185,4 @@ def test_index_labels__another_label_field_reads_every_shard_again(tmp_path, mon
     other, _ = index_shards(spec, split="labelled", key="data.root", max_broken_fraction=0,
                             label_field="name", previous=m, validators=val)
     assert reads == [str(tmp_path / "lab" / "00000.tar")]
-    assert other["shards"][0]["labels"]["counts"] == {"dog": 1}
+    assert other.shards[0].labels.counts == {"dog": 1}
