@@ -51,11 +51,10 @@ def _rule(ok: Callable[[Any], bool], allowed: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-def _workers(value: Any) -> str:  # kept as text: to_dict writes "1", which must read back
-    text = str(value) if type(value) is int and value >= 0 else value
-    if type(text) is str and (text == "auto" or text.isdecimal()):
-        return text
-    raise ValueError("auto or an integer >= 0")
+def _workers(value: Any) -> int | str:  # "auto" or an unquoted count (not a bool, not "2")
+    if value == "auto" and type(value) is str or type(value) is int and value >= 0:
+        return value
+    raise ValueError("auto or an integer >= 0, without quotes")
 
 
 PosInt = Annotated[int, _rule(lambda v: v > 0, "> 0")]
@@ -67,7 +66,7 @@ Epochs = Annotated[list[int], _rule(lambda v: all(m > 0 for m in v) and v == sor
                                     "increasing positive epochs")]
 Counts = Annotated[list[int], _rule(lambda v: bool(v) and min(v) > 0 and v == sorted(set(v)),
                                     "a non-empty list of increasing counts, each >= 1")]
-Workers = Annotated[str, PlainValidator(_workers)]
+Workers = Annotated[int | str, PlainValidator(_workers)]
 
 
 class Section(BaseModel):
@@ -80,7 +79,8 @@ class MlflowParams(Section):
     """MLflow tracking switches (the URI comes from ``MLFLOW_TRACKING_URI`` or the repo root)."""
 
     enabled: bool = True
-    experiment: str = "moco-pipeline"
+    experiment: Annotated[str, _rule(lambda v: bool(v.strip()), "a non-empty name")] = \
+        "moco-pipeline"
     registered_model: Annotated[str, _rule(  # "" = none; MLflow refuses '/', ':'; '@' splits URIs
         lambda v: re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]{0,99})?", v) is not None,
         "'' or letters, digits, '.', '_', '-' (at most 100)")] = "moco-encoder"
@@ -167,7 +167,7 @@ class PretrainParams(Section):
     channels_last: Switch = Switch.auto  # auto = CUDA only
     compile: Switch = Switch.auto  # torch.compile of the encoders (pipeline.train.runtime)
     num_threads: NonNegInt = 0  # CPU intra-op threads; 0 = auto (probe all usable cores vs half)
-    num_workers: Workers = "1"  # loader processes (pipeline.train.runtime.resolve_num_workers)
+    num_workers: Workers = 1  # loader processes (pipeline.train.runtime.resolve_num_workers)
     decode: DecodeOn = DecodeOn.workers  # where whole-image shards' JPEGs (data.max_side) decode
     deterministic: bool = True
     checkpoint_every_epochs: PosInt = 1
@@ -243,7 +243,8 @@ class ReportParams(Section):
 class Params(Section):
     """The whole ``params.yaml``."""
 
-    seed: NonNegInt = 0
+    seed: Annotated[int, _rule(lambda v: 0 <= v < 2**32, "0 <= seed < 2**32 (the range numpy, "
+                               "torch and scikit-learn all take)")] = 0
     mlflow: MlflowParams = MlflowParams()
     data: DataParams = DataParams()
     augment: AugmentParams = AugmentParams()

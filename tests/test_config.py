@@ -133,6 +133,10 @@ def test_imagenet_preset__matches_moco_v2():
     ({"data": {"label_field": " "}}, "data.label_field"),
     ({"data": {"max_side": 64, "image_size": 32}}, "data.max_side"),  # fixed-size source
     ({"moco": {"K": 60000}}, "moco.K"),  # Fashion-MNIST: 60,000 pretraining images
+    ({"seed": 2**32}, "seed"),  # numpy, torch.manual_seed and scikit-learn take < 2**32
+    ({"seed": -1}, "seed"),
+    ({"mlflow": {"experiment": ""}}, "mlflow.experiment"),  # MLflow refuses it in the stage
+    ({"mlflow": {"experiment": "   "}}, "mlflow.experiment"),
 ])
 def test_from_dict__error_names_the_key(tree, key):
     with pytest.raises(ParamsError) as e:
@@ -453,10 +457,10 @@ def test_schema__no_key_that_dvc_run_cache_ignores():
 
 @pytest.mark.parametrize("value", ["auto", 0, 12])
 def test_validate__num_workers_auto_or_count(value):
-    assert from_dict({"pretrain": {"num_workers": value}}).pretrain.num_workers == str(value)
+    assert from_dict({"pretrain": {"num_workers": value}}).pretrain.num_workers == value
 
 
-@pytest.mark.parametrize("value", [-1, "many", 1.5, True])
+@pytest.mark.parametrize("value", [-1, "many", 1.5, True, "2", "0"])  # "2": quoted, as K: "4096"
 def test_validate__num_workers_other__names_key(value):
     with pytest.raises(ParamsError, match=r"'pretrain.num_workers'"):
         from_dict({"pretrain": {"num_workers": value}})

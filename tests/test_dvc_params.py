@@ -72,8 +72,10 @@ def test_report_params__exactly_the_data_keys_the_report_reads():
     assert "data" not in stage_params("report")
     assert listed == keys
     # read by hand in pipeline/report/: the settings table and title (source, root,
-    # image_size), the published reference (source, root), the shards it reads (shards_dir)
-    assert keys == {"source", "root", "image_size", "shards_dir"}
+    # image_size; the pretraining images: pretrain_labelled, unlabelled_root), the published
+    # reference (source, root), the shards it reads (shards_dir)
+    assert keys == {"source", "root", "image_size", "shards_dir", "pretrain_labelled",
+                    "unlabelled_root"}
 
 
 def test_data_reads__finds_aliases_and_whole_section_uses(tmp_path):

@@ -27,7 +27,7 @@ from pipeline.report.document import (
 )
 from pipeline.report.inputs import Embeddings, Metrics, RunOutputs, load_shard_images, metric
 from pipeline.report.insights import insights_section
-from pipeline.report.provenance import cost_section, lock_section, redact_uri, runs_section
+from pipeline.report.provenance import cost_section, lock_section, runs_section
 from pipeline.report.quality import label_efficiency_section, labelfree_section
 from pipeline.report.references import PROTOCOL_NAMES, published_reference, reference_note
 
@@ -90,9 +90,7 @@ def settings_section(p: Params) -> Section:
     )
     pretrain_from = [text for text, used in (
         ("the labelled train images", p.data.pretrain_labelled and p.data.source != "none"),
-        (f"the unlabelled tree {p.data.unlabelled_root}", bool(p.data.unlabelled_root)),
-        (f"shards read in place {redact_uri(p.data.pretrain_shards)}",
-         bool(p.data.pretrain_shards))) if used]
+        (f"the unlabelled tree {p.data.unlabelled_root}", bool(p.data.unlabelled_root))) if used]
     rows = [
         ["dataset", dataset],
         *([["pretraining images", ", ".join(pretrain_from)]] if len(pretrain_from) > 1

@@ -159,7 +159,7 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def resolve_num_workers(value: str, device: torch.device, *, cores: int | None = None,
+def resolve_num_workers(value: int | str, device: torch.device, *, cores: int | None = None,
                         local_world_size: int | None = None) -> int:
     """``pretrain.num_workers`` as a count of loader worker processes.
 
@@ -171,7 +171,7 @@ def resolve_num_workers(value: str, device: torch.device, *, cores: int | None =
     the same cores (:func:`setup_threads`), and workers that compete with it slow the step.
 
     Args:
-        value: ``auto`` or a non-negative integer as text (the params schema checks it).
+        value: ``auto`` or a non-negative integer (the params schema checks it).
         device: the training device.
         cores: usable cores (default :func:`usable_cores`).
         local_world_size: training processes on this node (default ``LOCAL_WORLD_SIZE``, 1).

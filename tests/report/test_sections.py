@@ -175,8 +175,8 @@ def test_headline__gap_under_seed_noise_is_level_not_a_win():
     ({"unlabelled_root": "data/raw/photos"},
      "the labelled train images, the unlabelled tree data/raw/photos"),
     ({"source": "none", "unlabelled_root": "/x/photos"}, "the unlabelled tree /x/photos"),
-    ({"pretrain_shards": "https://u:pw@host/s/{0..3}.tar"},
-     "the labelled train images, shards read in place https://***@host/s/{0..3}.tar"),
+    # shards read in place are not named: a respelling of the same shards reruns nothing
+    ({"pretrain_shards": "https://host/s/{0..3}.tar"}, None),
 ])
 def test_settings_section__names_every_pretraining_source(data, shown):
     rows = dict(settings_section(from_dict({"data": data})).blocks[0].rows)

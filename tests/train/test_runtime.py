@@ -208,7 +208,7 @@ def test_resolve_num_workers__auto_by_device_and_cores():
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     # a number is that number, on any device
-    assert resolve_num_workers("3", cpu) == 3 and resolve_num_workers("0", cuda) == 0
+    assert resolve_num_workers(3, cpu) == 3 and resolve_num_workers(0, cuda) == 0
     # CUDA: the cores per training process on the node, less one for that process
     assert resolve_num_workers("auto", cuda, cores=16, local_world_size=1) == 15
     assert resolve_num_workers("auto", cuda, cores=16, local_world_size=8) == 1
