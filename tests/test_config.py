@@ -326,6 +326,33 @@ def test_check_params_cli__stamp_is_content_stable(tmp_path, capsys):
     assert "'knn.k'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("shards_dir, dvc, ok", [
+    ("data/shards", True, True),
+    ("../elsewhere/shards", True, False),  # DVC 3 refuses it only after build_shards ran
+    ("OUTSIDE", True, False),  # an absolute path outside the repository
+    ("OUTSIDE", False, True),  # by hand (no DVC_ROOT): any path
+    ("https://host/shards", True, True),  # read in place, never built
+])
+def test_check_params_stage__shards_dir_inside_the_repo_under_dvc(shards_dir, dvc, ok, tmp_path,
+                                                                 monkeypatch, capsys):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shards_dir = str(tmp_path / "elsewhere") if shards_dir == "OUTSIDE" else shards_dir
+    params = repo / "params.yaml"
+    params.write_text((ROOT / "params.yaml").read_text().replace(
+        "  shards_dir: data/shards", f"  shards_dir: {shards_dir}", 1))
+    assert f"shards_dir: {shards_dir}" in params.read_text()
+    monkeypatch.chdir(repo)
+    if dvc:
+        monkeypatch.setenv("DVC_ROOT", str(repo))
+    else:
+        monkeypatch.delenv("DVC_ROOT", raising=False)
+    assert check_params_stage(["--params", str(params)]) == (0 if ok else 2)
+    assert (repo / "runs/check_params.json").is_file() == ok
+    err = capsys.readouterr().err
+    assert ok or err.startswith("error: params: 'data.shards_dir' = ") and "outside" in err
+
+
 @pytest.mark.parametrize(("pretrain", "key"), [
     ({"steps_per_epoch": 100000, "batch_size": 64}, "pretrain.steps_per_epoch"),
     ({"batch_size": 4096}, "pretrain.batch_size"),

@@ -236,3 +236,4 @@ def check_against_data(p: Params, pretrain_set: Manifest, split: object) -> None
     shape = pretrain_set.image_shape  # (C, H, W); None = mixed sizes
     if shape:
         check_pool_grid(p, min(shape[1:]), where=f"{split}/manifest.json")
+
