@@ -59,8 +59,9 @@ def _workers(value: Any) -> int | str:  # "auto" or an unquoted count (not a boo
 
 PosInt = Annotated[int, _rule(lambda v: v > 0, "> 0")]
 NonNegInt = Annotated[int, _rule(lambda v: v >= 0, ">= 0")]
-PosFloat = Annotated[float, _rule(lambda v: math.isfinite(v) and v > 0, "> 0")]
-NonNegFloat = Annotated[float, _rule(lambda v: math.isfinite(v) and v >= 0, ">= 0")]
+PosFloat = Annotated[float, _rule(lambda v: math.isfinite(v) and v > 0, "a finite number > 0")]
+NonNegFloat = Annotated[float, _rule(lambda v: math.isfinite(v) and v >= 0,
+                                    "a finite number >= 0")]
 Fraction = Annotated[float, _rule(lambda v: 0 <= v < 1, "0 <= x < 1")]
 Epochs = Annotated[list[int], _rule(lambda v: all(m > 0 for m in v) and v == sorted(v),
                                     "increasing positive epochs")]
