@@ -188,7 +188,7 @@ class SizedLoader(DataLoader):
                     return
                 except ShardError as e:
                     raise ShardError(_worker_message(str(e))) from None
-                except RuntimeError as e:
+                except (RuntimeError, OSError, EOFError) as e:
                     died = worker_death(e, getattr(batches, "_workers", None))
                     if died is None:
                         raise

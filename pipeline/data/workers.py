@@ -97,6 +97,10 @@ def worker_death(e: BaseException, workers: Iterable[Any] | None = None
     """
     if isinstance(e, LoaderWorkerError):
         return e
+    if isinstance(e, (OSError, EOFError)) and workers is not None:
+        # a worker killed while it hands a batch over: the batch's shared memory is passed by
+        # file descriptor through the worker's socket, which died with it
+        return dead_worker(workers)
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
@@ -116,15 +120,39 @@ def worker_death(e: BaseException, workers: Iterable[Any] | None = None
     return None
 
 
+def dead_worker(workers: Iterable[Any]) -> LoaderWorkerError | None:
+    """The first worker process that has exited with a failure, else None.
+
+    Args:
+        workers: ``multiprocessing.Process`` objects (a DataLoader iterator's ``_workers``);
+            each is joined for at most 0.1 s, so one that just died is reaped and its exit
+            code read.
+
+    Returns:
+        A :class:`LoaderWorkerError` naming its pid and signal (or exit code), or None.
+    """
+    for w in workers:
+        w.join(timeout=0.1)
+        if (died := _exited(w.pid, w.exitcode)) is not None:
+            return died
+    return None
+
+
+def _exited(pid: int | None, code: Any) -> LoaderWorkerError | None:
+    """A worker's death from its exit code (negative: the signal), or None (alive, or 0)."""
+    if isinstance(code, int) and code < 0:
+        return LoaderWorkerError(pid, -code)
+    if isinstance(code, int) and code > 0:
+        return LoaderWorkerError(pid, None, code)
+    return None
+
+
 def _from_exit_codes(pids: list[int], workers: Iterable[Any] | None) -> LoaderWorkerError:
     """A death named by pid, the signal read from the worker process's exit code when known."""
     codes = {getattr(w, "pid", None): getattr(w, "exitcode", None) for w in workers or ()}
     for pid in pids:
-        code = codes.get(pid)
-        if isinstance(code, int) and code < 0:
-            return LoaderWorkerError(pid, -code)
-        if isinstance(code, int) and code > 0:
-            return LoaderWorkerError(pid, None, code)
+        if (died := _exited(pid, codes.get(pid))) is not None:
+            return died
     return LoaderWorkerError(pids[0] if pids else None, None)
 
 

@@ -142,3 +142,17 @@ def test_shut_down__an_iterator_without_workers_is_left_alone():
     batches = iter([1, 2, 3])
     shut_down(batches)
     assert next(batches) == 1
+
+
+def test_worker_death__connection_lost_while_a_worker_hands_over__names_the_dead_worker():
+    # a worker SIGKILLed while the main process unpickles its batch: the batch's shared memory
+    # comes by file descriptor through the worker's socket, gone with it (ConnectionRefusedError)
+    joined = []
+    alive = SimpleNamespace(pid=11, exitcode=None, join=lambda timeout: joined.append(11))
+    dead = SimpleNamespace(pid=12, exitcode=-signal.SIGKILL, join=lambda timeout: joined.append(12))
+    died = worker_death(ConnectionRefusedError(111, "Connection refused"), [alive, dead])
+    assert (died.pid, died.signum) == (12, signal.SIGKILL) and joined == [11, 12]
+    assert str(died) == OOM.replace("4242", "12")
+    # no worker gone: not a worker death (the stage shows the error as it is)
+    assert worker_death(ConnectionRefusedError(111, "Connection refused"), [alive]) is None
+    assert worker_death(FileNotFoundError(2, "x"), None) is None
