@@ -126,7 +126,8 @@ def export_outputs(net: MoCo, model: ModelParams, *, in_channels: int, image_siz
     save_torch(backbone, encoder_path)
     save_safetensors(backbone, encoder_path.with_suffix(".safetensors"), meta)
     head = net.encoder_q.head
-    save_torch({"kind": model.head, "in_dim": net.encoder_q.backbone.num_features,
+    # plain types only: torch.load(weights_only=True) refuses any class, a params enum included
+    save_torch({"kind": str(model.head), "in_dim": net.encoder_q.backbone.num_features,
                  "hidden": model.head_hidden, "dim": model.dim,
                  "state_dict": {k: v.detach().cpu() for k, v in head.state_dict().items()}},
                 encoder_path.with_name("head.pt"))

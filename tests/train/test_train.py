@@ -345,3 +345,16 @@ def test_pretrain__small_crops_resume_is_bit_identical(tiny_shards, tmp_path):
     # and the small crops change the training (the encoder differs from the run without them)
     run_pretrain(tiny_shards, tmp_path / "none", {"pretrain": {"precision": "fp32"}})
     assert not same_state(tmp_path / "full/encoder.pt", tmp_path / "none/encoder.pt")
+
+
+def test_pretrain__head_pt_loads_with_weights_only_and_embed_uses_it(tiny_shards, tmp_path):
+    # embed.use_head loads head.pt with weights_only=True, which refuses any pickled class: the
+    # head's kind is written as text ("mlp"), not as the params' enum member
+    from pipeline.evaluate.run.embed import embed
+
+    run_pretrain(tiny_shards, tmp_path, {"pretrain": {"epochs": 1}})
+    head = torch.load(tmp_path / "head.pt", weights_only=True)
+    assert type(head["kind"]) is str and head["kind"] == "mlp"
+    m = embed(encoder_path=tmp_path / "encoder.pt", shards_dir=tiny_shards, out_dir=tmp_path / "f",
+              batch_size=32, pool_grid=1, layer=4, use_head=True, head_path=tmp_path / "head.pt")
+    assert m["dim"] == head["dim"]
