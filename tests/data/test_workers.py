@@ -77,13 +77,15 @@ print("alive", sum(w.is_alive() for w in batches._workers), batches._shutdown, f
 """
 
 
-def test_shut_down__one_worker_killed__both_stopped_no_traceback(tmp_path):
+def _assert_workers_stopped_quietly(script_text: str, tmp_path) -> None:
+    """Run a script in a fresh interpreter: it prints "alive 0 True" (no worker left, the
+    iterator marked shut down) and Python prints no traceback, not even an ignored one."""
     import subprocess
     import sys
     from pathlib import Path
 
     script = tmp_path / "killed.py"
-    script.write_text(_KILLED_WORKER)
+    script.write_text(script_text)
     root = str(Path(__file__).resolve().parents[2])
     r = subprocess.run([sys.executable, str(script)], capture_output=True,
                        text=True, timeout=120, cwd=root, env={"PYTHONPATH": root,
@@ -91,6 +93,10 @@ def test_shut_down__one_worker_killed__both_stopped_no_traceback(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "alive 0 True"
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-2000:]
+
+
+def test_shut_down__one_worker_killed__both_stopped_no_traceback(tmp_path):
+    _assert_workers_stopped_quietly(_KILLED_WORKER, tmp_path)
 
 
 _KILLED_TRAIN_LOADER_WORKER = """
@@ -121,19 +127,7 @@ del batches, inner  # nothing left for a __del__ to do
 
 
 def test_shut_down__train_loader_generator__wrapped_iterator_stopped_no_traceback(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = tmp_path / "killed_train.py"
-    script.write_text(_KILLED_TRAIN_LOADER_WORKER)
-    root = str(Path(__file__).resolve().parents[2])
-    r = subprocess.run([sys.executable, str(script)], capture_output=True,
-                       text=True, timeout=120, cwd=root, env={"PYTHONPATH": root,
-                                                              "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == "alive 0 True"
-    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-2000:]
+    _assert_workers_stopped_quietly(_KILLED_TRAIN_LOADER_WORKER, tmp_path)
 
 
 def test_shut_down__an_iterator_without_workers_is_left_alone():
