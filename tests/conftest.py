@@ -1,10 +1,21 @@
-"""Shared fixtures; ``gpu``-marked tests are skipped where CUDA is not available."""
+"""Shared fixtures; ``gpu``-marked tests are skipped where CUDA is not available; under
+pytest-xdist (``make test``: ``-n auto``) each worker gets its share of the cores for torch."""
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import build_tiny_shards
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # N workers each with torch's default (every core) would run N x cores threads on the
+    # cores; OpenMP's spinning threads then slow each other down. Stage subprocesses the tests
+    # start choose their own threads (the tiny e2e recipes run with OMP_NUM_THREADS=1).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -24,6 +24,13 @@ from pipeline.data.manifest import read_manifest, write_manifest
 from pipeline.data.sources import Sample
 
 
+def says(text: str, *parts: str) -> None:
+    """Assert that ``text`` holds each of ``parts`` (the key, the file, the rule, numbers worked
+    out by hand), without pinning the sentence around them, so a wording fix breaks no test."""
+    missing = [p for p in parts if p not in text]
+    assert not missing, f"{missing} not in: {text}"
+
+
 def make_samples(n: int, *, size: int = 16, classes: int = 4, seed: int = 0, mode: str = "L"):
     """Images whose class decides a bright quadrant, plus noise (learnable, not trivial)."""
     rng = np.random.default_rng(seed)

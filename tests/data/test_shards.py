@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import webdataset as wds
+from helpers import says
 from PIL import Image
 
 from pipeline.__main__ import verify_main
@@ -413,11 +414,7 @@ def test_iter_shard__a_key_that_is_another_plus_a_dotted_part_is_refused(tmp_pat
     path = _tar(tmp_path / "s.tar", [("k.jpg", b"j"), ("k.seg.png", b"p"), ("m.jpg", b"j")])
     with pytest.raises(ShardError) as e:
         list(iter_shard(path))
-    assert str(e.value) == (
-        f"{path}: sample keys 'k' and 'k.seg' read two ways: WebDataset ends a key at the first "
-        "dot (member 'k.seg.<ext>' of sample 'k'), img2dataset's layout, read here, at the "
-        "last (two samples); rename the members so that no key is another key plus a dotted "
-        "part")
+    says(str(e.value), f"{path}: sample keys 'k' and 'k.seg'", "rename the members")
     # in the other order too, and apart from each other
     path = _tar(tmp_path / "t.tar", [("k.seg.png", b"p"), ("m.jpg", b"j"), ("k.jpg", b"j")])
     with pytest.raises(ShardError, match="sample keys 'k' and 'k.seg' read two ways"):
