@@ -33,8 +33,10 @@ setup: $(VENV)/.installed data
 run: setup
 	dvc repro
 
+# one worker per core, each test file on one worker (its module fixtures, such as an e2e
+# module's `dvc repro`, run once)
 test: setup
-	pytest -q
+	pytest -q -n auto --dist loadfile
 
 test-fast: setup
 	pytest -q -m "not slow"

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import yaml
 from PIL import Image
+from helpers import says
 from repohelpers import STAGES, commit, file_digests, make_repo, out, params, ran, sh
 
 from pipeline.data.shards import iter_shard, read_manifest
@@ -243,16 +244,17 @@ def test_unlabelled__broken_files_within_the_budget_are_left_out(repo):
 def test_unlabelled__an_image_added_to_the_tree_rebuilds_and_retrains(repo):
     dst, env, _ = repo
     Image.fromarray(np.full((20, 20), 99, np.uint8)).save(dst.parent / "photos/d1/new.png")
-    text = out(sh(["dvc", "repro"], dst, env))
-    assert {"index_shards", "build_shards", "check_data", "pretrain", "embed", "knn", "linear",
-            "report"} <= set(ran(text)), text[-3000:]
+    # up to pretrain: what runs after it follows from pretrain's new outputs (dvc.yaml deps)
+    text = out(sh(["dvc", "repro", "pretrain"], dst, env))
+    assert ran(text) == ["index_shards", "build_shards", "check_data", "pretrain"], text[-3000:]
     m = read_manifest(dst / "data/shards/pretrain")
     assert m.num_samples == 341 and m.build["unlabelled"]["images"] == 301
     assert json.loads((dst / "metrics/pretrain.json").read_text())["pretrain_images"] == 341
     # a README beside the images is skipped and counted: the shards are rebuilt with the same
-    # bytes, so nothing after build_shards reruns
+    # bytes, so pretraining does not rerun
     (dst.parent / "photos/d1/notes.txt").write_text("more photos soon\n")
-    assert ran(out(sh(["dvc", "repro"], dst, env))) == ["index_shards", "build_shards"]
+    assert ran(out(sh(["dvc", "repro", "pretrain"], dst, env))) == ["index_shards",
+                                                                     "build_shards"]
     commit(dst, env, "one more photo")
 
 
@@ -271,9 +273,8 @@ def test_unlabelled__switch_to_no_labels_keeps_the_features(repo):
     assert res.returncode != 0 and "Traceback" not in text
     assert "check_eval" in ran(text) and "embed" not in ran(text), text[-3000:]
     errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
-    assert errors == ["error: ShardError: data/shards/train: no images in this split (data.source "
-                      "none): the evaluation stages need a labelled source with train and test "
-                      "images (docs/data.md, no labels at all)"], text[-3000:]
+    assert len(errors) == 1, text[-3000:]
+    says(errors[0], "error: ShardError: data/shards/train: no images", "data.source none")
     assert before == {d: file_digests(dst / d) if (dst / d).is_dir() else (dst / d).read_bytes()
                       for d in kept}
 
