@@ -16,8 +16,8 @@ import re
 import numpy as np
 import pytest
 import yaml
-from PIL import Image
 from helpers import says
+from PIL import Image
 from repohelpers import STAGES, commit, file_digests, make_repo, out, params, ran, sh
 
 from pipeline.data.shards import iter_shard, read_manifest
