@@ -423,13 +423,28 @@ def test_pipeline_outputs__outs_metrics_plots_interpolated_and_dvc_lock(pipeline
 
 def test_git_state__pipeline_outputs_changed__clean(pipeline_repo):
     assert git_state(pipeline_repo)["git.dirty"] == "false"
-    for f in ("results/model.txt", "results/metrics.json", "curves/loss.tsv", "dvc.lock"):
+    for f in ("results/model.txt", "results/metrics.json", "curves/loss.tsv"):
         (pipeline_repo / f).write_text("rewritten by the run\n")
+    (pipeline_repo / "dvc.lock").write_text("schema: '2.0'\n# rewritten by the run\n")
     (pipeline_repo / "scratch.txt").write_text("untracked\n")
     state = git_state(pipeline_repo)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=pipeline_repo, capture_output=True,
                           text=True, check=True).stdout.strip()
     assert state == {"git.commit": head, "git.dirty": "false"}
+
+
+def test_git_state__clean_tree__clean_without_reading_the_pipeline(pipeline_repo, monkeypatch):
+    import pipeline.tracking.provenance as provenance
+
+    def unread(*_):
+        raise AssertionError("DVC's index read for a clean tree")
+
+    (pipeline_repo / "scratch.txt").write_text("untracked\n")  # untracked files do not count
+    monkeypatch.setattr(provenance, "pipeline_outputs", unread)
+    assert git_state(pipeline_repo)["git.dirty"] == "false"
+    (pipeline_repo / "results/model.txt").write_text("rewritten by the run\n")
+    with pytest.raises(AssertionError, match="index read"):  # a changed file: read, and judged
+        git_state(pipeline_repo)
 
 
 @pytest.mark.parametrize("edit", ["make.py", "params.yaml", "notes.md", "dvc.yaml", "staged"])

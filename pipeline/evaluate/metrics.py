@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from sklearn.metrics import confusion_matrix
 from torch import Tensor
 
 from pipeline.errors import InputError
@@ -209,6 +208,8 @@ def classification_metrics(
     pred = ranking[:, 0]
     top1 = 100.0 * (pred == targets).double().mean().item()
     top5 = 100.0 * (ranking == targets[:, None]).any(dim=1).double().mean().item()
+    from sklearn.metrics import confusion_matrix  # here: scikit-learn takes ~1 s to import
+
     conf = confusion_matrix(targets.numpy(), pred.numpy(), labels=np.arange(c)).astype(np.int64)
     support = conf.sum(axis=1)
     per_class = {

@@ -47,9 +47,11 @@ def git_state(cwd: Path | None = None) -> dict[str, str]:
         status = git("status", "--porcelain=v1", "-z", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return {"git.commit": "unknown", "git.dirty": "unknown"}
-    outputs = pipeline_outputs(str(Path(cwd or Path.cwd()).resolve()), str(top.resolve()))
-    dirty = any(not any(p == o or p.startswith(o + "/") for o in outputs)
-                for p in _changed_paths(status))
+    changed = _changed_paths(status)
+    # DVC's outputs are read only when something changed (building DVC's index takes ~1 s)
+    outputs = pipeline_outputs(str(Path(cwd or Path.cwd()).resolve()),
+                               str(top.resolve())) if changed else ()
+    dirty = any(not any(p == o or p.startswith(o + "/") for o in outputs) for p in changed)
     return {"git.commit": commit, "git.dirty": str(dirty).lower()}
 
 
