@@ -51,21 +51,25 @@ def _rule(ok: Callable[[Any], bool], allowed: str) -> AfterValidator:
     return AfterValidator(check)
 
 
+INT_MAX = 2**31 - 1  # counts end up as C ints (torch.set_num_threads, sizes): larger overflow
+
+
 def _workers(value: Any) -> int | str:  # "auto" or an unquoted count (not a bool, not "2")
-    if value == "auto" and type(value) is str or type(value) is int and value >= 0:
+    if value == "auto" and type(value) is str or type(value) is int and 0 <= value <= INT_MAX:
         return value
-    raise ValueError("auto or an integer >= 0, without quotes")
+    raise ValueError(f"auto or an integer >= 0 (at most {INT_MAX}), without quotes")
 
 
-PosInt = Annotated[int, _rule(lambda v: v > 0, "> 0")]
-NonNegInt = Annotated[int, _rule(lambda v: v >= 0, ">= 0")]
+PosInt = Annotated[int, _rule(lambda v: 0 < v <= INT_MAX, f"> 0 (at most {INT_MAX})")]
+NonNegInt = Annotated[int, _rule(lambda v: 0 <= v <= INT_MAX, f">= 0 (at most {INT_MAX})")]
 PosFloat = Annotated[float, _rule(lambda v: math.isfinite(v) and v > 0, "a finite number > 0")]
 NonNegFloat = Annotated[float, _rule(lambda v: math.isfinite(v) and v >= 0,
                                     "a finite number >= 0")]
 Fraction = Annotated[float, _rule(lambda v: 0 <= v < 1, "0 <= x < 1")]
-Epochs = Annotated[list[int], _rule(lambda v: all(m > 0 for m in v) and v == sorted(v),
-                                    "increasing positive epochs")]
-Counts = Annotated[list[int], _rule(lambda v: bool(v) and min(v) > 0 and v == sorted(set(v)),
+Epochs = Annotated[list[int], _rule(lambda v: all(0 < m <= INT_MAX for m in v)
+                                    and v == sorted(v), "increasing positive epochs")]
+Counts = Annotated[list[int], _rule(lambda v: bool(v) and 0 < min(v) and max(v) <= INT_MAX
+                                    and v == sorted(set(v)),
                                     "a non-empty list of increasing counts, each >= 1")]
 Workers = Annotated[int | str, PlainValidator(_workers)]
 
@@ -332,6 +336,16 @@ def _schema_error(err: Any, tree: dict[str, Any]) -> ParamsError:
     return ParamsError.invalid(key, value, allowed)
 
 
+def _check_key_names(tree: dict[Any, Any], at: list[str]) -> None:
+    """Refuse a key that is not a name (``: 5``, ``true: 1``, ``1.5: x``), naming where it is."""
+    for k, v in tree.items():
+        where = f"section '{'.'.join(at)}'" if at else "the top level"
+        if not isinstance(k, str):
+            raise ParamsError(f"params: {where} has the key {k!r}, not a name", ".".join(at))
+        if isinstance(v, dict):
+            _check_key_names(v, [*at, k])
+
+
 def from_dict(tree: dict[str, Any] | None) -> Params:
     """Build and validate :class:`Params` from a plain nested dict (e.g. parsed YAML).
 
@@ -339,8 +353,9 @@ def from_dict(tree: dict[str, Any] | None) -> Params:
         ParamsError: unknown key, wrong type, interpolation or out-of-range value.
     """
     tree = tree or {}
-    if not isinstance(tree, dict) or not all(isinstance(k, str) for k in tree):
+    if not isinstance(tree, dict):
         raise ParamsError("params: the file must hold a mapping of named sections")
+    _check_key_names(tree, [])
     for key, value in flatten(tree).items():
         if "${" in str(value):
             raise ParamsError(f"params: '{key}' = {value!r}: '${{...}}' interpolation is not "
@@ -386,14 +401,14 @@ def load_params(path: str | Path = "params.yaml") -> Params:
 
 
 def missing_keys(path: str | Path) -> list[str]:
-    """Dotted schema keys absent from a params file.
-
-    Stages fill absent keys with defaults, but ``dvc repro`` needs every key that ``dvc.yaml``
-    lists to be IN the file, so :func:`check_params_file` reports them.
-    """
+    """Dotted schema keys absent from a params file (``dvc repro`` needs every key in it)."""
     raw = read_yaml(path)
-    have = set(flatten(raw)) if isinstance(raw, dict) else set()
-    return sorted(set(flatten(to_dict(Params()))) - have)
+
+    def present(node: Any, parts: list[str]) -> bool:  # a mapping where a value belongs: present
+        return not parts or isinstance(node, dict) and parts[0] in node and present(
+            node[parts[0]], parts[1:])
+
+    return sorted(k for k in flatten(to_dict(Params())) if not present(raw, k.split(".")))
 
 
 def check_params_file(path: str | Path) -> Params:

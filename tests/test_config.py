@@ -225,6 +225,40 @@ def test_check_params_file__a_deleted_key_is_named_missing_not_its_default_refus
         check_params_file(f)
 
 
+def test_check_params_file__a_mapping_where_a_value_belongs_is_refused_not_missing(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text((ROOT / "configs/ci.yaml").read_text().replace("  epochs: 2\n",
+                                                                 "  epochs: {a: 1}\n", 1))
+    with pytest.raises(ParamsError) as e:
+        check_params_file(f)
+    assert e.value.key == "pretrain.epochs" and "missing" not in str(e.value)
+
+
+@pytest.mark.parametrize(("section", "key", "value"), [
+    ("pretrain", "num_threads", 2**40), ("model", "width", 10**20),
+    ("pretrain", "num_workers", 2**31), ("pretrain", "lr_milestones", [1, 2**63]),
+    ("label_efficiency", "per_class", [1, 2**40]), ("knn", "chunk_size", 2**31),
+])
+def test_validate__counts_beyond_a_c_int_refused(section, key, value):
+    # 2**31 - 1 is the largest int torch.set_num_threads and the DataLoader take
+    with pytest.raises(ParamsError) as e:
+        from_dict({section: {key: value}})
+    assert e.value.key == f"{section}.{key}"
+    from_dict({"pretrain": {"num_threads": 2**31 - 1}})  # the largest passes
+
+
+@pytest.mark.parametrize(("tree", "where"), [
+    ({"report": {None: 5}}, "section 'report'"), ({"report": {True: 1}}, "section 'report'"),
+    ({"report": {1.5: 1}}, "section 'report'"), ({5: 1}, "the top level"),
+])
+def test_from_dict__a_key_that_is_not_a_name_is_named(tree, where):
+    bad = next(k for sec in (tree, *[v for v in tree.values() if isinstance(v, dict)])
+               for k in sec if not isinstance(k, str))
+    with pytest.raises(ParamsError) as e:
+        from_dict(tree)
+    says(str(e.value), where, f"the key {bad!r}, not a name")
+
+
 @pytest.mark.parametrize("tree, key, rule", [
     ({"pretrain": {"lr_milestones": 5}}, "pretrain.lr_milestones",
      "= 5 is invalid; allowed: a list of integers, e.g. [120, 160]"),
@@ -388,7 +422,7 @@ def test_load_params__error_names_the_file_once(tmp_path):
     f.write_text("knn:\n  k: -3\n")
     with pytest.raises(ParamsError) as e:
         load_params(f)
-    assert str(e.value) == f"{f}: 'knn.k' = -3 is invalid; allowed: > 0"  # no 'params:' twice
+    assert str(e.value).startswith(f"{f}: 'knn.k' = -3 is invalid; allowed: > 0")  # one name
 
 
 @pytest.mark.parametrize(("data", "K", "bound"), [
