@@ -34,9 +34,9 @@ run: setup
 	dvc repro
 
 # one worker per core, each test file on one worker (its module fixtures, such as an e2e
-# module's `dvc repro`, run once)
+# module's `dvc repro`, run once), the longest files first (tests/conftest.py)
 test: setup
-	pytest -q -n auto --dist loadfile
+	pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 test-fast: setup
 	pytest -q -m "not slow"

@@ -19,6 +19,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Longest first: the e2e files (60-270 s each), then the other files with slow tests, then
+    # the rest; within a file, its own order (e2e tests build on each other). `make test` keeps
+    # this order (--no-loadscope-reorder) so no long file starts last while the other worker idles.
+    rank: dict[Path, int] = {}
+    for item in items:
+        here = 0 if "e2e" in item.path.parts else 1 if item.get_closest_marker("slow") else 2
+        rank[item.path] = min(rank.get(item.path, 2), here)
+    items.sort(key=lambda item: rank[item.path])
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker)")
