@@ -342,7 +342,7 @@ def _check_key_names(tree: dict[Any, Any], at: list[str]) -> None:
         where = f"section '{'.'.join(at)}'" if at else "the top level"
         if not isinstance(k, str):
             raise ParamsError(f"params: {where} has the key {k!r}, not a name", ".".join(at))
-        if isinstance(v, dict):
+        if isinstance(v, dict) and not at:  # a section; a mapping inside it is a wrong value
             _check_key_names(v, [*at, k])
 
 
@@ -357,7 +357,8 @@ def from_dict(tree: dict[str, Any] | None) -> Params:
         raise ParamsError("params: the file must hold a mapping of named sections")
     _check_key_names(tree, [])
     for key, value in flatten(tree).items():
-        if "${" in str(value):
+        if any(isinstance(v, str) and "${" in v for v in (value if isinstance(value, list)
+                                                          else [value])):
             raise ParamsError(f"params: '{key}' = {value!r}: '${{...}}' interpolation is not "
                               "allowed (DVC compares raw values)", key)
     try:
@@ -377,7 +378,7 @@ def read_yaml(path: str | Path) -> Any:
 
     try:
         return parse_yaml(Path(path).read_text(encoding="utf-8"), str(path))
-    except (YAMLFileCorruptedError, UnicodeDecodeError) as e:
+    except (YAMLFileCorruptedError, ValueError) as e:  # ValueError: bad UTF-8, > 4300 digits
         reason = " ".join(str(e.__cause__ or e).split())  # the parser's message spans lines
         raise ParamsError(f"{path}: not valid YAML: {reason}") from None
 

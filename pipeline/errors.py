@@ -43,4 +43,8 @@ class ParamsError(InputError):
     @classmethod
     def invalid(cls, key: str, value: Any, allowed: str) -> ParamsError:
         """``params: 'key' = value is invalid; allowed: ...``, the schema's one-line form."""
-        return cls(f"params: '{key}' = {value!r} is invalid; allowed: {allowed}", key)
+        try:
+            shown = repr(value)
+        except ValueError:  # an int past Python's 4300-digit limit (read from hex)
+            shown = "an integer of over 4300 digits"
+        return cls(f"params: '{key}' = {shown} is invalid; allowed: {allowed}", key)

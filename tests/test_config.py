@@ -247,6 +247,22 @@ def test_validate__counts_beyond_a_c_int_refused(section, key, value):
     from_dict({"pretrain": {"num_threads": 2**31 - 1}})  # the largest passes
 
 
+@pytest.mark.parametrize("spelling", ["0x" + "f" * 3700, "9" * 5000])
+def test_load_params__an_integer_past_pythons_digit_limit_is_one_error(tmp_path, spelling):
+    # hex reads past the 4300-digit limit and then cannot be printed; decimal fails in the reader
+    f = tmp_path / "p.yaml"
+    f.write_text(f"pretrain:\n  epochs: {spelling}\n")
+    with pytest.raises(ParamsError) as e:
+        load_params(f)
+    says(str(e.value), str(f), "4300 digits")
+
+
+def test_from_dict__a_mapping_with_odd_keys_where_a_value_belongs_is_that_value():
+    with pytest.raises(ParamsError) as e:
+        from_dict({"pretrain": {"epochs": {None: 1}}})
+    assert e.value.key == "pretrain.epochs" and "allowed: an integer" in str(e.value)
+
+
 @pytest.mark.parametrize(("tree", "where"), [
     ({"report": {None: 5}}, "section 'report'"), ({"report": {True: 1}}, "section 'report'"),
     ({"report": {1.5: 1}}, "section 'report'"), ({5: 1}, "the top level"),
