@@ -2,7 +2,7 @@
 
 Two lists must follow the code rather than a hand: each stage's code deps in ``dvc.yaml``
 (checked by ``tests/test_dvc_deps.py``) and the code part of the resume fingerprint
-(:func:`pipeline.train.checkpoint.checkpoint_fingerprint`: a checkpoint made by other training
+(:func:`pipeline.train.training_input.training_input`: a checkpoint made by other training
 code is never resumed). Both come from :func:`import_closure`: the ``pipeline/`` files that
 running a script may execute, found by walking its ``import`` statements the way Python runs
 them (``import a.b.c`` runs ``a/__init__.py``, ``a/b/__init__.py`` and ``a/b/c.py``; imports

@@ -31,9 +31,10 @@ def run(p: Params) -> None:
     from pipeline.signals import Terminated
     from pipeline.tracking import stage_run
     from pipeline.tracking.registry import publish_encoder
-    from pipeline.train.checkpoint import checkpoint_fingerprint, resumable_run_id
+    from pipeline.train.checkpoint import resumable_run_id
     from pipeline.train.engine import pretrain
     from pipeline.train.resume_store import CHECKPOINT_NAME, open_entry, watch_workspace
+    from pipeline.train.training_input import training_input
 
     rank = int(os.environ.get("RANK", "0"))
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
@@ -42,9 +43,9 @@ def run(p: Params) -> None:
     index = index_location("pretrain") if p.data.pretrain_shards else None
     pretrain_set = pretrain_manifest(shards, index, image_size=p.data.image_size)
     check_against_data(p, pretrain_set, shards / "pretrain")  # also the check_data stage's check
-    # the one computation of the resume key: params, shard hashes and this stage's own code
-    key = checkpoint_fingerprint(p.seed, p.model, p.moco, p.augment, p.pretrain,
-                                 int(os.environ.get("WORLD_SIZE", "1")), pretrain_set)
+    # the one computation of what the training reads (params, image spec, data, code): the
+    # resume key and the registry's recipe tags
+    key = training_input(p, pretrain_set, int(os.environ.get("WORLD_SIZE", "1")))
     checkpoint_dir = open_entry(key.fingerprint, maintain=rank == 0)
     # a checkpoint the engine will resume names its MLflow run: continue it (one training = one run)
     resume = resumable_run_id(checkpoint_dir / CHECKPOINT_NAME, key) if rank == 0 else None
@@ -73,7 +74,7 @@ def run(p: Params) -> None:
         # (data.source none) the built pretraining images, normalised as in training
         example = next((shards / s for s in ("test", "pretrain")
                         if read_manifest(shards / s).num_samples), shards / "test")
-        publish_encoder(mlrun, params=p, encoder_path=Path("models/encoder.pt"),
+        publish_encoder(mlrun, params=p, training=key, encoder_path=Path("models/encoder.pt"),
                         example_split=example)  # logged model + registry version
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from helpers import build_tiny_shards, run_pretrain
 
 from pipeline.config import Params, from_dict
+from pipeline.data.manifest import read_manifest
 from pipeline.tracking import stage_run
 from pipeline.tracking.registry import (
     attach_scores,
@@ -15,6 +16,7 @@ from pipeline.tracking.registry import (
     trusted_encoder,
     update_champion,
 )
+from pipeline.train.training_input import TrainingInput, training_input
 
 # 16 px with the stride-2 stem: a 1 x 1 last map; the tests compare with load_encoder's layer 4
 PARAMS = {"embed": {"layer": 4, "pool_grid": 1}}
@@ -27,11 +29,17 @@ def train_tiny(root: Path) -> Path:
     return root
 
 
+def training_of(p: Params) -> TrainingInput:
+    """The training input of the tiny encoder in the current directory (one process)."""
+    return training_input(p, read_manifest(Path("data/shards/pretrain")), 1)
+
+
 def publish(p: Params | None = None) -> dict:
     """What the pretrain stage does after training, in the current directory: runs/pretrain.json."""
     p = p or from_dict(PARAMS)
     with stage_run("pretrain", p) as r:
-        publish_encoder(r, params=p, encoder_path=Path("models/encoder.pt"),
+        publish_encoder(r, params=p, training=training_of(p),
+                        encoder_path=Path("models/encoder.pt"),
                         example_split=Path("data/shards/test"))
     return json.loads(Path("runs/pretrain.json").read_text())
 

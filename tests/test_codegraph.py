@@ -21,7 +21,7 @@ from pipeline.codegraph import (
 )
 from pipeline.config import from_dict
 from pipeline.data.manifest import Manifest, read_manifest
-from pipeline.train.checkpoint import checkpoint_fingerprint
+from pipeline.train.training_input import training_input
 
 # The pixel path of training, worked out by hand from the code: shards are read and decoded by
 # data/shards.py (decode_record), converted to the manifest's mode by data/sources/modes.py,
@@ -40,8 +40,7 @@ def _copy_code(dst: Path) -> Path:
 
 def _key(root: Path, manifest: Manifest):
     p = from_dict(TINY)
-    return checkpoint_fingerprint(p.seed, p.model, p.moco, p.augment, p.pretrain, 1, manifest,
-                                  code_root=root)
+    return training_input(p, manifest, 1, code_root=root)
 
 
 def test_output_code__pretrain_holds_the_pixel_path_and_the_math_not_the_exempt():
@@ -72,7 +71,7 @@ def test_fingerprint__an_edit_on_the_pixel_path_changes_it(tiny_shards, tmp_path
     f.write_text(f.read_text().replace(old, new, 1))
     after = _key(root, manifest)
     assert after.fingerprint != before.fingerprint
-    assert after.train_params == before.train_params and module in after.code
+    assert after.params == before.params and module in after.code
 
 
 def test_fingerprint__a_comment_in_the_tracking_module_leaves_it(tiny_shards, tmp_path):

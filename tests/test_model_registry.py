@@ -22,7 +22,7 @@ import torch
 import torchvision
 import yaml
 from mlflow.tracking import MlflowClient
-from registryhelpers import PARAMS, other_bytes, publish, score, train_tiny
+from registryhelpers import PARAMS, other_bytes, publish, score, train_tiny, training_of
 
 from pipeline.config import from_dict
 from pipeline.evaluate.run.embed import load_encoder
@@ -33,10 +33,10 @@ from pipeline.tracking.registry import (
     NEWEST,
     choose_champion,
     link_encoder_input,
-    params_digest,
     publish_encoder,
     trusted_encoder,
 )
+from pipeline.train.training_input import params_digest
 
 NAME = "moco-encoder"
 
@@ -137,6 +137,7 @@ def test_publish_encoder__logged_model_version_tags_alias(wd):
     assert str(v.version) == "1" and v.run_id == rec["run_id"]
     assert v.tags["dvc.exp_name"] == "exp-a"
     assert v.tags["params.digest"] == params_digest(from_dict(PARAMS))
+    assert v.tags["training.fingerprint"] == training_of(from_dict(PARAMS)).fingerprint
     assert v.tags["encoder.md5"] == hashlib.md5(Path("models/encoder.pt").read_bytes()).hexdigest()
     assert v.tags["experiment_id"] == rec["experiment_id"] and "git.commit" in v.tags
     run = c.get_run(rec["run_id"])
@@ -306,7 +307,8 @@ def test_publish_encoder__empty_name__logged_not_registered(wd):
 
 def test_publish_encoder__inactive_run__no_op(wd):
     run = StageRun(None)
-    publish_encoder(run, params=from_dict(PARAMS), encoder_path=Path("models/encoder.pt"),
+    publish_encoder(run, params=from_dict(PARAMS), training=training_of(from_dict(PARAMS)),
+                    encoder_path=Path("models/encoder.pt"),
                     example_split=Path("data/shards/test"))
     assert run.record == {} and not Path("mlflow.db").exists()
 

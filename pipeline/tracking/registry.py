@@ -23,26 +23,26 @@
   hours and do not depend on MLflow. Anything else (a bug) fails the stage.
 
 The functions that take a :class:`~pipeline.tracking.StageRun` are no-ops for an inactive one;
-the others (:func:`choose_champion`, :func:`params_digest`, :func:`plain_encoder`, ...) need no
+the others (:func:`choose_champion`, :func:`plain_encoder`, ...) need no
 MLflow run.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Params, to_dict
+from pipeline.config import Params
 from pipeline.data.remote import ShardURL
 from pipeline.errors import InputError
 from pipeline.tracking.model import log_encoder
 from pipeline.tracking.provenance import git_state
 from pipeline.tracking.runs import StageRun, read_run_record
 from pipeline.tracking.store import TrackingError, error_summary, init_lock, tracking_uri
+from pipeline.train.training_input import TrainingInput, params_digest
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,7 @@ EXPERIMENT_TAG = "experiment_id"
 MD5_TAG = "encoder.md5"
 
 
-# The params that decide the trained weights: the pretrain stage's params in dvc.yaml.
-TRAINING_SECTIONS = ("seed", "model", "moco", "augment", "pretrain")
+FINGERPRINT_TAG = "training.fingerprint"  # TrainingInput.fingerprint: params, image, data, code
 
 
 @dataclass(frozen=True)
@@ -80,17 +79,6 @@ class EncoderVersion:
     model_id: str
     name: str | None = None
     version: str | None = None
-
-
-def params_digest(params: Params) -> str:
-    """sha256 of the training params (:data:`TRAINING_SECTIONS`, canonical JSON), 64 hex chars.
-
-    Two versions with the same digest were trained from the same params (the same recipe; the
-    data and code may still differ: see the version's ``git.commit``).
-    """
-    tree = to_dict(params)
-    sub = {k: tree[k] for k in TRAINING_SECTIONS}
-    return hashlib.sha256(json.dumps(sub, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def file_md5(path: Path) -> str:
@@ -152,18 +140,26 @@ def _warn(run: StageRun, what: str, message: str) -> None:
         log.debug("could not tag the run: %s", error_summary(e))
 
 
-def _version_tags(params: Params, run: StageRun, encoder_path: Path) -> dict[str, str]:
+def _version_tags(params: Params, run: StageRun, encoder_path: Path,
+                  training: TrainingInput | None = None) -> dict[str, str]:
+    """A version's tags.
+
+    ``training.fingerprint`` only where the training input is known: the pretrain stage, not
+    an evaluation stage that registers an encoder no version holds.
+    """
     import os
 
     git = git_state(Path.cwd())
+    known = {FINGERPRINT_TAG: training.fingerprint} if training is not None else {}
     return {"git.commit": git["git.commit"], "git.dirty": git["git.dirty"],
             "dvc.exp_name": os.environ.get("DVC_EXP_NAME", "workspace"),
             "params.digest": params_digest(params), EXPERIMENT_TAG: str(run.experiment_id),
-            MD5_TAG: file_md5(encoder_path)}
+            MD5_TAG: file_md5(encoder_path), **known}
 
 
 def _log_and_register(run: StageRun, *, params: Params, encoder_path: Path,
-                      example_split: Path | ShardURL) -> EncoderVersion | None:
+                      example_split: Path | ShardURL,
+                      training: TrainingInput | None = None) -> EncoderVersion | None:
     """Log the encoder as the run's logged model and register a version (None: failed).
 
     An encoder whose bytes a version of the registered model already holds (the same
@@ -171,7 +167,7 @@ def _log_and_register(run: StageRun, *, params: Params, encoder_path: Path,
     nothing, such as ``pretrain.log_every_steps``) is not registered twice: that version is
     returned and :data:`NEWEST` moves to it.
     """
-    tags = _version_tags(params, run, encoder_path)
+    tags = _version_tags(params, run, encoder_path, training)
     same = _registered_with_md5(run, params.mlflow.registered_model, tags[MD5_TAG])
     if same is not None:
         return same
@@ -230,9 +226,12 @@ def _register(run: StageRun, model_id: str, name: str, tags: dict[str, str]) -> 
     return EncoderVersion(model_id, name, version)
 
 
-def publish_encoder(run: StageRun, *, params: Params, encoder_path: Path,
-                    example_split: Path | ShardURL) -> None:
+def publish_encoder(run: StageRun, *, params: Params, training: TrainingInput,
+                    encoder_path: Path, example_split: Path | ShardURL) -> None:
     """Log the encoder as the run's logged model, register a version, move :data:`NEWEST`.
+
+    The version's tags name its recipe (``params.digest``) and its whole training input
+    (``training.fingerprint``, :class:`~pipeline.train.training_input.TrainingInput`).
 
     Records ``model_id``, ``model_uri``, ``registered_model`` and ``model_version`` in the
     run's ``runs/pretrain.json`` (``run.record``). An :func:`optional_failures` failure is one
@@ -241,7 +240,7 @@ def publish_encoder(run: StageRun, *, params: Params, encoder_path: Path,
     if not run.active:
         return
     encoder = _log_and_register(run, params=params, encoder_path=encoder_path,
-                                example_split=example_split)
+                                example_split=example_split, training=training)
     if encoder is None:
         return
     run.record.update(model_id=encoder.model_id, model_uri=f"models:/{encoder.model_id}")

@@ -1,10 +1,9 @@
 """Resume state: what a checkpoint holds, when one is written, and whether one may be resumed.
 
 A checkpoint (``last.pt``) is written atomically and resumed only when its fingerprint equals
-the current one (:func:`checkpoint_fingerprint`): the hash of the params that affect training,
-the pretraining shards' sha256 (from the manifest) and the source of every module the pretrain
-stage runs, derived from its imports (:func:`pipeline.codegraph.output_code`; only
-:data:`pipeline.codegraph.NOT_OUTPUT_CODE` is left out). Anything else is ignored with a log
+the current run's (:attr:`pipeline.train.training_input.TrainingInput.fingerprint`: the hash of
+everything the training reads: the params that decide the weights, the image spec, the
+pretraining set's manifest content and the training code). Anything else is ignored with a log
 line naming what changed. A checkpoint holds finite values only: a state with a NaN or an
 infinity in any parameter or buffer is never written (:class:`NonFiniteError`), and one found
 on disk is never resumed. Loading uses ``torch.load(weights_only=True)``: nothing in a
@@ -13,8 +12,6 @@ checkpoint can execute code.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,95 +21,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeline.atomic import save_torch
-from pipeline.codegraph import PRETRAIN_SCRIPT, REPO, code_digest, output_code
-from pipeline.config import (
-    AugmentParams,
-    MocoParams,
-    ModelParams,
-    PretrainParams,
-    flatten,
-    to_dict,
-)
+from pipeline.config import flatten
 from pipeline.errors import NonFiniteError
 
 if TYPE_CHECKING:
-    from pipeline.data.manifest import Manifest
+    from pipeline.train.training_input import TrainingInput
 
 log = logging.getLogger(__name__)
-
-# pretrain.* keys that change how fast or how visibly training runs, never its result
-NOT_FINGERPRINTED = ("checkpoint_every_epochs", "checkpoint_every_steps", "knn_every_epochs",
-                     "knn_monitor_train_images", "knn_monitor_test_images", "log_every_steps",
-                     "labelfree_images", "compile", "num_threads")
-
-
-@dataclass(frozen=True)
-class ResumeKey:
-    """What a checkpoint must carry to be resumed (:func:`checkpoint_fingerprint`).
-
-    Attributes:
-        fingerprint: 64 hex digits over the training params, shard hashes and training code.
-        train_params: the params behind it (a checkpoint stores them, so that an ignored one's
-            log line names what changed).
-        code: the files whose bytes entered the fingerprint, repo-relative.
-    """
-
-    fingerprint: str
-    train_params: dict[str, Any]
-    code: tuple[str, ...] = ()
-
-
-def training_params(seed: int, model: ModelParams, moco: MocoParams, augment: AugmentParams,
-                    opt: PretrainParams, world_size: int) -> dict[str, Any]:
-    """The params that decide the trained weights (the fingerprint's input), as plain values."""
-    return {"seed": seed, "model": to_dict(model), "moco": to_dict(moco),
-            "augment": to_dict(augment), "world_size": world_size,
-            "pretrain": {k: v for k, v in to_dict(opt).items() if k not in NOT_FINGERPRINTED}}
-
-
-def checkpoint_fingerprint(seed: int, model: ModelParams, moco: MocoParams,
-                           augment: AugmentParams, opt: PretrainParams, world_size: int,
-                           manifest: Manifest, *, code_root: Path = REPO) -> ResumeKey:
-    """The key a checkpoint must carry to be resumed; computed once per run, by the stage.
-
-    Args:
-        seed: ``seed``.
-        model: ``model`` section.
-        moco: ``moco`` section.
-        augment: ``augment`` section.
-        opt: ``pretrain`` section.
-        world_size: number of training processes.
-        manifest: the pretraining split's manifest (its shards' sha256 enter the hash).
-        code_root: the tree holding ``pipeline/`` and ``stages/`` (the repo; a copy in tests).
-
-    Raises:
-        FileNotFoundError: ``stages/pretrain.py`` is not beside the package.
-    """
-    params = training_params(seed, model, moco, augment, opt, world_size)
-    code = output_code(PRETRAIN_SCRIPT, code_root)
-    digest = fingerprint(params, [s.sha256 for s in manifest.shards],
-                         code_digest(code, code_root))
-    return ResumeKey(digest, params, tuple(code))
-
-
-def fingerprint(training_params: dict[str, Any], shard_hashes: list[str], code: str) -> str:
-    """sha256 over the training params (canonical JSON), shard hashes and the code's digest.
-
-    Args:
-        training_params: nested dict of the params that change the trained weights.
-        shard_hashes: sha256 of every pretraining shard, in manifest order.
-        code: :func:`pipeline.codegraph.code_digest` of the training code.
-
-    Returns:
-        A 64-character hex digest.
-    """
-    h = hashlib.sha256()
-    h.update(json.dumps(training_params, sort_keys=True, default=str).encode())
-    for s in shard_hashes:
-        h.update(s.encode())
-    h.update(code.encode())
-    return h.hexdigest()
-
 
 def nonfinite(state: dict[str, torch.Tensor]) -> list[str]:
     """Names of the floating-point tensors of a ``state_dict`` holding a NaN or an infinity."""
@@ -137,7 +52,7 @@ def read_header(path: Path) -> dict[str, Any] | None:
     return ckpt if isinstance(ckpt, dict) else None
 
 
-def resumable_run_id(path: Path, key: ResumeKey) -> str | None:
+def resumable_run_id(path: Path, key: TrainingInput) -> str | None:
     """The MLflow run id stored in a checkpoint that will be resumed, else None.
 
     The stage asks this BEFORE it starts its MLflow run, so that a resumed training continues
@@ -145,7 +60,7 @@ def resumable_run_id(path: Path, key: ResumeKey) -> str | None:
 
     Args:
         path: the ``last.pt`` the engine will be given.
-        key: this run's :func:`checkpoint_fingerprint`.
+        key: this run's training input (its fingerprint is the resume key).
 
     Returns:
         The run id, or None: no checkpoint, an unreadable one, another fingerprint (it will be
@@ -159,24 +74,30 @@ def resumable_run_id(path: Path, key: ResumeKey) -> str | None:
 
 
 def changed_params(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """``key: old -> new`` for every dotted param that differs (added/removed shown as ``-``)."""
+    """``key: old -> new`` for every dotted key that differs (added/removed shown as ``-``).
+
+    Text longer than 16 characters (a sha256) is shown by its first 12.
+    """
+    def shown(v: Any) -> str:
+        return v[:12] + "..." if isinstance(v, str) and len(v) > 16 else str(v)
+
     a, b = flatten(old), flatten(new)
-    return [f"{k}: {a.get(k, '-')} -> {b.get(k, '-')}" for k in sorted(set(a) | set(b))
-            if a.get(k, "-") != b.get(k, "-")]
+    return [f"{k}: {shown(a.get(k, '-'))} -> {shown(b.get(k, '-'))}"
+            for k in sorted(set(a) | set(b)) if a.get(k, "-") != b.get(k, "-")]
 
 
 def load_checkpoint(path: Path, expected_fingerprint: str,
-                    training_params: dict[str, Any] | None = None) -> dict[str, Any] | None:
+                    described: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Load a checkpoint if it exists, is readable, matches and holds finite values only.
 
     Loading uses ``torch.load(weights_only=True)``: nothing in a checkpoint can execute code.
-    When the fingerprint differs, the log line names the params that changed (from the
-    ``train_params`` the checkpoint stores), or says that the shards or training code changed.
+    When the fingerprint differs, the log line names what changed (from the training input the
+    checkpoint stores: ``params.*``, ``image.*``, ``data.*``, ``code``).
 
     Args:
         path: the checkpoint file.
-        expected_fingerprint: :attr:`ResumeKey.fingerprint` of the current run.
-        training_params: the current run's training params (to explain a mismatch).
+        expected_fingerprint: :attr:`TrainingInput.fingerprint` of the current run.
+        described: :meth:`TrainingInput.described` of the current run (to explain a mismatch).
 
     Returns:
         The checkpoint dict, or None (with a log line saying why) to start fresh.
@@ -192,13 +113,11 @@ def load_checkpoint(path: Path, expected_fingerprint: str,
         return None
     found = ckpt.get("fingerprint") if isinstance(ckpt, dict) else None
     if found != expected_fingerprint:
-        old = ckpt.get("train_params") if isinstance(ckpt, dict) else None
-        if isinstance(old, dict) and training_params is not None:
-            diff = changed_params(old, training_params)
-            why = ("changed params: " + ", ".join(diff)) if diff else (
-                "same params, so the shards or the training code changed")
+        old = ckpt.get("training_input") if isinstance(ckpt, dict) else None
+        if isinstance(old, dict) and described is not None:
+            why = "changed: " + ", ".join(changed_params(old, described) or ["the fingerprint"])
         else:
-            why = "it was made with different params, shards or training code"
+            why = "it was made from another training input (params, data or code)"
         log.warning("ignoring checkpoint %s (%s; fingerprint %s, now %s): starting fresh",
                     path, why, str(found)[:12], expected_fingerprint[:12])
         return None
@@ -258,14 +177,14 @@ class Checkpointer:
 
     Args:
         path: the checkpoint file (``<checkpoint_dir>/last.pt``), written atomically.
-        key: the run's :func:`checkpoint_fingerprint`; a checkpoint with another fingerprint
+        key: the run's training input; a checkpoint with another fingerprint
             is ignored.
         is_main: only rank 0 writes.
         run_id: the MLflow run of this training, stored so that a resume continues that run
             (:func:`resumable_run_id`).
     """
 
-    def __init__(self, path: Path, key: ResumeKey, is_main: bool,
+    def __init__(self, path: Path, key: TrainingInput, is_main: bool,
                  run_id: str | None = None) -> None:
         self.path, self.key, self.run_id = Path(path), key, run_id
         self.is_main = is_main
@@ -274,7 +193,7 @@ class Checkpointer:
     def restore(self, net: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 scaler: torch.amp.GradScaler) -> TrainState:
         """Load a matching checkpoint into the objects; a fresh state when there is none."""
-        ckpt = load_checkpoint(self.path, self.key.fingerprint, self.key.train_params)
+        ckpt = load_checkpoint(self.path, self.key.fingerprint, self.key.described())
         if ckpt is None:
             return TrainState()
         net.load_state_dict(ckpt["model"])
@@ -336,7 +255,7 @@ class Checkpointer:
         if not self.is_main:
             return
         save_torch({
-            "fingerprint": self.key.fingerprint, "train_params": self.key.train_params,
+            "fingerprint": self.key.fingerprint, "training_input": self.key.described(),
             "step": state.step, "model": model, "optimizer": optimizer.state_dict(),
             "scaler": scaler.state_dict(), "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,

@@ -24,6 +24,7 @@ from pipeline.config import (
     AugmentParams,
     MocoParams,
     ModelParams,
+    Params,
     PretrainParams,
 )
 from pipeline.data.loader import train_loader
@@ -45,9 +46,7 @@ from pipeline.train.checkpoint import (
     Checkpointer,
     CheckpointPolicy,
     NonFiniteError,
-    ResumeKey,
     TrainState,
-    checkpoint_fingerprint,
 )
 from pipeline.train.export import export_outputs, final_metrics
 from pipeline.train.logging import LogWindow, format_row
@@ -66,6 +65,7 @@ from pipeline.train.runtime import (
     setup_threads,
     wrap_model,
 )
+from pipeline.train.training_input import TrainingInput, training_input
 
 if TYPE_CHECKING:
     from pipeline.tracking import StageRun
@@ -281,7 +281,7 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
              plots_path: Path, knn_plots_path: Path, run: StageRun | None = None,
              max_steps: int | None = None,
              pretrain_set: Manifest | None = None,
-             resume_key: ResumeKey | None = None,
+             resume_key: TrainingInput | None = None,
              abandoned: Callable[[], bool] | None = None) -> dict[str, float]:
     """Pretrain MoCo on the ``pretrain`` shards and export the query backbone.
 
@@ -305,8 +305,9 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
         pretrain_set: the pretraining set's manifest when it is more than
             ``shards_dir/pretrain`` (:func:`pipeline.data.index.pretrain_manifest`); None =
             that split alone.
-        resume_key: the run's :func:`pipeline.train.checkpoint.checkpoint_fingerprint`, as
-            the stage computed it to find ``checkpoint_dir``; None = computed here.
+        resume_key: the run's :func:`pipeline.train.training_input.training_input`, as the
+            stage computed it to find ``checkpoint_dir``; None = computed here (with
+            ``data.image_size`` 0: the manifest fixes the crop).
         abandoned: asked when the data fails between two steps; True = the workspace was
             abandoned and the failure is its consequence (DVC deleting a killed experiment's
             shards), so a checkpoint is written and :class:`Terminated` raised instead
@@ -353,7 +354,7 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
 def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
                augment: AugmentParams, seed: int, shards_dir: Path | ShardURL,
                checkpoint_dir: Path, run: StageRun | None,
-               pretrain_set: Manifest | None, resume_key: ResumeKey | None) -> Run:
+               pretrain_set: Manifest | None, resume_key: TrainingInput | None) -> Run:
     """Plan, build the model and optimizer, restore a fitting checkpoint, pick threads."""
     rt = setup_device()
     manifest = pretrain_set if pretrain_set is not None else read_manifest(shards_dir / "pretrain")
@@ -368,8 +369,9 @@ def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
     precision = Precision(resolve_precision(opt.precision, rt.device), rt.device)
     optimizer = torch.optim.SGD(net.trainable_parameters(), lr=0.0, momentum=opt.sgd_momentum,
                                 weight_decay=opt.weight_decay)
-    key = resume_key or checkpoint_fingerprint(seed, model, moco, augment, opt, rt.world_size,
-                                               manifest)
+    key = resume_key or training_input(
+        Params(seed=seed, model=model, moco=moco, augment=augment, pretrain=opt), manifest,
+        rt.world_size)
     ckpt = Checkpointer(Path(checkpoint_dir) / "last.pt", key, rt.is_main,
                         run_id=run.run_id if run is not None else None)
     state = _restore(ckpt, net, optimizer, precision, rt=rt, total_steps=plan.total_steps)
@@ -417,8 +419,8 @@ def _restore(ckpt: Checkpointer, net: MoCo, optimizer: torch.optim.Optimizer,
     Raises:
         ValueError: the checkpoint's key was computed for another number of processes.
     """
-    if ckpt.key.train_params["world_size"] != rt.world_size:
-        raise InputError(f"resume_key was computed for {ckpt.key.train_params['world_size']} "
+    if ckpt.key.world_size != rt.world_size:
+        raise InputError(f"resume_key was computed for {ckpt.key.world_size} "
                          f"processes, this run has {rt.world_size}")
     state = ckpt.restore(net, optimizer, precision.scaler)
     if state.step >= total_steps and rt.is_main:  # DVC reran a stage whose training is done

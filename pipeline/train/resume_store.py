@@ -9,9 +9,10 @@ experiments alike); the store is::
 
 (the working directory when ``DVC_ROOT`` is unset: ``python stages/pretrain.py`` by hand). The
 key is the fingerprint that already decides whether a checkpoint may be resumed
-(:func:`pipeline.train.checkpoint.checkpoint_fingerprint`: training params, shard hashes,
-training code), so the same experiment queued again finds its checkpoint, and a run with other
-params never opens it (the full fingerprint inside ``last.pt`` is still checked on load).
+(:attr:`pipeline.train.training_input.TrainingInput.fingerprint`: the params that decide the
+weights, the image spec, the pretraining set's content, the training code), so the same
+experiment queued again finds its checkpoint, and a run with other params never opens it (the
+full fingerprint inside ``last.pt`` is still checked on load).
 ``.checkpoints/`` is git- and dvc-ignored: never copied into an experiment's workspace, never a
 DVC output.
 
@@ -72,8 +73,8 @@ def open_entry(fingerprint: str, *, root: str | Path | None = None, keep: int = 
     """The checkpoint folder for ``fingerprint``; prunes old ones.
 
     Args:
-        fingerprint: :attr:`pipeline.train.checkpoint.ResumeKey.fingerprint` of the run (64
-            hex digits).
+        fingerprint: :attr:`pipeline.train.training_input.TrainingInput.fingerprint` of the
+            run (64 hex digits).
         root: the main repo (default ``DVC_ROOT``, else the working directory).
         keep: entries kept after pruning, the opened one included (>= 1).
         maintain: prune (rank 0); False only computes the folder (other ranks).

@@ -10,6 +10,7 @@ runs; the shards hold the files' own bytes; a second `dvc repro` reruns nothing 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import tarfile
@@ -78,3 +79,18 @@ def test_photos__second_repro_reruns_nothing_but_the_index(repo):
     _, dst, env, _ = repo
     again = ran(out(sh(["dvc", "repro"], dst, env, timeout=600)))
     assert "index_shards" in again and set(again) <= {"check_params", "index_shards"}, again
+
+
+def test_photos__a_new_crop_side_retrains_a_new_encoder(repo):
+    # whole-image shards (data.max_side): data.image_size is the training crop only, the shard
+    # bytes stay; the training input's image spec changes, so the finished checkpoint of the
+    # 64 px training is not resumed and the encoder is trained again at 48 px
+    _, dst, env, _ = repo
+    before = hashlib.sha256((dst / "models/encoder.pt").read_bytes()).hexdigest()
+    text = (dst / "params.yaml").read_text()
+    assert "image_size: 64" in text
+    (dst / "params.yaml").write_text(text.replace("image_size: 64", "image_size: 48", 1))
+    log = out(sh(["dvc", "repro", "pretrain"], dst, env, timeout=1200))
+    assert "is a finished training of this fingerprint" not in log
+    assert json.loads((dst / "models/encoder.json").read_text())["image_size"] == 48
+    assert hashlib.sha256((dst / "models/encoder.pt").read_bytes()).hexdigest() != before

@@ -56,7 +56,7 @@ def test_pretrain__stage_key__checkpoint_in_the_fingerprint_folder(tmp_path):
     # the stage's way: the key computed once, its store folder given to the engine
     from pipeline.config import from_dict
     from pipeline.data.shards import read_manifest
-    from pipeline.train.checkpoint import checkpoint_fingerprint
+    from pipeline.train.training_input import training_input
 
     shards = build_tiny_shards(tmp_path / "shards", n_pretrain=32, n_train=16, n_test=16)
     overrides = {"moco": {"K": 16}, "pretrain": {"epochs": 1}}
@@ -64,8 +64,7 @@ def test_pretrain__stage_key__checkpoint_in_the_fingerprint_folder(tmp_path):
     for sec, vals in overrides.items():
         tree[sec].update(vals)
     p = from_dict(tree)
-    key = checkpoint_fingerprint(p.seed, p.model, p.moco, p.augment, p.pretrain, 1,
-                                 read_manifest(shards / "pretrain"))
+    key = training_input(p, read_manifest(shards / "pretrain"), 1)
     where = rs.open_entry(key.fingerprint, root=tmp_path / "repo")
     run_pretrain(shards, tmp_path / "out", overrides, checkpoint_dir=where, resume_key=key)
     ck = torch.load(tmp_path / "repo" / rs.STORE / key.fingerprint[:16] / "last.pt",

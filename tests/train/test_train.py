@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from helpers import build_tiny_shards, run_pretrain
+from helpers import TINY, build_tiny_shards, run_pretrain
 from PIL import Image
 
 from pipeline.evaluate.run.embed import load_encoder
@@ -169,13 +169,21 @@ def test_pretrain__worker_death_while_a_checkpoint_is_written__names_the_one_on_
 
 
 def test_checkpointer_saved_step__only_this_runs_readable_file(tiny_shards, tmp_path):
-    from pipeline.train.checkpoint import Checkpointer, ResumeKey
+    from dataclasses import replace
+
+    from pipeline.config import from_dict
+    from pipeline.data.manifest import read_manifest
+    from pipeline.train.checkpoint import Checkpointer
+    from pipeline.train.training_input import training_input
 
     run_pretrain(tiny_shards, tmp_path, max_steps=3)  # checkpoint at step 2
     path = tmp_path / "ckpt/last.pt"
-    key = ResumeKey(torch.load(path, weights_only=True)["fingerprint"], {})
+    # the key the engine computed (no data.image_size: the manifest fixes the crop)
+    key = training_input(from_dict(TINY), read_manifest(tiny_shards / "pretrain"), 1)
+    assert torch.load(path, weights_only=True)["fingerprint"] == key.fingerprint
     assert Checkpointer(path, key, is_main=True).saved_step() == 2
-    assert Checkpointer(path, ResumeKey("other", {}), is_main=True).saved_step() is None
+    other = replace(key, code_digest="0" * 64)
+    assert Checkpointer(path, other, is_main=True).saved_step() is None
     assert Checkpointer(tmp_path / "none.pt", key, is_main=True).saved_step() is None
     path.write_bytes(path.read_bytes()[:1000])  # truncated
     assert Checkpointer(path, key, is_main=True).saved_step() is None
@@ -201,7 +209,8 @@ def test_pretrain__changed_params_ignore_checkpoint(tiny_shards, tmp_path, caplo
                  max_steps=2)
     assert "ignoring checkpoint" in caplog.text and "starting fresh" in caplog.text
     # the log line names exactly the params that changed, old -> new
-    assert "changed params: moco.T: 0.1 -> 0.2, pretrain.num_workers: 0 -> 1" in caplog.text
+    assert ("changed: params.moco.T: 0.1 -> 0.2, params.pretrain.num_workers: 0 -> 1;"
+            in caplog.text)
 
 
 def test_pretrain__same_params_other_shards_explained(tmp_path, caplog):
@@ -210,7 +219,9 @@ def test_pretrain__same_params_other_shards_explained(tmp_path, caplog):
     run_pretrain(a, tmp_path / "out", max_steps=2)
     caplog.set_level("INFO")
     run_pretrain(b, tmp_path / "out", max_steps=2)
-    assert "same params, so the shards or the training code changed" in caplog.text
+    # 192 -> 208 pretraining images: the data changed, no param did
+    line = next(r.getMessage() for r in caplog.records if "ignoring checkpoint" in r.getMessage())
+    assert "data.num_samples: 192 -> 208" in line and "params." not in line
 
 
 # The tiny run in a subprocess that blocks right before the checkpoint of step `at` is written:
