@@ -60,6 +60,13 @@ def _workers(value: Any) -> int | str:  # "auto" or an unquoted count (not a boo
     raise ValueError(f"auto or an integer >= 0 (at most {INT_MAX}), without quotes")
 
 
+def _threads(value: Any) -> int | str:  # "auto", "probe" or an unquoted count >= 1
+    if (value in ("auto", "probe") and type(value) is str
+            or type(value) is int and 0 < value <= INT_MAX):
+        return value
+    raise ValueError(f"auto, probe or an integer >= 1 (at most {INT_MAX}), without quotes")
+
+
 PosInt = Annotated[int, _rule(lambda v: 0 < v <= INT_MAX, f"> 0 (at most {INT_MAX})")]
 NonNegInt = Annotated[int, _rule(lambda v: 0 <= v <= INT_MAX, f">= 0 (at most {INT_MAX})")]
 PosFloat = Annotated[float, _rule(lambda v: math.isfinite(v) and v > 0, "a finite number > 0")]
@@ -72,6 +79,7 @@ Counts = Annotated[list[int], _rule(lambda v: bool(v) and 0 < min(v) and max(v) 
                                     and v == sorted(set(v)),
                                     "a non-empty list of increasing counts, each >= 1")]
 Workers = Annotated[int | str, PlainValidator(_workers)]
+Threads = Annotated[int | str, PlainValidator(_threads)]
 
 
 class Section(BaseModel):
@@ -171,7 +179,7 @@ class PretrainParams(Section):
     precision: PrecisionName = PrecisionName.auto
     channels_last: Switch = Switch.auto  # auto = CUDA only
     compile: Switch = Switch.auto  # torch.compile of the encoders (pipeline.train.runtime)
-    num_threads: NonNegInt = 0  # CPU intra-op threads; 0 = auto (probe all usable cores vs half)
+    num_threads: Threads = "auto"  # CPU intra-op threads (pipeline.train.runtime.setup_threads)
     num_workers: Workers = 1  # loader processes (pipeline.train.runtime.resolve_num_workers)
     decode: DecodeOn = DecodeOn.workers  # where whole-image shards' JPEGs (data.max_side) decode
     deterministic: bool = True

@@ -541,6 +541,20 @@ def test_validate__num_workers_other__names_key(value):
         from_dict({"pretrain": {"num_workers": value}})
 
 
+@pytest.mark.parametrize("value", ["auto", "probe", 1, 12])
+def test_validate__num_threads_auto_probe_or_count(value):
+    assert from_dict({"pretrain": {"num_threads": value}}).pretrain.num_threads == value
+    assert Params().pretrain.num_threads == "auto"  # the default never depends on the load
+
+
+# 0 meant "probe" before auto existed: refused, the message lists what to write
+@pytest.mark.parametrize("value", [0, -1, "fast", 1.5, True, "2"])
+def test_validate__num_threads_other__names_key_and_choices(value):
+    with pytest.raises(ParamsError) as e:
+        from_dict({"pretrain": {"num_threads": value}})
+    says(str(e.value), "'pretrain.num_threads'", "auto, probe or an integer >= 1")
+
+
 @pytest.mark.parametrize(("key", "value"), [("data.shard_format", "webp"),
                                             ("pretrain.decode", "gpu")])
 def test_validate__shard_format_and_decode_choices__name_key(key, value):

@@ -275,16 +275,40 @@ def kept_threads() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def setup_threads(*, requested: int, resumed: int, num_workers: int, device: torch.device,
-                  probe_model: nn.Module, input_shape: tuple[int, ...]) -> int:
-    """CPU intra-op threads: ``pretrain.num_threads``, else the resumed run's, else probed.
+def default_threads(*, cores: int | None = None, local_world_size: int | None = None) -> int:
+    """``pretrain.num_threads: auto`` on CPU: this process's share of the usable cores.
 
-    A resumed run keeps the thread count it started with (float reductions depend on it, so
-    resume stays bit-identical). Otherwise :func:`choose_threads` times one training-sized
-    forward+backward of a copy of ``probe_model`` for each of :func:`thread_candidates`.
+    A property of the machine (its usable cores, shared by the training processes of the node),
+    never of its load at the moment: the same machine and params train the same weights. All
+    cores, although a loader worker runs beside them: it only reads and decodes (views are made
+    on the training device), and on 2 cores with 1 worker the stage ran at 205 img/s with 2
+    threads, 121 img/s with 1 (``benchmarks/pretrain_step.py``).
 
     Args:
-        requested: ``pretrain.num_threads`` (0 = choose).
+        cores: usable cores (default :func:`usable_cores`).
+        local_world_size: training processes on this node (default ``LOCAL_WORLD_SIZE``, 1).
+    """
+    cores = usable_cores() if cores is None else cores
+    local = (int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if local_world_size is None
+             else local_world_size)
+    return max(1, cores // max(1, local))
+
+
+def setup_threads(*, requested: int | str, resumed: int, num_workers: int,
+                  device: torch.device, probe_model: nn.Module,
+                  input_shape: tuple[int, ...]) -> int:
+    """CPU intra-op threads: ``pretrain.num_threads`` when a count, else the resumed run's.
+
+    A count is used as given. Otherwise a resumed run keeps the thread count it started with
+    (float reductions depend on it, so resume stays bit-identical), and a fresh one
+    takes ``auto``, :func:`default_threads` (the machine's cores, not their load). ``probe``
+    times one training-sized forward+backward of a copy of ``probe_model`` for each of
+    :func:`thread_candidates` and keeps the fastest (:func:`choose_threads`): faster on a busy
+    machine, but a busy and a quiet machine may then train different weights. The count used
+    is in ``metrics/pretrain.json`` (``num_threads``) either way.
+
+    Args:
+        requested: ``pretrain.num_threads``: ``auto``, ``probe`` or a count >= 1.
         resumed: the checkpoint's thread count (0 = none).
         num_workers: loader workers (``pretrain.num_workers``).
         device: the training device (CUDA: torch's default, no probe).
@@ -294,8 +318,8 @@ def setup_threads(*, requested: int, resumed: int, num_workers: int, device: tor
     Returns:
         The thread count now set.
     """
-    if requested > 0 or resumed > 0:
-        n = requested or resumed
+    if isinstance(requested, int) or resumed > 0:
+        n = requested if isinstance(requested, int) else resumed
         if n > usable_cores():
             log.warning("pretrain.num_threads = %d exceeds the %d usable cores: threads will "
                         "compete for them", n, usable_cores())
@@ -303,6 +327,11 @@ def setup_threads(*, requested: int, resumed: int, num_workers: int, device: tor
         return n
     if device.type == "cuda":
         return torch.get_num_threads()
+    if requested == "auto":
+        n = default_threads()
+        torch.set_num_threads(n)
+        log.info("CPU threads: %d (pretrain.num_threads = auto: the usable cores)", n)
+        return n
     net = copy.deepcopy(probe_model).train()
     with torch.random.fork_rng(devices=[]):
         x = torch.randn(input_shape)
@@ -311,7 +340,7 @@ def setup_threads(*, requested: int, resumed: int, num_workers: int, device: tor
             net(x).sum().backward()
 
         n = choose_threads(thread_candidates(num_workers), probe)
-    log.info("CPU threads: %d (pretrain.num_threads = 0: probed %s)", n,
+    log.info("CPU threads: %d (pretrain.num_threads = probe: probed %s)", n,
              thread_candidates(num_workers))
     return n
 

@@ -10,15 +10,18 @@ import torch
 from helpers import run_pretrain
 
 from pipeline.signals import stop_on_signals
+from pipeline.train import runtime
 from pipeline.train.checkpoint import CheckpointPolicy
 from pipeline.train.logging import LogWindow
 from pipeline.train.runtime import (
     CPU_COMPILE_MIN_IMAGES,
     Precision,
     choose_threads,
+    default_threads,
     resolve_compile,
     resolve_precision,
     resolve_switch,
+    setup_threads,
     thread_candidates,
 )
 
@@ -84,6 +87,37 @@ def test_thread_candidates__all_cores_all_minus_workers_and_half(monkeypatch):
     assert thread_candidates(1) == [2, 1]  # the worker only decodes: both are probed
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert thread_candidates(1) == [1]
+
+
+def test_default_threads__the_usable_cores_shared_by_the_nodes_processes(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert default_threads() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert default_threads() == 4  # torchrun --nproc_per_node 2: 4 cores each
+    assert default_threads(cores=3, local_world_size=4) == 1  # never 0
+
+
+def test_setup_threads__auto_never_times_anything(monkeypatch):
+    # auto is the usable cores, whatever the probe would measure: a probe that makes every
+    # count but 1 look slow (a busy machine) changes nothing
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    calls = []
+    monkeypatch.setattr(runtime, "choose_threads", lambda c, probe: calls.append(c) or 1)
+    before = torch.get_num_threads()
+    net = torch.nn.Conv2d(1, 2, 3)
+    try:
+        kw = dict(num_workers=1, device=CPU, probe_model=net, input_shape=(2, 1, 8, 8))
+        assert setup_threads(requested="auto", resumed=0, **kw) == 2 == torch.get_num_threads()
+        assert calls == []
+        assert setup_threads(requested="auto", resumed=1, **kw) == 1  # a resume keeps its own
+        assert setup_threads(requested=3, resumed=1, **kw) == 3  # a count is used as given
+        assert calls == []
+        assert setup_threads(requested="probe", resumed=0, **kw) == 1  # the opt-in probe
+        assert calls == [[2, 1]]
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_resolve_compile__auto_on_cpu_only_for_long_runs_of_real_widths(monkeypatch):
@@ -216,3 +250,27 @@ def test_resolve_num_workers__auto_by_device_and_cores():
     assert resolve_num_workers("auto", cuda, cores=4, local_world_size=8) == 1  # at least one
     # CPU: one worker, the training needs the cores
     assert resolve_num_workers("auto", cpu, cores=64) == 1
+
+
+@pytest.mark.slow
+def test_pretrain__auto_threads_same_encoder_beside_a_busy_process(tiny_shards, tmp_path):
+    # pretrain.num_threads: auto is a property of the machine: beside two processes that keep
+    # every core busy, the run takes the thread count of a quiet run and trains the same weights
+    import hashlib
+    import subprocess
+    import sys
+
+    over = {"pretrain": {"num_threads": "auto", "epochs": 1}}
+    quiet = run_pretrain(tiny_shards, tmp_path / "quiet", over)
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        time.sleep(1.0)
+        busy = run_pretrain(tiny_shards, tmp_path / "busy", over)
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+    assert quiet["num_threads"] == busy["num_threads"] == len(os.sched_getaffinity(0))
+    digest = [hashlib.sha256((tmp_path / d / "encoder.pt").read_bytes()).hexdigest()
+              for d in ("quiet", "busy")]
+    assert digest[0] == digest[1]
