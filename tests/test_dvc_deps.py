@@ -10,7 +10,6 @@ covered by a dep (the file itself, or a directory above it), or to be in
 
 from __future__ import annotations
 
-import ast
 import re
 import shutil
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.codegraph import REPO, import_closure, not_output_code
+from pipeline.codegraph import REPO, import_closure, not_output_code, runs_no_code
 
 
 def _stage_script(cmd: str) -> Path:
@@ -37,13 +36,6 @@ def _covered(module: str, deps: list[str]) -> bool:
     return any(module == d or module.startswith(d.rstrip("/") + "/") for d in deps)
 
 
-def docstring_only(module: str) -> bool:
-    """Whether a module holds nothing but a docstring (a package ``__init__`` runs no code)."""
-    body = ast.parse((REPO / module).read_text()).body
-    return all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
-               and isinstance(n.value.value, str) for n in body)
-
-
 def missing_deps(stage: dict) -> list[str]:
     """Modules in a stage's import closure that no dep, NOT_OUTPUT_CODE or emptiness covers."""
     script = _stage_script(stage["cmd"])
@@ -51,7 +43,7 @@ def missing_deps(stage: dict) -> list[str]:
     assert script.relative_to(REPO).as_posix() in deps, f"{script} is not a dep of its stage"
     return sorted(m for m in import_closure(script)
                   if not_output_code(m) is None and not _covered(m, deps)
-                  and not docstring_only(m))
+                  and not runs_no_code(REPO / m))
 
 
 def _entries(stage: dict, field: str) -> list[str]:
