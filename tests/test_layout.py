@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -243,7 +244,8 @@ def test_layout__the_checks_catch_what_they_claim(tmp_path):
         "pipeline.data.index", "pipeline.data.sources", "pipeline.data.sources.webdataset"]
     assert _report(init) == {**CLEAN, "cycle": cycle}
     ran = subprocess.run([sys.executable, "-c", "import pipeline.data.index"], cwd=init,
-                         capture_output=True, text=True)
+                         env={**os.environ, "PYTHONPATH": str(init)}, capture_output=True,
+                         text=True)
     assert ran.returncode == 1 and "circular import" in ran.stderr
 
     # 61 body lines fail, 60 pass, and so do 61 that say why; 551 module lines fail, 550 pass;
