@@ -92,6 +92,13 @@ def imported_modules(path: Path) -> set[str]:
     return {n for n in names if n == "pipeline" or n.startswith("pipeline.")}
 
 
+def runs_no_code(path: Path) -> bool:
+    """Whether a module holds nothing but a docstring (an empty package ``__init__``)."""
+    body = ast.parse(path.read_text(), filename=str(path)).body
+    return all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+               and isinstance(n.value.value, str) for n in body)
+
+
 def module_files(dotted: str, root: Path = REPO) -> list[Path]:
     """The files executed by importing ``dotted`` (each package ``__init__`` on the way)."""
     parts = dotted.split(".")

@@ -19,7 +19,7 @@ would refuse them.
 Before writing anything it also refuses what the indexed data refutes in the params, while
 every output of every stage is as it was (DVC deletes ``build_shards``' outputs next):
 ``moco.K`` at least the number of pretraining images, and a colour ``augment.preset`` on grey
-ones (:func:`pipeline.data.index.plan_pretraining`,
+ones (:func:`pipeline.data.plan.plan_pretraining`,
 :func:`pipeline.data.checks.check_before_build`); ``v2_grey`` on colour images is logged as a
 warning.
 """
@@ -43,8 +43,9 @@ def run(p: Params) -> None:
     from pipeline.atomic import write_json
     from pipeline.data.checks import check_before_build
     from pipeline.data.folder_index import FOLDERS, index_params_folders
-    from pipeline.data.index import VALIDATORS, index_location, index_sets, plan_pretraining
+    from pipeline.data.index import VALIDATORS, index_location, index_sets
     from pipeline.data.manifest import MANIFEST_NAME, write_manifest
+    from pipeline.data.plan import plan_pretraining
     from pipeline.tracking import stage_run
 
     folders = index_params_folders(p.data)  # first: a missing folder stops before any shard

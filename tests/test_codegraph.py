@@ -24,10 +24,10 @@ from pipeline.data.manifest import Manifest, read_manifest
 from pipeline.train.training_input import training_input
 
 # The pixel path of training, worked out by hand from the code: shards are read and decoded by
-# data/shards.py (decode_record), converted to the manifest's mode by data/sources/modes.py,
+# data/shards.py (decode_record), converted to the manifest's mode by data/modes.py,
 # shards read in place are opened by data/external.py. None of these three was in the
 # hand-kept list the fingerprint used before it was derived.
-PIXEL_PATH = ("pipeline/data/shards.py", "pipeline/data/sources/modes.py",
+PIXEL_PATH = ("pipeline/data/shards.py", "pipeline/data/modes.py",
               "pipeline/data/external.py")
 
 
@@ -57,7 +57,7 @@ def test_output_code__pretrain_holds_the_pixel_path_and_the_math_not_the_exempt(
 @pytest.mark.parametrize("module,old,new", [
     # an edit on the pixel path: invert every decoded pixel (the issue's own case)
     ("pipeline/data/shards.py", "def decode_record(", "def _decode_record_inverted("),
-    ("pipeline/data/sources/modes.py", '"""', '"""Edited. '),
+    ("pipeline/data/modes.py", '"""', '"""Edited. '),
     ("pipeline/data/external.py", "IMAGE_MEMBERS = (", "IMAGE_MEMBERS = ('tif', "),
 ])
 def test_fingerprint__an_edit_on_the_pixel_path_changes_it(tiny_shards, tmp_path, module, old,

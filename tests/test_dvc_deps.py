@@ -10,7 +10,6 @@ covered by a dep (the file itself, or a directory above it), or to be in
 
 from __future__ import annotations
 
-import ast
 import re
 import shutil
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.codegraph import REPO, import_closure, not_output_code
+from pipeline.codegraph import REPO, import_closure, not_output_code, runs_no_code
 
 
 def _stage_script(cmd: str) -> Path:
@@ -37,13 +36,6 @@ def _covered(module: str, deps: list[str]) -> bool:
     return any(module == d or module.startswith(d.rstrip("/") + "/") for d in deps)
 
 
-def docstring_only(module: str) -> bool:
-    """Whether a module holds nothing but a docstring (a package ``__init__`` runs no code)."""
-    body = ast.parse((REPO / module).read_text()).body
-    return all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
-               and isinstance(n.value.value, str) for n in body)
-
-
 def missing_deps(stage: dict) -> list[str]:
     """Modules in a stage's import closure that no dep, NOT_OUTPUT_CODE or emptiness covers."""
     script = _stage_script(stage["cmd"])
@@ -51,7 +43,58 @@ def missing_deps(stage: dict) -> list[str]:
     assert script.relative_to(REPO).as_posix() in deps, f"{script} is not a dep of its stage"
     return sorted(m for m in import_closure(script)
                   if not_output_code(m) is None and not _covered(m, deps)
-                  and not docstring_only(m))
+                  and not runs_no_code(REPO / m))
+
+
+def _entries(stage: dict, field: str) -> list[str]:
+    """A stage's ``deps`` or ``params`` as names: ``{path: {...}}`` is ``path``, a params-file
+    entry ``{file: [keys]}`` is ``file:key`` per key (a key of params.yaml is just the key)."""
+    out = []
+    for entry in stage.get(field, []):
+        if isinstance(entry, str):
+            out.append(entry)
+        elif field == "params":
+            for file, keys in entry.items():
+                out += [f"{file}:{k}" for k in (keys or [])]
+        else:
+            out.append(next(iter(entry)))
+    return out
+
+
+def repeated_entries(stage: dict) -> list[str]:
+    """Deps and params a stage lists twice, or inside another entry of its list.
+
+    A dep inside a listed directory, or a param inside a listed section (``model.width`` beside
+    ``model``), adds nothing: DVC already watches it, and a list that repeats itself hides which
+    entry was meant (and that the other one went stale).
+    """
+    out = []
+    for field, sep in (("deps", "/"), ("params", ".")):
+        names = _entries(stage, field)
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                out.append(f"{field}: {name} listed twice")
+            out += [f"{field}: {name} is inside {other}" for other in names
+                    if name.startswith(other.rstrip(sep) + sep)]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(_stages()))
+def test_dvc_deps__no_stage_lists_an_entry_twice(name):
+    assert repeated_entries(_stages()[name]) == [], f"stage {name} in dvc.yaml"
+
+
+def test_dvc_deps__repeated_entries_are_caught():
+    # planted on the real pretrain stage: each addition is named, nothing else
+    stage = dict(_stages()["pretrain"])
+    assert repeated_entries(stage) == []
+    stage["deps"] = [*stage["deps"], "pipeline/seeds.py", "pipeline/moco/queue.py"]
+    stage["params"] = [*stage["params"], "seed", "model.width",
+                       {"other.yaml": ["a", "a", "b.c", "b"]}]
+    assert repeated_entries(stage) == [
+        "deps: pipeline/seeds.py listed twice", "deps: pipeline/moco/queue.py is inside "
+        "pipeline/moco", "params: seed listed twice", "params: model.width is inside model",
+        "params: other.yaml:a listed twice", "params: other.yaml:b.c is inside other.yaml:b"]
 
 
 @pytest.mark.parametrize("name", sorted(_stages()))

@@ -3,28 +3,37 @@ and modules.
 
 Layers, lowest first: a module may import its own layer and the layers below it, never above.
 A new module must be given a layer here (the test fails for a module it cannot place).
+
+Each rule is a function of a source tree (:func:`unplaced`, :func:`upward_imports`,
+:func:`import_cycle`, :func:`long_functions`, :func:`long_modules`): the tests apply them to the
+real tree, and ``test_layout__the_checks_catch_what_they_claim`` to planted bad code. Imports
+are read as Python runs them (:func:`pipeline.codegraph.imported_modules`, the reader of the
+dvc.yaml deps): inside functions too, never in ``if TYPE_CHECKING:`` blocks, and ``import a.b.c``
+runs ``a/__init__.py`` and ``a/b/__init__.py`` before ``a/b/c.py``.
 """
 
 from __future__ import annotations
 
 import ast
+import graphlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-PKG = REPO / "pipeline"
+from pipeline.codegraph import REPO, imported_modules, module_files, runs_no_code
 
 # (layer, module prefixes); the longest matching prefix decides; "=name" matches name only (a
 # package's __init__, which re-exports its modules)
 LAYERS = [
-    (0, ["pipeline.config", "pipeline.atomic", "pipeline.signals", "pipeline.seeds",
-         "pipeline.schedules", "pipeline",
-         # what config.validate calls: pure checks on params and numbers (no torch, no I/O)
+    # the package's __init__ (a docstring), params and their pure checks (no torch, no I/O)
+    (0, ["=pipeline", "pipeline.config", "pipeline.atomic", "pipeline.signals", "pipeline.seeds",
+         "pipeline.schedules", "pipeline.choices", "pipeline.errors", "pipeline.codegraph",
          "pipeline.data.checks", "pipeline.moco.geometry"]),
-    # raw dataset readers, URLs, worker deaths, image views
+    # raw dataset readers, URLs, worker deaths, image views, image modes
     (1, ["pipeline.data.remote", "pipeline.data.external", "pipeline.data.workers",
-         "pipeline.data.views", "pipeline.data.jpeg", "pipeline.data.sources"]),
+         "pipeline.data.views", "pipeline.data.jpeg", "pipeline.data.sources",
+         "pipeline.data.modes"]),
     (2, ["pipeline.data.shards", "pipeline.data.manifest"]),  # the shard format, its manifest
     # loaders, the index of shards read in place, the sources made of shards
     (3, ["pipeline.data", "pipeline.data.sources.webdataset", "pipeline.data.sources.registry",
@@ -41,19 +50,21 @@ LAYERS = [
 MAX_BODY_LINES = 60  # a longer function says why in its docstring ("Long because ...")
 MAX_MODULE_LINES = 550  # a longer module holds more than one concept: split it
 MAX_CONFIG_LINES = 450  # params: read by DVC's reader, typed by pydantic, nothing else
+LIMITS = {"pipeline.config": MAX_CONFIG_LINES}  # modules with their own line limit
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
-    for f in PKG.rglob("*.py"):
-        parts = list(f.relative_to(REPO).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = f
-    return out
+def _dotted(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def layer(module: str) -> int:
+def modules(root: Path = REPO) -> dict[str, Path]:
+    """Every module of ``root/pipeline`` by dotted name (a package by its own name)."""
+    return {_dotted(f, root): f for f in sorted((root / "pipeline").rglob("*.py"))}
+
+
+def layer(module: str) -> int | None:
+    """The layer of a module (its longest matching prefix in :data:`LAYERS`), or None."""
     best, found = -1, None
     for n, prefixes in LAYERS:
         for p in prefixes:
@@ -62,68 +73,63 @@ def layer(module: str) -> int:
                     return n
             elif (module == p or module.startswith(p + ".")) and len(p) > best:
                 best, found = len(p), n
-    assert found is not None, f"{module}: no layer in tests/test_layout.py"
     return found
 
 
-def _imports(path: Path, *, module_level_only: bool) -> set[str]:
-    """pipeline.* modules a file imports (TYPE_CHECKING blocks skipped)."""
-    known = _modules()
-    names: set[str] = set()
+def imports(path: Path, root: Path = REPO) -> set[str]:
+    """The pipeline modules that running ``path`` imports, less its own packages.
 
-    def visit(node: ast.AST, top: bool) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
-            return
-        if isinstance(node, (ast.Import, ast.ImportFrom)) and (top or not module_level_only):
-            if isinstance(node, ast.Import):
-                cands = [a.name for a in node.names]
-            elif node.module and node.level == 0:
-                cands = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            else:
-                cands = []
-            names.update(c for c in cands if c in known)
-        inner = top and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                               ast.ClassDef))
-        for child in ast.iter_child_nodes(node):
-            visit(child, inner)
-
-    tree = ast.parse(path.read_text())
-    for node in tree.body:
-        visit(node, True)
-    return names
+    Each imported module and every package on the way to it (Python runs their ``__init__``
+    first). The module's own packages are left out: their ``__init__`` is already running.
+    """
+    me = _dotted(path, root)
+    out = set()
+    for name in imported_modules(path):
+        for f in module_files(name, root):
+            m = _dotted(f, root)
+            if m != me and not me.startswith(m + "."):
+                out.add(m)
+    return out
 
 
-@pytest.mark.parametrize("module", sorted(_modules()))
-def test_layout__imports_only_go_down(module):
-    mine = layer(module)
-    up = sorted(m for m in _imports(_modules()[module], module_level_only=False)
-                if layer(m) > mine and not module.startswith(m))
-    assert up == [], f"{module} (layer {mine}) imports a higher layer: {up}"
+def unplaced(root: Path = REPO) -> list[str]:
+    """Modules :data:`LAYERS` gives no layer."""
+    return [m for m in modules(root) if layer(m) is None]
 
 
-def test_layout__no_import_cycles_at_module_level():
-    mods = _modules()
-    graph = {m: {i for i in _imports(f, module_level_only=True) if i != m and not
-                 m.startswith(i + ".")} for m, f in mods.items()}
-    state: dict[str, int] = {}
+def upward_imports(root: Path = REPO) -> list[str]:
+    """``"a (layer 5) imports b (layer 7)"`` for every import of a higher layer.
 
-    def dfs(m: str, path: list[str]) -> None:
-        state[m] = 1
-        for n in sorted(graph[m]):
-            if state.get(n) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(path + [m, n]))
-            if n not in state:
-                dfs(n, path + [m])
-        state[m] = 2
-
-    for m in sorted(graph):
-        if m not in state:
-            dfs(m, [])
-
-
-def _long_functions() -> list[str]:
+    A package whose ``__init__`` runs no code (a docstring) is in no layer's way: importing
+    ``pipeline.moco.geometry`` runs the empty ``pipeline/moco/__init__.py`` from any layer.
+    """
+    mods = modules(root)
     out = []
-    for m, f in sorted(_modules().items()):
+    for m, f in mods.items():
+        mine = layer(m)
+        for i in sorted(imports(f, root)):
+            theirs = layer(i)
+            if (mine is not None and theirs is not None and theirs > mine
+                    and not runs_no_code(mods[i])):
+                out.append(f"{m} (layer {mine}) imports {i} (layer {theirs})")
+    return out
+
+
+def import_cycle(root: Path = REPO) -> list[str]:
+    """One import cycle, ``[a, b, ..., a]`` (a imports b ...), or [] when there is none."""
+    graph = {m: sorted(imports(f, root)) for m, f in modules(root).items()}
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        return list(reversed(e.args[1]))  # graphlib lists each module before its importer
+    return []
+
+
+def long_functions(root: Path = REPO) -> list[str]:
+    """``"module.function: n lines"`` for bodies over :data:`MAX_BODY_LINES` that do not say
+    "Long because" in their docstring (the docstring is not counted)."""
+    out = []
+    for m, f in modules(root).items():
         for node in ast.walk(ast.parse(f.read_text())):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
@@ -140,22 +146,118 @@ def _long_functions() -> list[str]:
     return out
 
 
+def long_modules(root: Path = REPO) -> dict[str, int]:
+    """``{module: lines}`` over :data:`MAX_MODULE_LINES` (or its own limit in :data:`LIMITS`)."""
+    lines = {m: len(f.read_text().splitlines()) for m, f in modules(root).items()}
+    return {m: n for m, n in lines.items() if n > LIMITS.get(m, MAX_MODULE_LINES)}
+
+
+def test_layout__every_module_has_a_layer():
+    assert unplaced() == []
+
+
+def test_layout__imports_only_go_down():
+    assert upward_imports() == []
+
+
+def test_layout__no_import_cycles():
+    assert import_cycle() == []
+
+
 def test_layout__functions_are_short_or_say_why():
-    assert _long_functions() == []
+    assert long_functions() == []
 
 
 def test_layout__modules_are_short():
-    lines = {m: len(f.read_text().splitlines()) for m, f in _modules().items()}
-    assert {m: n for m, n in lines.items() if n > MAX_MODULE_LINES} == {}
-    assert lines["pipeline.config"] <= MAX_CONFIG_LINES
+    assert long_modules() == {}
+
+
+# --- the same rules on planted bad code --------------------------------------------------------
+
+
+def _plant(root: Path, files: dict[str, str]) -> Path:
+    """A tree ``root/pipeline/...`` of the given files, package ``__init__``s added (empty)."""
+    for rel, text in {"pipeline/__init__.py": '"""Planted."""\n', **files}.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        for parent in path.relative_to(root).parents:
+            if parent.parts and not (root / parent / "__init__.py").exists():
+                (root / parent / "__init__.py").write_text("")
+    return root
+
+
+def _report(root: Path) -> dict:
+    """Every rule's findings on a tree (what a clean tree gives is asserted below)."""
+    return {"unplaced": unplaced(root), "upward": upward_imports(root),
+            "cycle": import_cycle(root), "long_functions": long_functions(root),
+            "long_modules": long_modules(root)}
+
+
+CLEAN = {"unplaced": [], "upward": [], "cycle": [], "long_functions": [], "long_modules": {}}
+
+
+def _function(name: str, body_lines: int, doc: str = "") -> str:
+    head = f"def {name}():\n" + (f'    """{doc}"""\n' if doc else "")
+    return head + "".join(f"    y{i} = {i}\n" for i in range(body_lines))
 
 
 def test_layout__the_checks_catch_what_they_claim(tmp_path):
-    # worked by hand: pipeline.moco (layer 5) importing pipeline.train (layer 7) goes up
-    assert layer("pipeline.moco.queue") == 5 and layer("pipeline.train.engine") == 7
-    assert layer("pipeline.evaluate.run.knn") == 8 and layer("pipeline.evaluate.knn") == 6
-    assert layer("pipeline.data.sources") == 3 and layer("pipeline.data.sources.idx") == 1
-    src = "import x\n" + "\n".join(f"    y{i} = {i}" for i in range(61))
-    tree = ast.parse("def f():\n" + src.split("\n", 1)[1])
-    fn = tree.body[0]
-    assert fn.body[-1].end_lineno - fn.body[0].lineno + 1 == 61 > MAX_BODY_LINES
+    # worked by hand from LAYERS: moco 5, train 7; data 3 but data.sources 1 and its __init__
+    # 3; an unknown top-level module has no layer (no catch-all "pipeline" prefix)
+    assert (layer("pipeline.moco.queue"), layer("pipeline.train.engine")) == (5, 7)
+    assert (layer("pipeline.evaluate.run.knn"), layer("pipeline.evaluate.knn")) == (8, 6)
+    assert (layer("pipeline.data.sources"), layer("pipeline.data.sources.idx")) == (3, 1)
+    assert (layer("pipeline"), layer("pipeline.newthing")) == (0, None)
+
+    # an upward import inside a function is read; the same under TYPE_CHECKING is not (the
+    # empty pipeline/train/__init__.py it also runs is in no layer's way)
+    up = _plant(tmp_path / "up", {
+        "pipeline/moco/queue.py": "def f():\n    from pipeline.train.engine import g\n"
+                                  "    return g\n",
+        "pipeline/moco/model.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                  "    from pipeline.train.engine import g\n",
+        "pipeline/train/engine.py": "def g():\n    return 1\n"})
+    assert _report(up) == {**CLEAN, "upward": [
+        "pipeline.moco.queue (layer 5) imports pipeline.train.engine (layer 7)"]}
+
+    # a cycle in one layer closed by an import inside a function
+    lazy = _plant(tmp_path / "lazy", {
+        "pipeline/data/a.py": "from pipeline.data.b import y\n\nx = y\n",
+        "pipeline/data/b.py": "y = 2\n\n\ndef f():\n    from pipeline.data.a import x\n"
+                              "    return x\n"})
+    assert _report(lazy) == {**CLEAN, "cycle": ["pipeline.data.a", "pipeline.data.b",
+                                                "pipeline.data.a"]}
+
+    # the shape of the cycle this test once missed: the index imports a low module of the
+    # sources package, whose __init__ imports a source that imports the index. Python
+    # itself refuses it.
+    init = _plant(tmp_path / "init", {
+        "pipeline/data/sources/__init__.py": "from pipeline.data.sources.webdataset import W\n",
+        "pipeline/data/sources/webdataset.py": "from pipeline.data.index import index_shards\n\n"
+                                               "W = index_shards\n",
+        "pipeline/data/sources/modes.py": "to_mode = 1\n",
+        "pipeline/data/index.py": "from pipeline.data.sources.modes import to_mode\n\n"
+                                  "index_shards = to_mode\n"})
+    cycle = import_cycle(init)
+    assert cycle[0] == cycle[-1] and sorted(cycle[1:]) == [
+        "pipeline.data.index", "pipeline.data.sources", "pipeline.data.sources.webdataset"]
+    assert _report(init) == {**CLEAN, "cycle": cycle}
+    ran = subprocess.run([sys.executable, "-c", "import pipeline.data.index"], cwd=init,
+                         env={**os.environ, "PYTHONPATH": str(init)}, capture_output=True,
+                         text=True)
+    assert ran.returncode == 1 and "circular import" in ran.stderr
+
+    # 61 body lines fail, 60 pass, and so do 61 that say why; 551 module lines fail, 550 pass;
+    # params have 450
+    filler = "".join(f"x{i} = {i}\n" for i in range(551))
+    long = _plant(tmp_path / "long", {
+        "pipeline/errors.py": "\n\n".join([_function("f", 61), _function("g", 60),
+                                            _function("h", 61, "Long because it is planted.")]),
+        "pipeline/seeds.py": filler, "pipeline/atomic.py": filler[filler.index("x1 ="):],
+        "pipeline/config.py": filler[:filler.index("x451 =")],
+        "pipeline/newthing.py": ""})
+    assert len((long / "pipeline/atomic.py").read_text().splitlines()) == 550
+    assert _report(long) == {**CLEAN, "unplaced": ["pipeline.newthing"],
+                             "long_functions": ["pipeline.errors.f: 61 lines"],
+                             "long_modules": {"pipeline.seeds": 551, "pipeline.config": 451}}

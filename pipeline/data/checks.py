@@ -21,8 +21,8 @@ from pipeline.moco.geometry import check_pool_grid, small_crop_side
 
 if TYPE_CHECKING:
     from pipeline.config import DataParams, Params
-    from pipeline.data.index import PretrainPlan
     from pipeline.data.manifest import Manifest
+    from pipeline.data.plan import PretrainPlan
 
 # Native image side of the fixed-size sources (data.image_size 0 keeps it); imagefolder: unknown.
 NATIVE_SIDE = {DataSource.fashion_mnist: 28, DataSource.cifar10: 32, DataSource.cifar100: 32,
@@ -176,7 +176,7 @@ def check_before_build(p: Params, plan: PretrainPlan) -> None:
     Args:
         p: the validated params.
         plan: the pretraining set as the index sees it
-            (:class:`pipeline.data.index.PretrainPlan`: ``images``, ``images_from``, ``mode``,
+            (:class:`pipeline.data.plan.PretrainPlan`: ``images``, ``images_from``, ``mode``,
             ``mode_from``).
 
     Raises:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.atomic import read_json
 from pipeline.data.index import INDEX_DIR, over_budget
 from pipeline.data.manifest import CHANNELS
+from pipeline.data.modes import folder_mode
 from pipeline.data.sources.base import SourceError, local_path
 from pipeline.data.sources.files import read_images
 from pipeline.data.sources.imagefolder import (
@@ -31,7 +32,6 @@ from pipeline.data.sources.imagefolder import (
     scan_folder,
     split_files,
 )
-from pipeline.data.sources.modes import folder_mode
 from pipeline.data.sources.unlabelled import describe_skipped, walk_images
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ def _decode_check(key: str, root: str, top: Path, paths: list[str],
     """Decode every image of a folder: the broken files' paths relative to ``top``, the mode.
 
     The mode is that of the good files by the folder rule
-    (:func:`pipeline.data.sources.modes.folder_mode`): ``L`` when all are grey, else ``RGB``,
+    (:func:`pipeline.data.modes.folder_mode`): ``L`` when all are grey, else ``RGB``,
     as the build decides it from their headers.
 
     Raises:

@@ -21,7 +21,10 @@ the last index keeps its entry without being read. The detectors live in
 nothing downstream. A new, changed or added shard is read once, streamed: hashed and every
 image decoded, nothing stored.
 
-Local image folders are listed by the same stage (:mod:`pipeline.data.folder_index`).
+Local image folders are listed by the same stage (:mod:`pipeline.data.folder_index`); the
+pretraining set the params and these indexes make is planned by :mod:`pipeline.data.plan`.
+The labelled source of such shards (:mod:`pipeline.data.sources.webdataset`) reads this index;
+the index reads no source.
 
 Broken images (web crawls always hold a few): a sample without an image member or whose image
 does not decode is skipped and counted, up to ``data.max_broken_fraction`` of all the set's
@@ -34,9 +37,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +57,7 @@ from pipeline.data.manifest import (
     LAYOUT_WEBDATASET,
     MANIFEST_NAME,
     BrokenSample,
+    LabelSummary,
     Manifest,
     ShardEntry,
     ShardError,
@@ -62,13 +66,9 @@ from pipeline.data.manifest import (
     read_manifest,
     round6,
 )
+from pipeline.data.modes import image_kind, to_mode
 from pipeline.data.remote import RemoteError, ShardURL, is_url
 from pipeline.data.shards import image_spec, iter_shard, sha256_file, shard_location
-from pipeline.data.sources.modes import folder_mode, image_kind, to_mode
-from pipeline.data.sources.webdataset import check_labels, label_summary, split_sizes
-
-if TYPE_CHECKING:
-    from pipeline.config import DataParams
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def _read_shard(url: str, label_field: str | None = None) -> ShardEntry:
     """Stream one shard: sha256, bytes, decodable samples, broken keys, pixel statistics.
 
     With ``label_field`` (the labelled set) also the labels of the decodable samples
-    (:func:`pipeline.data.sources.webdataset.label_summary`, read by
+    (:func:`label_summary`, read by
     :func:`pipeline.data.external.sample_label` as the build reads them), under ``labels``.
 
     Raises:
@@ -209,6 +209,88 @@ def _stats(entry: ShardEntry) -> ShardStats:
     return entry.stats
 
 
+# --- the labels of a labelled set, as build_shards will read them ---------------------------
+
+
+def _kind(label: int | str) -> str:
+    return "str" if isinstance(label, str) else "int"
+
+
+def label_summary(labels: list[tuple[str, int | str | None]], where: str,
+                  field: str) -> LabelSummary:
+    """One shard's labels (its decodable samples' :func:`~pipeline.data.external.sample_label`).
+
+    Args:
+        labels: ``(key, label)`` per sample, in shard order.
+        where: the shard, for messages.
+        field: ``data.label_field``.
+
+    Returns:
+        The index entry's ``labels``: ``kind`` ``"int"``, ``"str"`` or None, ``counts``
+        ``{class: samples}``, ``unlabelled`` samples, ``first`` ``(key, label)`` or None: the
+        class of an integer label is its decimal text (``-1`` and a missing label count as
+        unlabelled), ``first`` the first labelled sample (messages name it).
+
+    Raises:
+        ShardError: integer and string labels in the shard; names both samples.
+    """
+    counts: dict[str, int] = {}
+    first: dict[str, tuple[str, int | str]] = {}
+    unlabelled = 0
+    for key, label in labels:
+        if label is None or label == -1:
+            unlabelled += 1
+            continue
+        first.setdefault(_kind(label), (key, label))
+        counts[str(label)] = counts.get(str(label), 0) + 1
+    if len(first) == 2:
+        (ki, vi), (ks, vs) = first["int"], first["str"]
+        raise ShardError(f"{where}: labels are integers and strings mixed: sample {ki!r} has "
+                         f"{vi!r}, sample {ks!r} {vs!r} (data.label_field {field!r})")
+    (kind, hit), = first.items() if first else [(None, None)]
+    return LabelSummary(kind=kind, counts=dict(sorted(counts.items())), unlabelled=unlabelled,
+                        first=tuple(hit) if hit else None)
+
+
+def check_labels(entries: list[ShardEntry], spec: str, field: str) -> None:
+    """Refuse the labels of a shard set that the build would refuse, naming shards and keys.
+
+    Args:
+        entries: the set's index entries, each with ``labels`` (:func:`label_summary`).
+        spec: ``data.root``.
+        field: ``data.label_field``.
+
+    Raises:
+        ShardError: integer labels in one shard and string labels in another (names both
+            shards and a sample of each), or no labelled sample at all.
+    """
+    seen: dict[str, tuple[ShardEntry, LabelSummary]] = {}
+    for entry in entries:
+        labels = entry_labels(entry)
+        if labels.kind is not None:
+            seen.setdefault(labels.kind, (entry, labels))
+    if len(seen) == 2:
+        (ki, vi), (ks, vs) = (seen[k][1].first or ("", "") for k in ("int", "str"))
+        raise ShardError(f"{seen['int'][0].url}: sample {ki!r} has {vi!r}, "
+                         f"{seen['str'][0].url}: sample {ks!r} {vs!r}: labels are integers and "
+                         f"strings mixed (data.label_field {field!r})")
+    if not seen:
+        raise ShardError(f"data.root = {spec!r}: no labelled sample (data.label_field "
+                         f"{field!r}); data.source none pretrains without labels")
+
+
+def entry_labels(entry: ShardEntry) -> LabelSummary:
+    """An index entry's label summary (``index_shards`` with ``data.label_field`` makes it).
+
+    Raises:
+        ShardError: the entry has none (an index of unlabelled shards, or written by hand).
+    """
+    if entry.labels is None:
+        raise ShardError(f"{entry.url}: the index entry has no label summary: index data.root "
+                         "again (`dvc repro index_shards`)")
+    return entry.labels
+
+
 def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
                  previous: Manifest | None = None,
                  validators: dict[str, dict[str, Any]] | None = None,
@@ -226,9 +308,9 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
         label_field: ``data.label_field`` for a labelled set (``data.source: webdataset``):
             every entry then holds its samples' labels, read as the build reads them, and the
             set's labels are checked here, before ``build_shards`` deletes the shards
-            (:func:`pipeline.data.sources.webdataset.check_labels`); None for the pretraining
-            shards, whose labels are never read. Entries of a ``previous`` index made with
-            another ``label_field`` are read again.
+            (:func:`check_labels`); None for the pretraining shards, whose labels are never
+            read. Entries of a ``previous`` index made with another ``label_field`` are read
+            again.
 
     Returns:
         ``(manifest, validators)`` of the set as it is now.
@@ -322,100 +404,6 @@ def over_budget(n_broken: int, total: int, max_fraction: float) -> bool:
     at 0.29 is within (``0.29 * 100`` is ``28.999999999999996`` in floats).
     """
     return n_broken > round(max_fraction * total, 9)
-
-
-@dataclass(frozen=True)
-class PretrainPlan:
-    """The pretraining set as the params and the index fix it, before ``build_shards`` runs.
-
-    Attributes:
-        images: N, the number of pretraining images the build and the index will give.
-        images_from: its parts, for messages (``3 in data.unlabelled_root /data/photos``).
-        mode: ``L`` or ``RGB``, the mode the pretraining images are trained in.
-        mode_from: what decides it, for messages.
-    """
-
-    images: int
-    images_from: str
-    mode: str
-    mode_from: str
-
-
-def plan_pretraining(data: DataParams, *, folders: Mapping[str, dict[str, Any]],
-                     manifests: Mapping[str, Manifest]) -> PretrainPlan:
-    """The size and mode of the pretraining set, from the params and the index alone.
-
-    ``index_shards`` refuses with it what the data refutes (``moco.K >= N``, a colour
-    ``augment.preset`` on grey images) before ``build_shards`` deletes the shards; ``check_data``
-    checks the built manifests again (:func:`pipeline.data.checks.check_against_data`).
-
-    N is the built part, capped by ``data.max_pretrain_images`` (the build writes exactly
-    ``min(cap, n)``), plus the indexed ``data.pretrain_shards``. The built part is the labelled
-    source's pretrain split when ``data.pretrain_labelled`` (a fixed-size source's
-    :data:`pipeline.data.checks.PRETRAIN_IMAGES`; an imagefolder's train split, ``train_images`` of
-    its folder index; a webdataset set's train split plus its unlabelled samples,
-    :func:`pipeline.data.sources.webdataset.split_sizes`) and the tree's images minus its
-    broken ones.
-
-    The mode follows :func:`pretrain_manifest` (the evaluation data's decides) and the folder
-    rule of :class:`pipeline.data.sources.unlabelled.PretrainMix`: with labelled images,
-    ``L`` when they and the tree are all grey, else ``RGB``; without, the tree's; with
-    neither, the indexed shards' own.
-
-    Args:
-        data: the data params.
-        folders: :func:`pipeline.data.folder_index.index_params_folders` (each entry's
-            ``mode``, ``images``, ``broken``; ``data.root``'s ``train_images``).
-        manifests: :func:`index_sets` (``pretrain``, and ``labelled`` with label summaries
-            for a ``webdataset`` source).
-
-    Raises:
-        SourceError: a webdataset split left empty
-            (:func:`pipeline.data.sources.webdataset.split_sizes`).
-    """
-    from pipeline.data.checks import PRETRAIN_IMAGES, SOURCE_MODES
-
-    source = str(data.source)
-    if source == "imagefolder":
-        entry = folders["data.root"]
-        labelled, label_mode = int(entry["train_images"]), entry["mode"]
-        named = f"data.source imagefolder, data.root {data.root}"
-    elif source == "webdataset":
-        index = manifests["labelled"]
-        labelled = split_sizes(index, data.test_fraction, data.root)["pretrain"]
-        label_mode, named = index.mode, f"data.source webdataset, data.root {data.root}"
-    elif source == "none":
-        labelled, label_mode, named = 0, None, ""
-    else:
-        labelled = PRETRAIN_IMAGES[data.source]
-        label_mode, named = SOURCE_MODES[data.source], f"data.source {source}"
-    parts, built = [], 0
-    if data.pretrain_labelled and labelled:
-        parts.append(f"{labelled} of {named}")
-        built += labelled
-    tree = folders.get("data.unlabelled_root") if data.unlabelled_root else None
-    if tree is not None:
-        n_broken = len(tree.get("broken", []))
-        left = f" ({n_broken} broken left out)" if n_broken else ""
-        parts.append(f"{tree['images'] - n_broken} in data.unlabelled_root {tree['root']}{left}")
-        built += tree["images"] - n_broken
-    cap = data.max_pretrain_images
-    if cap and built > cap:
-        parts = [f"data.max_pretrain_images {cap} of {' + '.join(parts)}"]
-        built = cap
-    ext = manifests["pretrain"]
-    if ext.num_samples:
-        parts.append(f"{ext.num_samples} in data.pretrain_shards ({len(ext.shards)} shards)")
-    if label_mode is not None:
-        kinds = {label_mode} | ({tree["mode"]} if tree is not None else set())
-        mode = folder_mode(kinds)
-        mode_from = named + (f" and data.unlabelled_root {tree['root']}" if tree else "")
-    elif tree is not None:
-        mode, mode_from = tree["mode"], f"data.unlabelled_root {tree['root']}"
-    else:
-        mode, mode_from = ext.mode, "data.pretrain_shards, no labelled or folder images"
-    return PretrainPlan(built + ext.num_samples, " + ".join(parts) or "none", mode,
-                        mode_from)
 
 
 def pretrain_manifest(shards_dir: Path | ShardURL, index_dir: Path | None = None, *,

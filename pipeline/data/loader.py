@@ -18,7 +18,7 @@ into their views in the workers, and a JPEG there is decoded only as finely as i
 
 The pretraining set may also list shards read in place from elsewhere (``url`` entries with
 ``layout: "webdataset"``, see :mod:`pipeline.data.index`): of those only the image member is
-decoded (to the set's mode, by :func:`pipeline.data.sources.modes.to_mode`), every other member
+decoded (to the set's mode, by :func:`pipeline.data.modes.to_mode`), every other member
 is ignored, and the samples the index found broken are skipped before any position is counted,
 so the epoch stays exact.
 """

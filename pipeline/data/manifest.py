@@ -93,7 +93,7 @@ class ShardStats:
 
 @dataclass(frozen=True)
 class LabelSummary:
-    """One indexed shard's labels (:func:`pipeline.data.sources.webdataset.label_summary`).
+    """One indexed shard's labels (:func:`pipeline.data.index.label_summary`).
 
     Attributes:
         kind: ``"int"``, ``"str"``, or None when no sample is labelled.

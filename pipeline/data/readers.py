@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.data.external import image_member, open_image
 from pipeline.data.manifest import LAYOUT_OWN, Manifest, ShardError
+from pipeline.data.modes import to_mode
 from pipeline.data.remote import ShardURL, is_url
 from pipeline.data.shards import (
     IMAGE_EXTS,
@@ -29,7 +30,6 @@ from pipeline.data.shards import (
     sha256_file,
     shard_location,
 )
-from pipeline.data.sources.modes import to_mode
 from pipeline.data.workers import shut_down, worker_death
 from pipeline.errors import InputError
 

@@ -8,6 +8,8 @@ loader yields equal batches on every rank); otherwise ``all_gather`` fails or ha
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 
@@ -48,6 +50,35 @@ def concat_all_gather(t: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(world_size())]
     dist.all_gather(parts, t.detach().contiguous())
     return torch.cat(parts, dim=0)
+
+
+@torch.no_grad()
+def ranks_identical(*tensors: torch.Tensor) -> bool:
+    """Whether every rank holds bit-identical ``tensors`` (e.g. the ``(D, K)`` queue, its pointer).
+
+    Each rank hashes its tensors (sha256 over dtype, shape and bytes, in the order given) and
+    the digests of all ranks are gathered: a single flipped bit on one rank makes it False on
+    every rank. A collective: every rank must call it, with the same number of tensors.
+    Without a process group (or with one process) there is nothing to compare: True.
+
+    Args:
+        tensors: any shapes and dtypes; on the device the backend needs (CUDA for NCCL).
+
+    Returns:
+        True when the digests of all ranks are equal.
+    """
+    h = hashlib.sha256()
+    for t in tensors:
+        flat = t.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{flat.dtype} {tuple(t.shape)}\0".encode())
+        h.update(flat.view(torch.uint8).numpy().tobytes())
+    if world_size() == 1:
+        return True
+    device = tensors[0].device if tensors else torch.device("cpu")
+    mine = torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8).to(device)  # (32,)
+    everyone = [torch.empty_like(mine) for _ in range(world_size())]
+    dist.all_gather(everyone, mine)
+    return all(torch.equal(d, mine) for d in everyone)
 
 
 @torch.no_grad()

@@ -38,6 +38,7 @@ from pipeline.data.views import (
 )
 from pipeline.data.workers import LoaderWorkerError, shut_down, worker_death
 from pipeline.errors import InputError
+from pipeline.moco.distributed import ranks_identical
 from pipeline.moco.geometry import small_crop_side
 from pipeline.moco.model import MoCo, MocoOutput
 from pipeline.seeds import batch_seed
@@ -432,12 +433,21 @@ def _restore(ckpt: Checkpointer, net: MoCo, optimizer: torch.optim.Optimizer,
 
 def _finish(r: Run, model: ModelParams, encoder_path: Path, metrics_path: Path,
             plots_path: Path, knn_plots_path: Path) -> dict[str, float]:
-    """Final metrics; rank 0 exports; all ranks check their queues agree (DDP)."""
+    """Final metrics; rank 0 exports; all ranks compare their queues (several processes).
+
+    ``queue_ranks_identical`` (several processes only: one has nothing to compare) is 1 when
+    every rank's queue (keys, pointer, write steps) is bit-identical to the others', 0 with a
+    warning when not (the keys must be gathered from all ranks before the enqueue).
+    """
     metrics = final_metrics(r.state, total_steps=r.plan.total_steps, epochs=r.opt.epochs,
                             wall_s=r.ckpt.wall_time(r.state), device=r.rt.device,
                             world_size=r.rt.world_size)
     if r.rt.world_size > 1:
-        metrics["queue_ranks_identical"] = int(_queues_identical(r.net))
+        same = ranks_identical(*r.net.queue.buffers())
+        metrics["queue_ranks_identical"] = int(same)
+        if not same and r.rt.is_main:
+            log.warning("pretrain: the key queues differ across the %d ranks after training "
+                        "(metrics/pretrain.json queue_ranks_identical 0)", r.rt.world_size)
     metrics["pretrain_images"] = r.pretrain_set.num_samples
     metrics["broken_images_skipped"] = r.pretrain_set.num_broken or 0
     if r.rt.is_main:
@@ -485,25 +495,6 @@ def _labelled(shards_dir: Path | ShardURL) -> bool:
     if empty:
         log.info("kNN monitor off: no labelled %s images (data.source none)", " or ".join(empty))
     return not empty
-
-
-def _queues_identical(net: MoCo) -> bool:
-    """Whether every rank holds a bit-identical queue (keys, pointer); raises if not.
-
-    Raises:
-        RuntimeError: the queues diverged (keys must be gathered from all ranks before enqueue).
-    """
-    import hashlib
-
-    h = hashlib.sha256(net.queue.keys.detach().cpu().numpy().tobytes())
-    h.update(str(int(net.queue.ptr)).encode())
-    mine = torch.tensor([int.from_bytes(h.digest()[:7], "big")], dtype=torch.int64,
-                        device=net.queue.keys.device)
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    if any(int(t) != int(mine) for t in everyone):
-        raise RuntimeError("the key queues differ across ranks after training")
-    return True
 
 
 __all__ = ["NonFiniteLossError", "Run", "pretrain", "train_one_epoch", "train_step"]

@@ -13,6 +13,7 @@ from pipeline.moco.distributed import (
     batch_unshuffle_ddp,
     concat_all_gather,
     rank,
+    ranks_identical,
     world_size,
 )
 from pipeline.moco.model import MoCo
@@ -49,6 +50,14 @@ def _worker(r, init_file, out_dir):
         for step in range(3):
             queue.enqueue(concat_all_gather(_keys(r, step)), step)
         res["queue"] = queue.state_dict()
+        # 2b. the queue comparison: equal queues, then rank 1's changed by one ulp or its pointer
+        keys, ptr = queue.keys.clone(), queue.ptr.clone()
+        if r == 1:
+            keys[2, 3] = torch.nextafter(keys[2, 3], torch.tensor(2.0))
+            ptr += 1
+        res["compare"] = {"same": ranks_identical(queue.keys, queue.ptr),
+                          "keys_differ": ranks_identical(keys, queue.ptr),
+                          "ptr_differ": ranks_identical(queue.keys, ptr)}
         # 3. a full MoCo step with shuffle BN under DDP
         model = _moco()
         ddp = torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)
@@ -97,6 +106,17 @@ def test_concat_all_gather__queues_identical_and_equal_single_process(results):
     for res in results:
         for name, value in ref.state_dict().items():
             assert torch.equal(res["queue"][name], value), name
+
+
+@pytest.mark.slow
+def test_ranks_identical__sees_one_rank_differ_on_every_rank(results):
+    # rank 1 changed one key by one ulp, or its pointer by one: every rank reports the mismatch
+    assert [res["compare"] for res in results] == [
+        {"same": True, "keys_differ": False, "ptr_differ": False}] * WORLD
+
+
+def test_ranks_identical__one_process_has_nothing_to_compare():
+    assert ranks_identical(torch.zeros(D, K), torch.tensor(3))
 
 
 @pytest.mark.slow

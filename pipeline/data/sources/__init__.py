@@ -36,9 +36,10 @@ Modules (import the public names from this package, not from the modules):
 - ``unlabelled``: an image tree without classes (``data.unlabelled_root``), the pretrain split
   that mixes it in, and the ``none`` source.
 - ``webdataset``: labelled WebDataset shards (``data.source: webdataset``).
-- ``modes``: every PIL image mode to 8-bit ``L`` or ``RGB`` (scaled, composited on white, or
-  refused), and the grey/colour rule that sets a folder's channel count.
 - ``registry``: :func:`open_source` (the names: :class:`pipeline.config.DataSource`).
+
+Every image is converted to 8-bit ``L`` or ``RGB`` by :mod:`pipeline.data.modes`, which the
+index and the loader use too.
 """
 
 from pipeline.data.sources.base import (

@@ -17,6 +17,7 @@ from pathlib import Path
 from PIL import Image, ImageOps
 
 from pipeline.data.external import open_image
+from pipeline.data.modes import SUPPORTED_MODES, ModeError, image_kind, to_mode
 from pipeline.data.sources.base import (
     BrokenImages,
     SourceFile,
@@ -25,7 +26,6 @@ from pipeline.data.sources.base import (
     name_bad_files,
     shown_path,
 )
-from pipeline.data.sources.modes import SUPPORTED_MODES, ModeError, image_kind, to_mode
 
 EXIF_ORIENTATION = 0x0112  # the EXIF/TIFF Orientation tag
 _SWAPS_SIDES = (5, 6, 7, 8)  # orientations that turn the image by 90 degrees (W and H swap)
@@ -63,13 +63,13 @@ class ImageScan:
     """What :func:`read_images` found in a list of image files.
 
     Attributes:
-        kinds: the :func:`pipeline.data.sources.modes.image_kind` values of the good files.
+        kinds: the :func:`pipeline.data.modes.image_kind` values of the good files.
         sizes: their distinct upright ``(W, H)`` (:func:`upright_size`).
         bad: ``{path: "<shown path> (<reason>)"}`` of the files that do not decode, in the order
             read; the reason is the error type for a header, ``"<type>: <message>"`` for pixel
             data (``OSError: image file is truncated``).
         unsupported: ``"<shown path> (<why>)"`` of the files in a mode outside
-            :data:`pipeline.data.sources.modes.SUPPORTED_MODES`.
+            :data:`pipeline.data.modes.SUPPORTED_MODES`.
     """
 
     kinds: set[str] = field(default_factory=set)

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.data.modes import folder_mode
 from pipeline.data.sources.base import (
     Sample,
     Source,
     SourceError,
 )
 from pipeline.data.sources.files import open_upright, scan_headers
-from pipeline.data.sources.modes import folder_mode
 from pipeline.errors import InputError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
@@ -57,7 +57,7 @@ class ImageFolderSource(Source):
     clockwise from its raw pixel layout, as every viewer shows it), before the mode conversion
     and before any resize or crop; sizes and :attr:`native_shape` are the upright ones.
 
-    Modes (:mod:`pipeline.data.sources.modes` has the full table): the dataset mode is ``"L"``
+    Modes (:mod:`pipeline.data.modes` has the full table): the dataset mode is ``"L"``
     when every image is grey (1, L, LA, 16-bit, I, F, grey palettes) and ``"RGB"`` as soon as
     one image is colour, grey images then getting three equal channels. High bit-depth images
     are scaled to 8 bits (16-bit 32768 -> 128), transparency is composited onto white, and an

@@ -20,7 +20,7 @@ a file with an image extension whose header does not decode stops with one line 
 such file, and so does one whose pixels fail later (:meth:`pipeline.data.sources.base.Source.iter`:
 a file changed between the two stages).
 
-Modes (:mod:`pipeline.data.sources.modes`): the tree and the labelled source end up in ONE mode,
+Modes (:mod:`pipeline.data.modes`): the tree and the labelled source end up in ONE mode,
 by the folder rule: ``L`` when every image of both is grey, else ``RGB`` (grey images then get
 three equal channels, no information lost or invented), so pretraining and evaluation images
 have the same channels. Sizes: with ``data.image_size`` 0 and no ``data.max_side`` the images
@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.data.modes import folder_mode, to_mode
 from pipeline.data.sources.base import Sample, Source, SourceError, keeps_pixels, local_path
 from pipeline.data.sources.files import open_upright, scan_headers
 from pipeline.data.sources.imagefolder import (
@@ -47,10 +48,6 @@ from pipeline.data.sources.imagefolder import (
     ImageWalk,
     is_excluded,
     sanitize_key,
-)
-from pipeline.data.sources.modes import (
-    folder_mode,
-    to_mode,
 )
 
 log = logging.getLogger(__name__)
@@ -97,7 +94,7 @@ class UnlabelledTree:
         paths: image files in sorted relative-path order, the excluded ones left out.
         broken: how many were excluded.
         skipped: skipped entries per reason (:func:`walk_images`).
-        kinds: ``{"L"}``, ``{"RGB"}`` or both (:func:`pipeline.data.sources.modes.image_kind`).
+        kinds: ``{"L"}``, ``{"RGB"}`` or both (:func:`pipeline.data.modes.image_kind`).
         sizes: the distinct ``(W, H)`` of the images.
     """
 

@@ -15,7 +15,7 @@ Splits: the labelled samples are split per class with a seeded shuffle into ``te
 the unlabelled samples. The encoded images are held in memory (this source is for the
 evaluation data, which may be small; pretraining images belong in ``data.pretrain_shards``,
 read in place), decoded when the split is written. Mode: ``L`` when every image is grey, else
-``RGB`` (:mod:`pipeline.data.sources.modes`).
+``RGB`` (:mod:`pipeline.data.modes`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.data.external import expand_shards, image_member, open_image, sample_label
-from pipeline.data.manifest import LabelSummary, Manifest, ShardEntry, ShardError
+from pipeline.data.index import entry_labels, index_shards
+from pipeline.data.manifest import Manifest, ShardError
+from pipeline.data.modes import ModeError, to_mode
 from pipeline.data.remote import RemoteError
 from pipeline.data.shards import iter_shard, sha256_file, shard_location
 from pipeline.data.sources.base import (
@@ -38,7 +40,6 @@ from pipeline.data.sources.base import (
     keeps_pixels,
 )
 from pipeline.data.sources.imagefolder import held_out, sanitize_key, split_per_class
-from pipeline.data.sources.modes import ModeError, to_mode
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,6 @@ class WebDatasetSource(Source):
     def __init__(self, spec: str, *, label_field: str = "cls", test_fraction: float = 0.2,
                  seed: int = 0, max_broken_fraction: float = 0.001,
                  index: Manifest | None = None):
-        from pipeline.data.index import index_shards  # (the index imports this package)
-
         if index is None or [s.url for s in index.shards] != _urls(spec):
             try:
                 index, _ = index_shards(spec, split="labelled", key="data.root",
@@ -148,8 +147,8 @@ def _urls(spec: str) -> list[str] | None:
 def _class_names(raw: list[int | str | None], spec: str) -> tuple[tuple[str, ...], list[int]]:
     """Class names and integer labels (-1 = unlabelled) from the raw labels.
 
-    The index refused mixed kinds already (:func:`check_labels`, naming the shards and keys);
-    this is the build's second line.
+    The index refused mixed kinds already (:func:`pipeline.data.index.check_labels`, naming the
+    shards and keys); this is the build's second line.
     """
     ints = [y for y in raw if isinstance(y, int)]
     strs = [y for y in raw if isinstance(y, str)]
@@ -161,76 +160,6 @@ def _class_names(raw: list[int | str | None], spec: str) -> tuple[tuple[str, ...
         return names, [pos[y] if isinstance(y, str) else -1 for y in raw]
     top = max(ints, default=-1)
     return tuple(str(c) for c in range(top + 1)), [y if isinstance(y, int) else -1 for y in raw]
-
-
-# --- the labels as the index sees them, before build_shards ----------------------------------
-
-
-def _kind(label: int | str) -> str:
-    return "str" if isinstance(label, str) else "int"
-
-
-def label_summary(labels: list[tuple[str, int | str | None]], where: str,
-                  field: str) -> LabelSummary:
-    """One shard's labels (its decodable samples' :func:`~pipeline.data.external.sample_label`).
-
-    Args:
-        labels: ``(key, label)`` per sample, in shard order.
-        where: the shard, for messages.
-        field: ``data.label_field``.
-
-    Returns:
-        The index entry's ``labels``: ``kind`` ``"int"``, ``"str"`` or None, ``counts``
-        ``{class: samples}``, ``unlabelled`` samples, ``first`` ``(key, label)`` or None: the
-        class of an integer label is its decimal text (``-1`` and a missing label count as
-        unlabelled), ``first`` the first labelled sample (messages name it).
-
-    Raises:
-        ShardError: integer and string labels in the shard; names both samples.
-    """
-    counts: dict[str, int] = {}
-    first: dict[str, tuple[str, int | str]] = {}
-    unlabelled = 0
-    for key, label in labels:
-        if label is None or label == -1:
-            unlabelled += 1
-            continue
-        first.setdefault(_kind(label), (key, label))
-        counts[str(label)] = counts.get(str(label), 0) + 1
-    if len(first) == 2:
-        (ki, vi), (ks, vs) = first["int"], first["str"]
-        raise ShardError(f"{where}: labels are integers and strings mixed: sample {ki!r} has "
-                         f"{vi!r}, sample {ks!r} {vs!r} (data.label_field {field!r})")
-    (kind, hit), = first.items() if first else [(None, None)]
-    return LabelSummary(kind=kind, counts=dict(sorted(counts.items())), unlabelled=unlabelled,
-                        first=tuple(hit) if hit else None)
-
-
-def check_labels(entries: list[ShardEntry], spec: str, field: str) -> None:
-    """Refuse the labels of a shard set that the build would refuse, naming shards and keys.
-
-    Args:
-        entries: the set's index entries, each with ``labels`` (:func:`label_summary`).
-        spec: ``data.root``.
-        field: ``data.label_field``.
-
-    Raises:
-        ShardError: integer labels in one shard and string labels in another (names both
-            shards and a sample of each), or no labelled sample at all.
-    """
-    seen: dict[str, tuple[ShardEntry, LabelSummary]] = {}
-    for entry in entries:
-        labels = _labels(entry)
-        if labels.kind is not None:
-            seen.setdefault(labels.kind, (entry, labels))
-    if len(seen) == 2:
-        (ki, vi), (ks, vs) = (seen[k][1].first or ("", "") for k in ("int", "str"))
-        raise ShardError(f"{seen['int'][0].url}: sample {ki!r} has {vi!r}, "
-                         f"{seen['str'][0].url}: sample {ks!r} {vs!r}: labels are integers and "
-                         f"strings mixed (data.label_field {field!r})")
-    if not seen:
-        raise ShardError(f"data.root = {spec!r}: no labelled sample (data.label_field "
-                         f"{field!r}); data.source none pretrains without labels")
 
 
 def split_sizes(manifest: Manifest, test_fraction: float, spec: str) -> dict[str, int]:
@@ -255,7 +184,7 @@ def split_sizes(manifest: Manifest, test_fraction: float, spec: str) -> dict[str
     counts: dict[str, int] = {}
     unlabelled = 0
     for entry in manifest.shards:
-        labels = _labels(entry)
+        labels = entry_labels(entry)
         unlabelled += labels.unlabelled
         for name, n in labels.counts.items():
             counts[name] = counts.get(name, 0) + n
@@ -266,15 +195,3 @@ def split_sizes(manifest: Manifest, test_fraction: float, spec: str) -> dict[str
             raise SourceError(f"data.root = {spec!r}: data.test_fraction={test_fraction} "
                               f"leaves the {name} split empty")
     return {**sizes, "pretrain": sizes["train"] + unlabelled}
-
-
-def _labels(entry: ShardEntry) -> LabelSummary:
-    """An index entry's label summary (``index_shards`` with ``data.label_field`` makes it).
-
-    Raises:
-        ShardError: the entry has none (an index of unlabelled shards, or written by hand).
-    """
-    if entry.labels is None:
-        raise ShardError(f"{entry.url}: the index entry has no label summary: index data.root "
-                         "again (`dvc repro index_shards`)")
-    return entry.labels

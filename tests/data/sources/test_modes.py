@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 from srchelpers import png_bytes
 
+from pipeline.data.modes import ModeError, folder_mode, image_kind, to_mode
 from pipeline.data.sources import SourceError, open_source
-from pipeline.data.sources.modes import ModeError, folder_mode, image_kind, to_mode
 
 W = H = 4
 

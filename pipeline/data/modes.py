@@ -57,7 +57,6 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from pipeline.data.sources.base import SourceError
 from pipeline.errors import InputError
 
 BACKGROUND = 255  # white; see the module docstring
@@ -71,8 +70,12 @@ I_RANGE = (0, 65535)  # accepted values of mode I
 F_RANGE = (0.0, 1.0)  # accepted values of mode F
 
 
-class ModeError(SourceError):
-    """An image mode or pixel value that cannot be converted (the caller adds the file name)."""
+class ModeError(InputError):
+    """An image mode or pixel value that cannot be converted (the caller adds the file name).
+
+    Every reader of images uses this module (the sources, the index, the loader), so it sits
+    below them; the sources count such an image as unreadable, naming its file.
+    """
 
 
 def image_kind(image: Image.Image) -> str:
