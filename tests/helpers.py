@@ -258,3 +258,38 @@ def write_photos(root: Path, **kw: Any) -> list[Path]:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.write_photos(root, **kw)
+
+
+def small_shm(size: str) -> list[str]:
+    """A command prefix that runs its command with a fresh ``size`` tmpfs over ``/dev/shm``.
+
+    The tmpfs is mounted in a private mount namespace (``unshare -m``; with ``-r``, a user
+    namespace, where root is not), so the machine's ``/dev/shm`` is untouched and the mount goes
+    with the command. Skips the calling test where neither is permitted.
+    """
+    import pytest
+
+    script = f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$@"'
+    why = "unshare not found"
+    for namespace in (["unshare", "-m"], ["unshare", "-r", "-m"]):
+        prefix = [*namespace, "sh", "-c", script, "sh"]
+        try:
+            r = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=30)
+        except FileNotFoundError:
+            break
+        if r.returncode == 0:
+            return prefix
+        why = r.stderr.strip()
+    pytest.skip(f"cannot mount a tmpfs over /dev/shm in a mount namespace here ({why})")
+
+
+def processes_in(cwd: Path) -> list[int]:
+    """Pids of the processes whose working directory is ``cwd`` (those this user may read)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and Path(proc / "cwd").resolve() == cwd.resolve():
+                found.append(int(proc.name))
+        except OSError:  # gone, or another user's
+            continue
+    return found

@@ -115,6 +115,8 @@ def eval_loader(manifest_dir: str | Path | ShardURL, *, transform: EvalTransform
         ValueError: an argument out of range (names it).
         ShardError: missing/invalid manifest; a shard missing or differing from the manifest in
             size or sha256 (at call time); a corrupt sample (during iteration).
+        LoaderWorkerError: a worker died, or (:class:`~pipeline.data.workers.SharedMemoryError`)
+            ``/dev/shm`` had no room for a batch (during iteration).
     """
     check_args(batch_size=(batch_size, 1), num_workers=(num_workers, 0),
                 max_images=(max_images, 0))

@@ -457,6 +457,8 @@ def train_loader(manifest_dir: str | Path | ShardURL, *, batch_size: int, steps:
             split's images (names them).
         ShardError: missing/invalid manifest; a shard missing or differing from the manifest in
             size or sha256 (at call time); a corrupt sample (during iteration).
+        LoaderWorkerError: a worker died, or (:class:`~pipeline.data.workers.SharedMemoryError`)
+            ``/dev/shm`` had no room for a batch (during iteration).
     """
     check_args(batch_size=(batch_size, 1), steps=(steps, 1), epoch=(epoch, 0), seed=(seed, 0),
                 world_size=(world_size, 1), rank=(rank, 0), num_workers=(num_workers, 0),

@@ -4,19 +4,28 @@
 checked against the manifest's size and sha256 before anything is read; :func:`decode_any`
 decodes a raw sample of either layout (ours, or a WebDataset shard read in place);
 :class:`SizedLoader` is the DataLoader both loaders return, whose iterator gives a worker's
-error as one line and stops its workers when closed (:func:`pipeline.data.workers.shut_down`).
+error as one line and stops its workers when closed (:func:`pipeline.data.workers.shut_down`);
+its worker processes send a batch they cannot send (``/dev/shm`` full) as that error instead
+(:class:`ReportingQueue`).
 """
 
 from __future__ import annotations
 
+import errno
 import io
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.queues
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from PIL import Image
+from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from pipeline.data.external import image_member, open_image
 from pipeline.data.manifest import LAYOUT_OWN, Manifest, ShardError
@@ -30,7 +39,7 @@ from pipeline.data.shards import (
     sha256_file,
     shard_location,
 )
-from pipeline.data.workers import shut_down, worker_death
+from pipeline.data.workers import SharedMemoryError, shut_down, worker_death
 from pipeline.errors import InputError
 
 
@@ -154,6 +163,43 @@ def decode_any(record: dict[str, Any], mode: str, *,
                          f"({type(e).__name__}); the index found it decodable: rerun "
                          "`dvc repro`") from None
 
+
+class ReportingQueue(multiprocessing.queues.Queue):
+    """A multiprocessing queue whose worker sends, in place of a batch it cannot send, the error.
+
+    A worker puts ``(index, batch)``; the queue's feeder thread pickles the batch, which moves
+    its tensors into shared memory (``/dev/shm``). When that fails (``/dev/shm`` full: PyTorch's
+    ``RuntimeError``), Python's queue prints the traceback and drops the batch, the worker lives
+    on, and the main process waits for that index forever (pytorch/pytorch#5040). This queue
+    sends ``(index, error)`` instead, as PyTorch sends a worker's exception, so the main process
+    re-raises it at that batch (:meth:`SizedLoader.__iter__` names it). The same pattern as the
+    standard library's ``concurrent.futures.process._SafeQueue``.
+    """
+
+    def _on_queue_feeder_error(self, e: Exception, obj: Any) -> None:  # the feeder thread's hook
+        if not (isinstance(obj, tuple) and len(obj) == 2) or isinstance(obj[1], ExceptionWrapper):
+            super()._on_queue_feeder_error(e, obj)  # not a batch, or its error failed too
+            return
+        info = get_worker_info()
+        where = f"in DataLoader worker process {info.id if info is not None else '?'}"
+        self.put((obj[0], ExceptionWrapper((type(e), e, e.__traceback__), where=where)))
+
+
+def reporting_context() -> multiprocessing.context.BaseContext:
+    """The default start method's multiprocessing context, whose queues are :class:`ReportingQueue`.
+
+    Returns:
+        A context for ``DataLoader(multiprocessing_context=...)``: processes as the default
+        context's (fork on Linux), queues that report a batch they cannot send.
+    """
+    base = type(multiprocessing.get_context())
+
+    def queue(self: multiprocessing.context.BaseContext, maxsize: int = 0) -> ReportingQueue:
+        return ReportingQueue(maxsize, ctx=self.get_context())
+
+    return type(f"Reporting{base.__name__}", (base,), {"Queue": queue})()
+
+
 class SizedLoader(DataLoader):
     """A DataLoader over an IterableDataset that knows how many batches it yields."""
 
@@ -165,7 +211,8 @@ class SizedLoader(DataLoader):
         # themselves from (seed, epoch, rank, worker), so this seed is unused.
         super().__init__(dataset, batch_size=None, num_workers=num_workers,
                          collate_fn=_identity, pin_memory=pin_memory,
-                         generator=torch.Generator().manual_seed(0))
+                         generator=torch.Generator().manual_seed(0),
+                         multiprocessing_context=reporting_context() if num_workers else None)
         self._length = length
 
     def __len__(self) -> int:
@@ -178,8 +225,16 @@ class SizedLoader(DataLoader):
             ShardError: a corrupt sample (the worker's one-line message).
             LoaderWorkerError: a worker process died while a batch was awaited (names the
                 pid and the signal, see :mod:`pipeline.data.workers`).
+            SharedMemoryError: ``/dev/shm`` had no room for a worker's batch, or for the
+                queues of the workers when they start.
         """
-        batches = super().__iter__()
+        try:
+            batches = super().__iter__()
+        except OSError as e:  # the queues' semaphores (sem_open) live in /dev/shm
+            if e.errno != errno.ENOSPC:
+                raise
+            _abandon(e)
+            raise SharedMemoryError(None, item="the queues") from None
         try:
             while True:
                 try:
@@ -196,6 +251,24 @@ class SizedLoader(DataLoader):
                 yield batch
         finally:  # closing this generator (workers.shut_down) stops the workers now
             shut_down(batches)
+
+
+def _abandon(e: BaseException) -> None:
+    """Stop the workers of the iterator whose ``__init__`` raised ``e``, and mark it shut down.
+
+    PyTorch's iterator starts each worker after creating its queue; when a queue cannot be
+    created, the workers started before it are left running, and the half-built iterator's
+    ``__del__`` fails on an attribute ``__init__`` never set (an "Exception ignored" traceback
+    after the stage's error line). Its ``_workers`` and ``_shutdown`` are PyTorch's own, those
+    its ``_shutdown_workers`` uses.
+    """
+    for frame, _ in traceback.walk_tb(e.__traceback__):
+        batches = frame.f_locals.get("self")
+        if isinstance(batches, _MultiProcessingDataLoaderIter):
+            for w in getattr(batches, "_workers", ()):
+                w.terminate()
+                w.join()
+            batches._shutdown = True
 
 
 def _worker_message(text: str) -> str:

@@ -14,12 +14,20 @@ loader's iterator is at hand) and returns a :class:`LoaderWorkerError` that name
 signal and whether it looks like the out-of-memory killer (which sends SIGKILL). The stage
 entry point prints it as one ``error:`` line; the training engine adds the checkpoint step.
 
+A worker whose batch does not fit in shared memory (``/dev/shm`` full: Docker's default is
+64 MiB, pytorch/pytorch#5040) lives on: PyTorch raises in the worker's queue thread, which
+prints a traceback and drops the batch, and the main process would wait for it forever. The
+loaders' queue (:class:`pipeline.data.readers.ReportingQueue`) sends that error in the batch's
+place, the main process re-raises it, and :func:`worker_death` names it a
+:class:`SharedMemoryError`: ``/dev/shm`` and what to do.
+
 This module imports only the standard library.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import signal
 from collections.abc import Iterable
@@ -33,6 +41,15 @@ _EXIT_CODE = re.compile(r"DataLoader worker \(pid (\d+)\) exited unexpectedly wi
                         r"(-?\d+)")
 # strsignal() text (what PyTorch prints) -> signal number, e.g. "Killed" -> SIGKILL
 _BY_TEXT = {signal.strsignal(s): int(s) for s in signal.Signals if signal.strsignal(s)}
+# PyTorch's failure to create a tensor's shared memory file (</torch_<pid>_...>) for lack of
+# room, e.g. ``unable to allocate shared memory(shm) for file </torch_52_3710846093_0>: No space
+# left on device (28)`` (2.x), ``unable to write to file </torch_18_1594147285>: No space left
+# on device`` (1.x)
+_SHM_FULL = re.compile(r"</torch_[^>]*>.*No space left on device")
+_WORKER_ID = re.compile(r"Caught \w+ in DataLoader worker process (\d+)\.")
+SHM_DIR = "/dev/shm"  # where POSIX shared memory (shm_open, sem_open) lives on Linux
+SHM_ADVICE = ("give it more room (`docker run --shm-size=1g ...`, or `mount -o remount,size=1G "
+              "/dev/shm` as root)")
 
 
 class LoaderWorkerError(PipelineError, RuntimeError):
@@ -68,7 +85,7 @@ class LoaderWorkerError(PipelineError, RuntimeError):
                     "smaller batch or smaller images need less memory)")
         elif self.signum == signal.SIGBUS:
             what = (f"{who} was killed by SIGBUS (not the out-of-memory killer, which sends "
-                    "SIGKILL): usually shared memory (/dev/shm) is full")
+                    f"SIGKILL): usually shared memory ({SHM_DIR}) is full; {SHM_ADVICE}")
         elif self.signum is not None:
             what = (f"{who} was killed by {self.signal_name} (not the out-of-memory killer, "
                     "which sends SIGKILL)")
@@ -83,17 +100,81 @@ class LoaderWorkerError(PipelineError, RuntimeError):
         return LoaderWorkerError(self.pid, self.signum, self.exit_code, where)
 
 
+class SharedMemoryError(LoaderWorkerError):
+    """``/dev/shm`` had no room for a batch a DataLoader worker hands over, or for the loader.
+
+    The worker (or the main process, creating the loader's queues, whose semaphores live in
+    ``/dev/shm`` too) did not die of it: the batch was lost, and the loader stopped instead of
+    waiting for it.
+
+    Args:
+        pid: the worker's process id (None: the main process, or not known).
+        workers_key: the param that sets the number of loader workers, named in the advice
+            (``pretrain.num_workers``); None when the stage has no such param.
+        where: what the caller adds (e.g. the checkpoint to resume from).
+        space: ``(free, total)`` bytes of ``/dev/shm``; None = measured now
+            (:func:`shm_space`).
+        item: what did not fit (``"a batch"``; ``"the queues"`` when the loader starts).
+    """
+
+    def __init__(self, pid: int | None, workers_key: str | None = None, where: str = "",
+                 space: tuple[int, int] | None = None, item: str = "a batch") -> None:
+        self.workers_key, self.item = workers_key, item
+        self.space = shm_space() if space is None else space
+        super().__init__(pid, None, None, where)
+
+    def _text(self) -> str:
+        who = f"DataLoader worker (pid {self.pid})" if self.pid else "the DataLoader"
+        free, total = (_size(b) for b in self.space)
+        what = (f"shared memory {SHM_DIR} (size {total}, {free} free now) had no room for "
+                f"{self.item} of {who}; {SHM_ADVICE}")
+        if self.workers_key:
+            what += f", or set `{self.workers_key}: 0` (no loader worker processes)"
+        return f"{what}; {self.where}" if self.where else what
+
+    def with_where(self, where: str) -> SharedMemoryError:
+        """The same failure with ``where`` (e.g. the checkpoint step) appended to the message."""
+        return SharedMemoryError(self.pid, self.workers_key, where, self.space, self.item)
+
+    def with_workers_key(self, key: str) -> SharedMemoryError:
+        """The same failure, advising ``key: 0`` too (the stage's number-of-workers param)."""
+        return SharedMemoryError(self.pid, key, self.where, self.space, self.item)
+
+
+def shm_space(path: str = SHM_DIR) -> tuple[int, int]:
+    """``(free, total)`` bytes of the filesystem at ``path`` (``(0, 0)`` when it cannot be read).
+
+    Free counts the blocks an unprivileged process may use (``statvfs``'s ``f_bavail``).
+    """
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0, 0
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def _size(n: int) -> str:
+    """``n`` bytes as ``64.0 MiB`` (from 1 MiB up) or ``128 KiB``."""
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
 def worker_death(e: BaseException, workers: Iterable[Any] | None = None
                  ) -> LoaderWorkerError | None:
     """The worker death behind ``e`` (or an exception it was raised from), else None.
 
+    A batch that did not fit in ``/dev/shm`` counts: the worker is alive, but its batch is lost
+    (PyTorch's ``RuntimeError``, re-raised from the worker by the loaders' queue,
+    :class:`pipeline.data.readers.SizedLoader`).
+
     Args:
         e: an exception caught in the main process.
         workers: the DataLoader iterator's worker processes (``multiprocessing.Process``), when
-            at hand: a negative ``exitcode`` there names the signal PyTorch's message omits.
+            at hand: a negative ``exitcode`` there names the signal PyTorch's message omits, and
+            the pid of the worker whose batch did not fit in ``/dev/shm``.
 
     Returns:
-        A :class:`LoaderWorkerError`, or None when ``e`` is not a worker death.
+        A :class:`LoaderWorkerError` (a :class:`SharedMemoryError` for ``/dev/shm``), or None
+        when ``e`` is not a worker death.
     """
     if isinstance(e, LoaderWorkerError):
         return e
@@ -116,8 +197,19 @@ def worker_death(e: BaseException, workers: Iterable[Any] | None = None
         if m:
             pids = [int(p) for p in re.findall(r"\d+", m.group(1))]
             return _from_exit_codes(pids, workers)
+        if _SHM_FULL.search(text):
+            return SharedMemoryError(_worker_pid(text, workers))
         cur = cur.__cause__ or cur.__context__
     return None
+
+
+def _worker_pid(text: str, workers: Iterable[Any] | None) -> int | None:
+    """The pid of the worker PyTorch names by number in ``text`` (``Caught ... process 0.``)."""
+    m = _WORKER_ID.search(text)
+    procs = list(workers or ())
+    if m is None or int(m.group(1)) >= len(procs):
+        return None
+    return getattr(procs[int(m.group(1))], "pid", None)
 
 
 def dead_worker(workers: Iterable[Any]) -> LoaderWorkerError | None:

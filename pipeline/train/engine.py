@@ -36,7 +36,7 @@ from pipeline.data.views import (
     build_batch_view,
     build_eval_transform,
 )
-from pipeline.data.workers import LoaderWorkerError, shut_down, worker_death
+from pipeline.data.workers import LoaderWorkerError, SharedMemoryError, shut_down, worker_death
 from pipeline.errors import InputError
 from pipeline.moco.distributed import ranks_identical
 from pipeline.moco.geometry import small_crop_side
@@ -174,8 +174,11 @@ def worker_died(r: Run, died: LoaderWorkerError) -> BaseException:
     is whole, so a checkpoint is written at the current step; inside a step the one on disk
     stands, and its step is read from the file (the death can surface while it is written).
     When this process also received SIGTERM/SIGINT (a signal to the whole process group
-    reaches the worker first), it is that signal's :class:`Terminated`.
+    reaches the worker first), it is that signal's :class:`Terminated`. A batch that did not
+    fit in ``/dev/shm`` advises ``pretrain.num_workers: 0`` too.
     """
+    if isinstance(died, SharedMemoryError):
+        died = died.with_workers_key("pretrain.num_workers")
     if not r.in_step:
         save_checkpoint(r)
         where = f"checkpoint written at step {r.state.step} to {r.ckpt.path}"

@@ -1,8 +1,10 @@
 """Resources: a full disk while writing a checkpoint or shards fails cleanly, keeps the previous
-file/shards byte-identical and leaves no temp file.
+file/shards byte-identical and leaves no temp file; a full ``/dev/shm`` stops the pretrain stage
+with one line instead of a hang (pytorch/pytorch#5040).
 
-The stage-level tests use a real, tiny tmpfs (``mount -t tmpfs``, root only; skipped
-elsewhere); the library-level tests simulate ENOSPC inside :func:`pipeline.atomic.write_atomic`.
+The stage-level tests use a real, tiny tmpfs (``mount -t tmpfs``, root only or in a mount
+namespace; skipped elsewhere); the library-level tests simulate ENOSPC inside
+:func:`pipeline.atomic.write_atomic`.
 """
 
 from __future__ import annotations
@@ -11,17 +13,20 @@ import errno
 import os
 import shutil
 import subprocess
+import time
 
 import numpy as np
 import pytest
 import torch
-from helpers import run_pretrain
+from helpers import build_tiny_shards, processes_in, run_pretrain, says, small_shm
 from PIL import Image
 from relhelpers import (
     leftover_temp_files,
     load_state,
     run_stage,
     same_tensors,
+    stage_cmd,
+    stage_env,
     store_path,
     tree_digest,
     write_params,
@@ -83,6 +88,29 @@ def test_pretrain_stage__disk_full_at_checkpoint__previous_checkpoint_intact(
     r = run_stage("pretrain", wd)
     assert r.returncode == 0, r.stderr[-3000:]
     assert same_tensors(load_state(wd / "models/encoder.pt"), reference_encoder)
+
+
+@pytest.mark.slow
+def test_pretrain_stage__dev_shm_full__one_error_line_exit_no_worker_left(tmp_path):
+    # 128 x 128 grey images: a batch of 16 is 256 KiB, twice the 128 KiB /dev/shm, which holds
+    # the loader's queues (about 40 KiB of semaphores)
+    wd = tmp_path / "wd"
+    build_tiny_shards(wd / "data/shards", n_pretrain=64, n_train=16, n_test=16, size=128)
+    write_params(wd / "params.yaml", {"pretrain": {"num_workers": 1}}, mlflow=False)
+
+    t0 = time.monotonic()
+    r = subprocess.run([*small_shm("128k"), *stage_cmd("pretrain")], cwd=wd, env=stage_env(None),
+                       capture_output=True, text=True, timeout=120)  # today: waits forever
+    assert time.monotonic() - t0 < 60
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == [r.stderr.strip().splitlines()[-1]], r.stderr[-3000:]
+    says(errors[0], "error: SharedMemoryError: shared memory /dev/shm (size 128 KiB,",
+         "a batch of DataLoader worker (pid ", "--shm-size", "`pretrain.num_workers: 0`",
+         "checkpoint written at step 0")
+    assert " step 1/" not in r.stderr  # no step ran
+    assert processes_in(wd) == []  # the stage and its worker are gone
 
 
 @pytest.mark.slow
