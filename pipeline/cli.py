@@ -67,13 +67,16 @@ def stage_entry(name: str, run: Callable[[Params], None]) -> NoReturn:
 
 
 def stage_main(name: str, run: Callable[[Params], None], argv: list[str] | None = None) -> int:
-    """Parse ``--params``, validate the whole file, then call ``run(params)``.
+    """Parse ``--params``, validate the whole file, call ``run(params)``, check the inputs.
 
     Invalid params print ONE message naming the key and exit with code 2 before any work (also
     a :class:`~pipeline.config.ParamsError` from the stage body: a param that only the data can
     refute, such as ``embed.pool_grid`` against the shards' image size). A
     :class:`~pipeline.signals.Terminated` (SIGTERM/SIGINT) prints one line and returns
-    128 + signum.
+    128 + signum. A param (listed in ``dvc.yaml``) or a code file that changed while the stage
+    ran is one ``error: InputsChanged`` line and exit 1 (:mod:`pipeline.stage_inputs`): DVC
+    records a stage's params and deps when it ends, so it would record the new ones against
+    outputs computed from the old.
 
     Args:
         name: stage name (for ``--help``).
@@ -100,14 +103,17 @@ def _stage_main(name: str, run: Callable[[Params], None], argv: list[str] | None
     args = parser.parse_args(argv)
     setup_logging()
     from pipeline.config import ParamsError, load_params
+    from pipeline.stage_inputs import snapshot
 
     try:
+        inputs = snapshot(name, args.params)  # before the read: an edit in between is refused
         params = load_params(args.params)
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         run(params)
+        inputs.check()  # what DVC is about to record is what the stage read (dvc#11058)
     except ParamsError as e:  # a param that only the data can refute (checked before any work)
         # name the file as load_params does: "params.yaml: 'moco.K' = ...", not "params: ..."
         print(f"error: {args.params}: {str(e).removeprefix('params: ')}", file=sys.stderr)

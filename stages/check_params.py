@@ -54,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipeline.atomic import write_json
     from pipeline.config import ParamsError, check_params_file
+    from pipeline.stage_inputs import InputsChanged, snapshot
 
     try:
+        inputs = snapshot("check_params", args.params)  # params.yaml is a dep: its bytes
         params = check_params_file(args.params)
         if os.environ.get("DVC_ROOT"):  # run by DVC: its outputs must stay in the repository
             check_outputs_inside(params.data.shards_dir, Path.cwd())
@@ -63,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     write_json(args.stamp, STAMP)
+    try:
+        inputs.check()  # DVC records params.yaml's hash as the file checked (dvc#11058)
+    except InputsChanged as e:
+        print(f"error: InputsChanged: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

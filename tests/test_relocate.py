@@ -2,7 +2,9 @@
 
 A tiny encoder is published and scored by the stages' functions in a repo logging to its own
 ``mlflow.db`` (as ``make run`` does), the repo is moved with a rename, and a fresh process loads
-``models:/moco-encoder@champion`` before (it fails: mlflow#3144) and after the command.
+``models:/moco-encoder@champion`` before (it fails: mlflow#3144) and after the command. The
+README's way of loading (:func:`pipeline.tracking.resolve_model_uri`) loads it before the
+command too, or says in one line to run it.
 """
 
 from __future__ import annotations
@@ -18,10 +20,15 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
+from helpers import says
 from registryhelpers import publish, score, train_tiny
+from test_readme import readme_block
 
-from pipeline.tracking import find_experiment_id, open_experiment
+from pipeline.tracking import TrackingError, find_experiment_id, open_experiment, resolve_model_uri
 from pipeline.tracking.relocate import _moved
+
+REPO = Path(__file__).resolve().parents[1]
+CHAMPION = "models:/moco-encoder@champion"
 
 LOAD = """
 import sys, torch, mlflow
@@ -64,6 +71,67 @@ def _under(db: Path, root: Path) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     return train_tiny(tmp_path_factory.mktemp("trained"))
+
+
+@pytest.fixture(scope="module")
+def moved(trained, tmp_path_factory) -> tuple[Path, Path]:
+    """``(old root, new root)``: a repo that published and scored its encoder, then ``mv``-ed."""
+    base = tmp_path_factory.mktemp("moved")
+    repo, new = base / "repo", base / "moved"
+    shutil.copytree(trained, repo)
+    mp = pytest.MonkeyPatch()
+    mp.chdir(repo)
+    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{repo / 'mlflow.db'}")
+    try:
+        publish()
+        assert score("linear", 80.0) == 1
+    finally:
+        mp.undo()
+        mlflow.set_tracking_uri(None)
+    repo.rename(new)
+    return repo, new
+
+
+def test_readme_registry_snippet__moved_repo__loads_before_relocating(moved):
+    old, new = moved
+    # the README's snippet as a user runs it in the moved repo: its own ./mlflow.db
+    out = subprocess.run([sys.executable, "-c", readme_block("Use the trained encoder", 1)],
+                         cwd=new, env=_env(PYTHONPATH=str(REPO)), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "torch.Size([1, 32])"  # width 4: 8 * 4
+    says(out.stderr, f"{CHAMPION}: the MLflow database names {old}, which is gone",
+         "python -m pipeline relocate-mlflow")
+    # the folder it loads: the recorded one with the old root replaced, read with plain SQL
+    con = sqlite3.connect(new / "mlflow.db")
+    (location,) = con.execute("SELECT storage_location FROM model_versions").fetchone()
+    con.close()
+    assert location.startswith(old.as_uri() + "/")  # the database is not changed
+    folder = new / location[len(old.as_uri()) + 1:]
+    uri = f"sqlite:///{new / 'mlflow.db'}"
+    assert resolve_model_uri(CHAMPION, tracking=uri) == str(folder)
+    assert resolve_model_uri(CHAMPION + "/MLmodel", tracking=uri) == str(folder / "MLmodel")
+    from pipeline.evaluate.run.embed import load_encoder
+
+    x = torch.randn(4, 1, 16, 16)
+    eager, _ = load_encoder(new / "models/encoder.pt", pool_grid=1)
+    with torch.no_grad():
+        assert torch.equal(mlflow.pytorch.load_model(str(folder)).eval()(x), eager.eval()(x))
+
+
+def test_resolve_model_uri__moved_without_its_artifacts__one_line_names_the_command(moved):
+    old, new = moved
+    uri = f"sqlite:///{new / 'mlflow.db'}"
+    (new / "mlartifacts").rename(new / "elsewhere")  # e.g. moved without mlartifacts/
+    try:
+        with pytest.raises(TrackingError) as e:
+            resolve_model_uri(CHAMPION, tracking=uri)
+    finally:
+        (new / "elsewhere").rename(new / "mlartifacts")
+    text = str(e.value)
+    assert "\n" not in text
+    says(text, CHAMPION, f"recorded at {old / 'mlartifacts'}/", str(new / "mlartifacts"),
+         "`python -m pipeline relocate-mlflow`")
 
 
 def test_relocate_mlflow__moved_repo__champion_loads_again(trained, tmp_path, monkeypatch):

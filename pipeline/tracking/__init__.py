@@ -15,6 +15,7 @@ edit reruns no stage. The names below are the ones stages and users import most.
 """
 
 from pipeline.tracking.provenance import git_state, loggable_params
+from pipeline.tracking.relocate import resolve_model_uri
 from pipeline.tracking.runs import StageRun, read_run_id, read_run_record, stage_run
 from pipeline.tracking.store import (
     TrackingError,
@@ -27,4 +28,5 @@ from pipeline.tracking.ui import experiment_ui_url, find_experiment_id, ui_url
 
 __all__ = ["StageRun", "TrackingError", "error_summary", "experiment_ui_url",
            "find_experiment_id", "git_state", "loggable_params", "open_experiment",
-           "read_run_id", "read_run_record", "repo_root", "stage_run", "tracking_uri", "ui_url"]
+           "read_run_id", "read_run_record", "repo_root", "resolve_model_uri", "stage_run",
+           "tracking_uri", "ui_url"]

@@ -11,15 +11,31 @@ and the ``repo.root`` tags of experiments and runs (:mod:`pipeline.tracking.runs
 datasets' sources (where the shards were read) stay as recorded: they are history.
 
 The rewrite goes through SQLAlchemy with MLflow's own table definitions, in one transaction.
+
+Before it runs, :func:`resolve_model_uri` still finds a moved repo's models: a ``models:/`` URI
+whose recorded artifacts lie under a root that is gone, while the same ``mlartifacts/...`` path
+exists beside the database (or in this repo), resolves to that folder, which
+``mlflow.pytorch.load_model`` and ``mlflow.models.get_model_info`` load as they are; a model
+found nowhere is one line naming ``python -m pipeline relocate-mlflow``. It writes nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from pipeline.tracking.store import ARTIFACTS_DIR, TrackingError, repo_root, tracking_uri, uri_path
+from pipeline.tracking.store import (
+    ARTIFACTS_DIR,
+    TrackingError,
+    local_db,
+    repo_root,
+    tracking_uri,
+    uri_path,
+)
+
+log = logging.getLogger(__name__)
 
 ROOT_TAG = "repo.root"
 
@@ -164,3 +180,74 @@ def relocate_main(old: str | None = None, new: str | None = None) -> int:
         print(f"error: relocate-mlflow: {error_summary(e)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _model_location(uri: str, tracking: str) -> str:
+    """Where the database says a ``models:/`` URI's artifacts are (MLflow's own resolution).
+
+    ``models:/<name>@<alias>`` and ``models:/<name>/<version>``: the version's download URI;
+    ``models:/<model id>``: the logged model's artifact location. A path after the model
+    (``models:/<name>/1/MLmodel``) is appended.
+    """
+    from mlflow import MlflowClient
+    from mlflow.store.artifact.models_artifact_repo import ModelsArtifactRepository
+    from mlflow.store.artifact.utils.models import get_model_name_and_version
+
+    client = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
+    base, sub = ModelsArtifactRepository.split_models_uri(uri)
+    found = get_model_name_and_version(client, base)
+    location = (client.get_logged_model(found[0]).artifact_location if len(found) == 1
+                else client.get_model_version_download_uri(*found))
+    return f"{location.rstrip('/')}/{sub}" if sub else location
+
+
+def resolve_model_uri(uri: str, tracking: str | None = None) -> str:
+    """A ``models:/`` URI that loads, also from a repo moved since the model was logged.
+
+    Logging straight to a database, MLflow records artifact locations as absolute paths; after
+    ``mv repo repo2`` every registered version fails to load (``No such artifact: ''``,
+    mlflow#3144) until :func:`relocate` rewrites them. This finds the moved folder instead: when
+    the recorded folder is gone, the root above its ``mlartifacts`` is gone too, and the same
+    ``mlartifacts/...`` path exists beside the database (or under :func:`repo_root`), that
+    folder is returned, with a warning naming ``python -m pipeline relocate-mlflow`` (after it,
+    plain MLflow calls load the model too). The database is not changed.
+
+    Args:
+        uri: ``models:/<name>@<alias>``, ``models:/<name>/<version>`` or ``models:/<model id>``;
+            any other URI is returned as it is.
+        tracking: the tracking URI (default :func:`~pipeline.tracking.store.tracking_uri`).
+
+    Returns:
+        ``uri`` itself when its artifacts are where the database says (or remote), else the
+        absolute path of the moved folder: pass either to ``mlflow.pytorch.load_model``,
+        ``mlflow.pyfunc.load_model`` or ``mlflow.models.get_model_info``.
+
+    Raises:
+        TrackingError: the recorded folder is gone and no moved copy is found; one line that
+            names ``python -m pipeline relocate-mlflow``.
+        MlflowException: no such model, version or alias (MLflow's message).
+    """
+    if not uri.startswith("models:/"):
+        return uri
+    tracking = tracking or tracking_uri()
+    path = uri_path(_model_location(uri, tracking))
+    if path is None or Path(path).exists():
+        return uri
+    parts = Path(path).parts
+    at = max((i for i, part in enumerate(parts) if part == ARTIFACTS_DIR), default=None)
+    db = local_db(tracking)
+    roots = list(dict.fromkeys(r.resolve() for r in ([db.parent] if db else []) + [repo_root()]))
+    if at is not None and not Path(*parts[:at]).exists():
+        old = Path(*parts[:at])
+        for root in roots:
+            moved = root.joinpath(*parts[at:])
+            if moved.exists():
+                log.warning("%s: the MLflow database names %s, which is gone; loading %s (the "
+                            "repo was moved: `python -m pipeline relocate-mlflow` repoints the "
+                            "database, so that plain MLflow calls load it too)", uri, old, moved)
+                return str(moved)
+    where = " or ".join(str(r / ARTIFACTS_DIR) for r in roots)
+    raise TrackingError(f"{uri}: its artifacts are recorded at {path}, which does not exist, "
+                        f"and are not under {where} either: if the repo was moved, run "
+                        "`python -m pipeline relocate-mlflow` in it (`--from OLD_ROOT` names "
+                        "where it was; docs/tracking.md#a-moved-repo)")
