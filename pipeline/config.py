@@ -54,32 +54,27 @@ def _rule(ok: Callable[[Any], bool], allowed: str) -> AfterValidator:
 INT_MAX = 2**31 - 1  # counts end up as C ints (torch.set_num_threads, sizes): larger overflow
 
 
-def _workers(value: Any) -> int | str:  # "auto" or an unquoted count (not a bool, not "2")
-    if value == "auto" and type(value) is str or type(value) is int and 0 <= value <= INT_MAX:
-        return value
-    raise ValueError(f"auto or an integer >= 0 (at most {INT_MAX}), without quotes")
+def _count_or(words: tuple[str, ...], least: int) -> PlainValidator:
+    """One of ``words`` or an unquoted count >= ``least`` (not a bool, not "2")."""
+    def check(v: Any) -> int | str:
+        if v in words and type(v) is str or type(v) is int and least <= v <= INT_MAX:
+            return v
+        raise ValueError(f"{', '.join(words)} or an integer >= {least} (at most {INT_MAX}), "
+                         "without quotes")
 
-
-def _threads(value: Any) -> int | str:  # "auto", "probe" or an unquoted count >= 1
-    if (value in ("auto", "probe") and type(value) is str
-            or type(value) is int and 0 < value <= INT_MAX):
-        return value
-    raise ValueError(f"auto, probe or an integer >= 1 (at most {INT_MAX}), without quotes")
+    return PlainValidator(check)
 
 
 PosInt = Annotated[int, _rule(lambda v: 0 < v <= INT_MAX, f"> 0 (at most {INT_MAX})")]
 NonNegInt = Annotated[int, _rule(lambda v: 0 <= v <= INT_MAX, f">= 0 (at most {INT_MAX})")]
 PosFloat = Annotated[float, _rule(lambda v: math.isfinite(v) and v > 0, "a finite number > 0")]
-NonNegFloat = Annotated[float, _rule(lambda v: math.isfinite(v) and v >= 0,
-                                    "a finite number >= 0")]
+NonNegFloat = Annotated[float, _rule(lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")]
 Fraction = Annotated[float, _rule(lambda v: 0 <= v < 1, "0 <= x < 1")]
 Epochs = Annotated[list[int], _rule(lambda v: all(0 < m <= INT_MAX for m in v)
                                     and v == sorted(v), "increasing positive epochs")]
 Counts = Annotated[list[int], _rule(lambda v: bool(v) and 0 < min(v) and max(v) <= INT_MAX
                                     and v == sorted(set(v)),
                                     "a non-empty list of increasing counts, each >= 1")]
-Workers = Annotated[int | str, PlainValidator(_workers)]
-Threads = Annotated[int | str, PlainValidator(_threads)]
 
 
 class Section(BaseModel):
@@ -102,11 +97,9 @@ class MlflowParams(Section):
 class DataParams(Section):
     """Where the images come from and how they are sharded (docs/data.md).
 
-    ``max_*_images = 0`` means "all"; ``max_pretrain_images`` caps the BUILT pretrain split (the
-    labelled source's part and ``unlabelled_root`` together), not ``pretrain_shards``, which are
-    read whole. The pretraining images are the union of the labelled source's pretrain split
-    (``pretrain_labelled``), the ``unlabelled_root`` tree and the ``pretrain_shards`` read in
-    place; the rules that involve the data are :mod:`pipeline.data.checks`'.
+    Pretraining reads the labelled source's pretrain split (``pretrain_labelled``), the
+    ``unlabelled_root`` tree (both capped by ``max_pretrain_images``; ``max_*_images`` 0 = all)
+    and the ``pretrain_shards`` read whole in place; data rules: :mod:`pipeline.data.checks`.
     """
 
     source: DataSource = DataSource.fashion_mnist
@@ -179,8 +172,9 @@ class PretrainParams(Section):
     precision: PrecisionName = PrecisionName.auto
     channels_last: Switch = Switch.auto  # auto = CUDA only
     compile: Switch = Switch.auto  # torch.compile of the encoders (pipeline.train.runtime)
-    num_threads: Threads = "auto"  # CPU intra-op threads (pipeline.train.runtime.setup_threads)
-    num_workers: Workers = 1  # loader processes (pipeline.train.runtime.resolve_num_workers)
+    # CPU threads, loader processes: pipeline.train.runtime (setup_threads, resolve_num_workers)
+    num_threads: Annotated[int | str, _count_or(("auto", "probe"), 1)] = "auto"
+    num_workers: Annotated[int | str, _count_or(("auto",), 0)] = 1
     decode: DecodeOn = DecodeOn.workers  # where whole-image shards' JPEGs (data.max_side) decode
     deterministic: bool = True
     checkpoint_every_epochs: PosInt = 1

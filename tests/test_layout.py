@@ -26,9 +26,11 @@ from pipeline.codegraph import REPO, imported_modules, module_files, runs_no_cod
 # (layer, module prefixes); the longest matching prefix decides; "=name" matches name only (a
 # package's __init__, which re-exports its modules)
 LAYERS = [
-    # the package's __init__ (a docstring), params and their pure checks (no torch, no I/O)
+    # the package's __init__ (a docstring), params and their pure checks (no torch, no I/O),
+    # what a stage read (stage_inputs: params and code deps, compared at its end)
     (0, ["=pipeline", "pipeline.config", "pipeline.atomic", "pipeline.signals", "pipeline.seeds",
          "pipeline.schedules", "pipeline.choices", "pipeline.errors", "pipeline.codegraph",
+         "pipeline.stage_inputs",
          "pipeline.data.checks", "pipeline.moco.geometry"]),
     # raw dataset readers, URLs, worker deaths, image views, image modes
     (1, ["pipeline.data.remote", "pipeline.data.external", "pipeline.data.workers",

@@ -63,7 +63,7 @@ def _other_values(p: Params, dotted: str) -> list[Any]:
         return [value * 2 if value else 0.5, value / 2, value + 0.1]
     if isinstance(value, list):
         return [value + [value[-1] + 1] if value else [1], value[:-1]]
-    return [value + "x"]
+    return [value + "x", *(w for w in ("auto", "probe") if w != value), 1]  # text, or a count
 
 
 def _changed(p: Params, dotted: str) -> Params:
