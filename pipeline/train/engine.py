@@ -248,7 +248,7 @@ def _train_steps(r: Run, batches: Iterator[Any], epoch: int, stop_at: int) -> No
             if r.bar.disable and r.rt.is_main:
                 log.info(format_row(row, plan.total_steps))
         if s % spe == 0:
-            record_monitor(r, s // spe)
+            record_monitor(r, s // spe, last=s == plan.total_steps)
         if r.stop.raised:
             save_checkpoint(r)
             raise Terminated(f"{signal_name(r.stop.signum)}: checkpoint written at step {s} to "
@@ -258,14 +258,15 @@ def _train_steps(r: Run, batches: Iterator[Any], epoch: int, stop_at: int) -> No
         r.in_step = False
 
 
-def record_monitor(r: Run, epoch: int) -> None:
-    """The monitor after ``epoch`` epochs, when due (rank 0): rows, and MLflow metrics.
+def record_monitor(r: Run, epoch: int, *, last: bool = False) -> None:
+    """The monitor after ``epoch`` epochs, when due (rank 0; ``last``: the training's last
+    epoch, always due): rows, and MLflow metrics.
 
     The kNN part (with labels) appends to ``knn_rows`` and logs ``monitor_knn_top1/5``; the
     label-free part to ``labelfree_rows``, logging ``labelfree_rankme``, ``_alignment``,
     ``_uniformity``. Neither touches the training RNG or the weights (eval mode, forked RNG).
     """
-    if not (r.rt.is_main and r.monitor.due(epoch)):
+    if not (r.rt.is_main and r.monitor.due(epoch, last=last)):
         return
     step = epoch * r.plan.steps_per_epoch
     backbone = r.net.encoder_q.backbone

@@ -98,6 +98,20 @@ def test_pretrain__labelfree_curve_in_plots_metrics_and_resume(tmp_path):
                                                            ).read_bytes()
 
 
+def test_pretrain__end_values_are_taken_after_the_last_epoch_whatever_the_cadence(tmp_path):
+    # every 2 epochs of 3: the monitor runs after epochs 0 and 2, and after the last one, so
+    # metrics/pretrain.json's end values are epoch 3's (they were epoch 2's)
+    shards = build_tiny_shards(tmp_path / "s")
+    over = {"pretrain": {"epochs": 3, "knn_every_epochs": 2, "knn_monitor_train_images": 32,
+                         "knn_monitor_test_images": 16, "labelfree_images": 64}}
+    m = run_pretrain(shards, tmp_path / "out", over)
+    for name in ("labelfree.tsv", "knn.tsv"):
+        rows = [r.split("\t") for r in (tmp_path / "out" / name).read_text().splitlines()[1:]]
+        assert [r[:2] for r in rows] == [["0", "0"], ["2", "24"], ["3", "36"]], name
+    last = (tmp_path / "out/labelfree.tsv").read_text().splitlines()[-1].split("\t")
+    assert float(last[2]) == pytest.approx(m["rankme"], rel=1e-5)
+
+
 def test_pretrain__labelfree_without_labels(tmp_path):
     # data.source none: no labelled train/test images, so no kNN; the label-free curve stays
     from pipeline.data.build import empty_split
