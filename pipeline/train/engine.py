@@ -259,8 +259,9 @@ def _train_steps(r: Run, batches: Iterator[Any], epoch: int, stop_at: int) -> No
 
 
 def record_monitor(r: Run, epoch: int, *, last: bool = False) -> None:
-    """The monitor after ``epoch`` epochs, when due (rank 0; ``last``: the training's last
-    epoch, always due): rows, and MLflow metrics.
+    """The monitor after ``epoch`` epochs, when due (rank 0): rows, and MLflow metrics.
+
+    ``last``: the training's last epoch, always due.
 
     The kNN part (with labels) appends to ``knn_rows`` and logs ``monitor_knn_top1/5``; the
     label-free part to ``labelfree_rows``, logging ``labelfree_rankme``, ``_alignment``,

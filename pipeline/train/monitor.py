@@ -164,8 +164,10 @@ class Monitor:
     labelfree: LabelFreeProbe | None = None
 
     def due(self, epoch: int, *, last: bool = False) -> bool:
-        """Whether the monitor runs at the end of ``epoch``: every ``every_epochs``, and after
-        the last epoch whatever the cadence (the end values are always end values).
+        """Whether the monitor runs at the end of ``epoch``.
+
+        Every ``every_epochs`` epochs, and after the last epoch (``last``) whatever the cadence:
+        the end values are always end values.
         """
         return (self.every_epochs > 0 and (epoch % self.every_epochs == 0 or last)
                 and (self.knn is not None or self.labelfree is not None))
