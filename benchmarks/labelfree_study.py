@@ -118,6 +118,8 @@ def measure(name: str, *, shards: Path, work: Path, **sizes: int) -> list[dict]:
     from pipeline.evaluate.run.embed import build_encoder
 
     out = work / name
+    if not (out / "encoder.json").exists():
+        return []  # not started yet
     meta = json.loads((out / "encoder.json").read_text())
     cands, rows = None, []
     for pt in sorted((out / "epochs").glob("epoch-*.pt")):
@@ -138,6 +140,170 @@ def measure(name: str, *, shards: Path, work: Path, **sizes: int) -> list[dict]:
     return rows
 
 
+class Projected:
+    """A backbone whose features are projected onto their top ``rank`` right singular vectors
+    (fitted on ``sample``, uncentred): an encoder whose output has rank exactly ``rank``;
+    ``rank`` 0 = a constant output (the sample's mean feature)."""
+
+    def __new__(cls, backbone: Any, sample: Any, rank: int) -> Any:
+        import torch
+        from torch import nn
+
+        class _P(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.backbone = backbone
+                with torch.no_grad():
+                    f = backbone.eval()(sample).double()
+                basis = torch.linalg.svd(f, full_matrices=False).Vh[:rank]  # (rank, D)
+                self.register_buffer("mu", f.mean(dim=0).float())
+                self.register_buffer("basis", basis.float())
+
+            def forward(self, x: Any) -> Any:
+                if rank == 0:
+                    return self.mu.expand(x.shape[0], -1)
+                return (self.backbone(x) @ self.basis.T) @ self.basis
+
+        return _P()
+
+
+def known(run: str, *, shards: Path, work: Path, **sizes: int) -> list[dict]:
+    """Encoders known by construction, from run ``run``'s kept epochs: its last epoch (trained),
+    that encoder projected to rank 4 and rank 1, a constant output, its random init."""
+    from pipeline.atomic import write_json
+    from pipeline.data.views import build_eval_transform
+    from pipeline.evaluate.run.embed import build_encoder
+    from pipeline.train.monitor import KnnMonitor
+
+    out = work / run
+    meta = json.loads((out / "encoder.json").read_text())
+    pts = sorted((out / "epochs").glob("epoch-*.pt"))
+    cands = _candidates(run, shards, **sizes)
+    p = run_params(run)
+    from pipeline.data.manifest import read_manifest
+    from pipeline.data.shards import image_spec
+
+    spec = image_spec(read_manifest(shards / "pretrain"), shards / "pretrain")
+    knn = KnnMonitor(shards, transform=build_eval_transform(spec.size, spec.mean, spec.std),
+                     device=torch_device(), n_train=p.pretrain.knn_monitor_train_images,
+                     n_test=p.pretrain.knn_monitor_test_images)
+    sample = (cands.images[:2048].float() / 255 - cands.mean) / cands.std
+    trained = build_encoder(torch_load(pts[-1]), meta)[0].eval()
+    encoders = {"trained": lambda: trained,
+                "rank4": lambda: Projected(trained, sample, 4),
+                "rank1": lambda: Projected(trained, sample, 1),
+                "constant": lambda: Projected(trained, sample, 0),
+                "random_init": lambda: build_encoder(torch_load(pts[0]), meta)[0]}
+    rows = []
+    for name, make in encoders.items():
+        cached = out / f"known-{name}.json"
+        if not cached.exists():
+            net = make().eval()
+            write_json(cached, {"encoder": name, **knn(net), **cands(net)})
+        rows.append({"run": run, **json.loads(cached.read_text())})
+        log.info("%s", json.dumps(rows[-1]))
+    return rows
+
+
+# each candidate's direction (+1: higher = better); kNN top-1 is the reference
+DIRECTION = {"knn_top1": 1, "rankme_2048": 1, "rankme_25600": 1, "alignment": -1,
+             "uniformity": -1, "view_top1_2048": 1, "view_top1_512": 1, "lidar": 1,
+             "kmeans_silhouette": 1, "kmeans_view_agreement": 1, "inst_top1": 1, "loss": -1}
+OLD_STUDY = Path("results/labelfree-correlation-2026-12-06.json")
+
+
+def within_run(rows: list[dict]) -> dict[str, dict]:
+    """Per candidate: Spearman rho with kNN top-1 along the run's epochs, all of them and
+    without the random init (epoch 0)."""
+    from scipy.stats import spearmanr
+
+    out = {}
+    for k in DIRECTION:
+        if k == "knn_top1":
+            continue
+        res = {}
+        for label, rs in (("all_epochs", rows), ("trained_epochs", rows[1:])):
+            have = [r for r in rs if r.get(k) is not None and r.get("knn_top1") is not None]
+            if len(have) >= 3:
+                rho, pval = spearmanr([r[k] for r in have], [r["knn_top1"] for r in have])
+                res[label] = {"rho": round(float(rho), 4), "p": float(f"{pval:.3g}"),
+                              "points": len(have)}
+        if res:
+            out[k] = res
+    return out
+
+
+def trend_verdicts(rows: list[dict], fractions: tuple[float, ...] = (0.05, 0.1, 0.2)
+                   ) -> dict[str, dict]:
+    """Per candidate and tolerance: its within-run verdict (:func:`pipeline.evaluate.verdict.
+    trend`), beside kNN top-1's own at the same tolerance."""
+    from pipeline.evaluate.verdict import describe, trend
+
+    out: dict[str, dict] = {}
+    for k, sign in DIRECTION.items():
+        have = [r for r in rows if r.get(k) is not None]
+        if len(have) < 3 or have[0]["epoch"] != 0:
+            continue
+        out[k] = {str(f): describe(*trend([r["epoch"] for r in have], [r[k] for r in have],
+                                          higher_is_better=sign > 0, fraction=f))
+                  for f in fractions}
+    return out
+
+
+def old_runs() -> dict[str, list[dict]]:
+    """The 3-epoch runs of the cross-run study, per variant (epoch 0 = the shared init)."""
+    enc = json.loads(OLD_STUDY.read_text())["encoders"]
+    inits = {r["variant"]: r for r in enc if r["epoch"] == 0}
+    runs: dict[str, list[dict]] = {}
+    for r in enc:
+        runs.setdefault(r["variant"], []).append(r)
+    for rs in runs.values():
+        if rs[0]["epoch"] != 0:  # shares the default width's init
+            rs.insert(0, inits["default"])
+    return {k: [{**r, "rankme_2048": r["rankme"]} for r in v] for k, v in runs.items()}
+
+
+def analyse(work: Path, runs: list[str]) -> dict:
+    """The study's JSON: per run its rows, within-run rho and verdicts; across-run rho over
+    the cross-run study's encoders plus these runs' ends; the known encoders."""
+    from scipy.stats import spearmanr
+
+    result: dict[str, Any] = {"runs": {}, "short_runs": {}, "known": []}
+    for name in runs:
+        rows = [json.loads(f.read_text()) | {"epoch": int(f.name[6:9])}
+                for f in sorted((work / name / "epochs").glob("epoch-*.cand.json"))]
+        monitor = {int(f.name[6:9]): json.loads(f.read_text())
+                   for f in sorted((work / name / "epochs").glob("epoch-???.json"))}
+        for r in rows:
+            m = monitor[r["epoch"]]
+            r.update(knn_top1=(m["knn"] or {}).get("knn_top1"),
+                     inst_top1=(m["train"] or {}).get("inst_top1"),
+                     loss=(m["train"] or {}).get("loss"))
+        result["runs"][name] = {"epochs_measured": len(rows), "rows": rows,
+                                "within_run_spearman": within_run(rows),
+                                "verdicts": trend_verdicts(rows)}
+        result["known"] += [{"run": name, **json.loads(f.read_text())}
+                            for f in sorted((work / name).glob("known-*.json"))]
+    for name, rows in old_runs().items():
+        result["short_runs"][name] = {"within_run_spearman": within_run(rows),
+                                      "verdicts": trend_verdicts(rows)}
+    old = [r | {"rankme_2048": r["rankme"]} for r in json.loads(OLD_STUDY.read_text())["encoders"]]
+    ends = [v["rows"][-1] for v in result["runs"].values() if v["rows"]]
+    across = {}
+    for k in ("rankme_2048", "alignment", "uniformity"):
+        pts = [(r[k], r["knn_top1"]) for r in old + ends if r.get(k) is not None]
+        rho, pval = spearmanr(*zip(*pts))
+        across[k] = {"rho": round(float(rho), 4), "p": float(f"{pval:.3g}"), "encoders": len(pts)}
+    result["across_runs_spearman"] = across
+    return result
+
+
+def torch_device() -> Any:
+    import torch
+
+    return torch.device("cpu")
+
+
 def torch_load(path: Path) -> Any:
     import torch
 
@@ -146,7 +312,7 @@ def torch_load(path: Path) -> Any:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("command", choices=("train", "measure", "analyse"))
+    ap.add_argument("command", choices=("train", "measure", "known", "analyse"))
     ap.add_argument("runs", nargs="*")
     ap.add_argument("--shards", type=Path, default=Path("data/shards"))
     ap.add_argument("--work", type=Path, default=WORK)
@@ -172,6 +338,23 @@ def main() -> None:
                  if v is not None}
         for name in args.runs or list(RUNS):
             measure(name, shards=args.shards, work=args.work, **sizes)
+    elif args.command == "known":
+        import torch
+
+        torch.set_num_threads(args.threads or 1)
+        sizes = {k: v for k, v in (("n_rank", args.n_rank), ("n_views", args.n_views))
+                 if v is not None}
+        for name in args.runs or ["default"]:
+            known(name, shards=args.shards, work=args.work, **sizes)
+    else:
+        result = analyse(args.work, args.runs or list(RUNS))
+        text = json.dumps(result, indent=1) + "\n"
+        if args.out:
+            from pipeline.atomic import write_json
+
+            write_json(args.out, result)
+        else:
+            print(text)
 
 
 if __name__ == "__main__":

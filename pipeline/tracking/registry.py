@@ -35,9 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.atomic import read_json
 from pipeline.config import Params
 from pipeline.data.remote import ShardURL
 from pipeline.errors import InputError
+from pipeline.evaluate.verdict import TAG as VERDICT_TAG
 from pipeline.tracking.model import log_encoder
 from pipeline.tracking.provenance import git_state
 from pipeline.tracking.runs import StageRun, read_run_record
@@ -145,12 +147,15 @@ def _version_tags(params: Params, run: StageRun, encoder_path: Path,
     """A version's tags.
 
     ``training.fingerprint`` only where the training input is known: the pretrain stage, not
-    an evaluation stage that registers an encoder no version holds.
+    an evaluation stage that registers an encoder no version holds. ``verdict``: the training's
+    verdict (:mod:`pipeline.evaluate.verdict`) where ``encoder.json`` holds one.
     """
     import os
 
     git = git_state(Path.cwd())
     known = {FINGERPRINT_TAG: training.fingerprint} if training is not None else {}
+    said = (read_json(encoder_path.with_suffix(".json")) or {}).get("verdict")  # pretrain's
+    known.update({VERDICT_TAG: said} if said else {})
     return {"git.commit": git["git.commit"], "git.dirty": git["git.dirty"],
             "dvc.exp_name": os.environ.get("DVC_EXP_NAME", "workspace"),
             "params.digest": params_digest(params), EXPERIMENT_TAG: str(run.experiment_id),
@@ -309,7 +314,8 @@ def trusted_encoder(run: StageRun, *, params: Params, encoder_path: Path,
 
 def _logged_tags(client: Any, model_id: str) -> dict[str, str]:
     """The version tags a logged model was given when logged (see :func:`_version_tags`)."""
-    keys = ("git.commit", "git.dirty", "dvc.exp_name", "params.digest", EXPERIMENT_TAG, MD5_TAG)
+    keys = ("git.commit", "git.dirty", "dvc.exp_name", "params.digest", EXPERIMENT_TAG, MD5_TAG,
+            VERDICT_TAG)
     tags = client.get_logged_model(model_id).tags
     return {k: tags[k] for k in keys if k in tags}
 

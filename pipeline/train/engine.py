@@ -38,6 +38,8 @@ from pipeline.data.views import (
 )
 from pipeline.data.workers import LoaderWorkerError, SharedMemoryError, shut_down, worker_death
 from pipeline.errors import InputError
+from pipeline.evaluate.verdict import TAG as VERDICT_TAG
+from pipeline.evaluate.verdict import collapse_reason, verdict
 from pipeline.moco.distributed import ranks_identical
 from pipeline.moco.geometry import small_crop_side
 from pipeline.moco.model import MoCo, MocoOutput
@@ -265,7 +267,9 @@ def record_monitor(r: Run, epoch: int, *, last: bool = False) -> None:
 
     The kNN part (with labels) appends to ``knn_rows`` and logs ``monitor_knn_top1/5``; the
     label-free part to ``labelfree_rows``, logging ``labelfree_rankme``, ``_alignment``,
-    ``_uniformity``. Neither touches the training RNG or the weights (eval mode, forked RNG).
+    ``_uniformity``, with a warning when the encoder looks collapsed
+    (:func:`pipeline.evaluate.verdict.collapse_reason`). Neither touches the training RNG or the
+    weights (eval mode, forked RNG).
     """
     if not (r.rt.is_main and r.monitor.due(epoch, last=last)):
         return
@@ -279,6 +283,14 @@ def record_monitor(r: Run, epoch: int, *, last: bool = False) -> None:
         rows.append({"epoch": epoch, "step": step, **res})
         if r.tracking is not None:
             r.tracking.log_metrics({f"{prefix}{k}": v for k, v in res.items()}, step=step)
+        if part is r.monitor.labelfree and (why := collapse_reason(res, _max_rank(r))):
+            log.warning("pretrain: the encoder looks collapsed after epoch %d: %s", epoch, why)
+
+
+def _max_rank(r: Run) -> int:
+    """``min(N, D)`` of the label-free monitor: its images, the backbone's feature width."""
+    probe = r.monitor.labelfree
+    return min(len(probe), r.net.encoder_q.backbone.num_features) if probe is not None else 0
 
 
 def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augment: AugmentParams,
@@ -438,7 +450,11 @@ def _restore(ckpt: Checkpointer, net: MoCo, optimizer: torch.optim.Optimizer,
 
 def _finish(r: Run, model: ModelParams, encoder_path: Path, metrics_path: Path,
             plots_path: Path, knn_plots_path: Path) -> dict[str, float]:
-    """Final metrics; rank 0 exports; all ranks compare their queues (several processes).
+    """Final metrics and the verdict; rank 0 exports; all ranks compare their queues.
+
+    The verdict (:func:`pipeline.evaluate.verdict.verdict`, from the label-free monitor rows)
+    is a log line, ``verdict_code``/``verdict_epoch`` in the metrics, ``verdict`` in
+    ``encoder.json`` and the MLflow run's ``verdict`` tag; none without a label-free monitor.
 
     ``queue_ranks_identical`` (several processes only: one has nothing to compare) is 1 when
     every rank's queue (keys, pointer, write steps) is bit-identical to the others', 0 with a
@@ -455,13 +471,20 @@ def _finish(r: Run, model: ModelParams, encoder_path: Path, metrics_path: Path,
                         "(metrics/pretrain.json queue_ranks_identical 0)", r.rt.world_size)
     metrics["pretrain_images"] = r.pretrain_set.num_samples
     metrics["broken_images_skipped"] = r.pretrain_set.num_broken or 0
+    judged = verdict(r.state.labelfree_rows, _max_rank(r)) if r.rt.is_main else None
+    if judged is not None:
+        metrics.update(judged.metrics())
+        log.info("pretrain verdict: %s (%s)", judged.text, judged.why)
     if r.rt.is_main:
         export_outputs(r.net, model, in_channels=r.plan.spec.channels,
                        image_size=r.plan.spec.size, state=r.state, metrics=metrics,
                        encoder_path=encoder_path, metrics_path=metrics_path,
-                       plots_path=plots_path, knn_plots_path=knn_plots_path)
+                       plots_path=plots_path, knn_plots_path=knn_plots_path,
+                       verdict=judged.text if judged is not None else None)
         if r.tracking is not None:
             r.tracking.log_metrics({f"final_{k}": v for k, v in metrics.items()})
+            if judged is not None:
+                r.tracking.set_tags({VERDICT_TAG: judged.text})
     if r.rt.world_size > 1:
         dist.barrier()
     return metrics

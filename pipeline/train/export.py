@@ -113,8 +113,12 @@ def final_metrics(state: TrainState, *, total_steps: int, epochs: int, wall_s: f
 
 def export_outputs(net: MoCo, model: ModelParams, *, in_channels: int, image_size: int,
                    state: TrainState, metrics: dict[str, float], encoder_path: Path,
-                   metrics_path: Path, plots_path: Path, knn_plots_path: Path) -> None:
+                   metrics_path: Path, plots_path: Path, knn_plots_path: Path,
+                   verdict: str | None = None) -> None:
     """Write the encoder (plain BN, no ``fc``; ``.pt`` and ``.safetensors``), head, metrics.
+
+    ``verdict``: the run's verdict in words (:mod:`pipeline.evaluate.verdict`), kept in
+    ``encoder.json`` (not in the safetensors metadata: the weights' file stays the same).
 
     Also ``head.pt``, ``encoder.json`` and the curves: ``plots_path``, ``knn_plots_path`` and,
     beside it, :data:`LABELFREE_PLOT` (the label-free monitor rows). Every file is written
@@ -131,7 +135,8 @@ def export_outputs(net: MoCo, model: ModelParams, *, in_channels: int, image_siz
                  "hidden": model.head_hidden, "dim": model.dim,
                  "state_dict": {k: v.detach().cpu() for k, v in head.state_dict().items()}},
                 encoder_path.with_name("head.pt"))
-    write_json(encoder_path.with_suffix(".json"), meta)
+    write_json(encoder_path.with_suffix(".json"),
+               {**meta, "verdict": verdict} if verdict is not None else meta)
     write_metrics(metrics_path, metrics)
     write_tsv(plots_path, PLOT_COLUMNS, state.rows)
     write_tsv(knn_plots_path, ("epoch", "step", "knn_top1", "knn_top5"), state.knn_rows)

@@ -1,0 +1,182 @@
+"""One verdict per pretraining run, from the label-free monitor rows alone.
+
+The verdict answers three questions in order, each from the number the project's study found
+answering it (``results/labelfree-verdicts-2026-12-06.md``, :data:`STUDY_FILE`):
+
+1. **Collapsed?** (:func:`collapse_reason`): the effective rank of the features (RankMe on the
+   monitor's images) below :func:`collapse_threshold`: :data:`COLLAPSE_MIN_RANKME` (a constant
+   or rank-1 output), or :data:`COLLAPSE_SHARE` of the most it can be, ``min(N, D)`` (a
+   dimensional collapse). Checked at every monitor point (a warning while training) and at the
+   end.
+2. **No better than its random init?** (:func:`no_better_than_init`): the end's
+   :data:`ABSOLUTE` number not better than the random init's (epoch 0, the monitor's first row)
+   by more than :data:`INIT_MARGIN` of the init's value.
+3. **Still improving, plateaued since epoch E, or got worse after epoch E?** (:func:`trend`):
+   the :data:`TREND` number along the monitor epochs, with a tolerance of
+   :data:`PLATEAU_FRACTION` of the run's whole gain over its random init.
+
+A verdict is stored as numbers (:meth:`Verdict.metrics`: ``verdict_code`` and
+``verdict_epoch`` in ``metrics/pretrain.json``, whose leaves are numeric) and rendered as
+text by :func:`describe` from those two numbers alone, so every place that shows it (the
+console, ``models/encoder.json``, the MLflow run and model-version tag ``verdict``, the report)
+shows the same words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pipeline.errors import InputError
+
+STUDY_FILE = "results/labelfree-verdicts-2026-12-06.json"
+
+IMPROVING, PLATEAU, WORSE, NO_BETTER, COLLAPSED = 0, 1, 2, 3, 4  # verdict codes
+NO_EPOCH = -1  # ``verdict_epoch`` of a verdict that names no epoch
+TAG = "verdict"  # the MLflow run and model-version tag
+
+COLLAPSE_MIN_RANKME = 2.0  # RankMe below this: collapsed whatever min(N, D)
+COLLAPSE_SHARE = 0.03  # or below this share of min(N, D)
+ABSOLUTE = "rankme"  # the number of "no better than random init" (higher = better)
+INIT_MARGIN = 0.0  # share of the init's value the end must exceed it by
+TREND = "rankme"  # the number of the within-run verdict
+TREND_HIGHER_IS_BETTER = True
+PLATEAU_FRACTION = 0.1  # tolerance: this share of the run's gain (best - init) of TREND
+
+
+def describe(code: int, epoch: int = NO_EPOCH) -> str:
+    """The verdict's words from its two numbers (``metrics/pretrain.json``).
+
+    Raises:
+        InputError: an unknown code, or a plateau/worse code without an epoch.
+    """
+    if code in (PLATEAU, WORSE) and epoch < 0:
+        raise InputError(f"verdict_code {code} needs a verdict_epoch >= 0, got {epoch}")
+    words = {IMPROVING: "still improving", PLATEAU: f"plateaued since epoch {epoch}",
+             WORSE: f"got worse after epoch {epoch}", NO_BETTER: "no better than random init",
+             COLLAPSED: "collapsed"}
+    if code not in words:
+        raise InputError(f"verdict_code must be one of {sorted(words)}, got {code}")
+    return words[code]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A run's verdict: its code, the epoch it names (or :data:`NO_EPOCH`), and why.
+
+    Attributes:
+        code: :data:`IMPROVING`, :data:`PLATEAU`, :data:`WORSE`, :data:`NO_BETTER` or
+            :data:`COLLAPSED`.
+        epoch: E of "plateaued since epoch E" / "got worse after epoch E", else NO_EPOCH.
+        why: the numbers behind it, one clause (for the log line).
+    """
+
+    code: int
+    epoch: int = NO_EPOCH
+    why: str = ""
+
+    @property
+    def text(self) -> str:
+        """The words (:func:`describe`)."""
+        return describe(self.code, self.epoch)
+
+    def metrics(self) -> dict[str, int]:
+        """``{"verdict_code", "verdict_epoch"}``: the numeric form for a metrics file."""
+        return {"verdict_code": self.code, "verdict_epoch": self.epoch}
+
+
+def collapse_threshold(max_rank: int) -> float:
+    """The RankMe below which an encoder counts as collapsed, for ``max_rank = min(N, D)``."""
+    return max(COLLAPSE_MIN_RANKME, COLLAPSE_SHARE * max_rank)
+
+
+def collapse_reason(row: Mapping[str, float], max_rank: int) -> str | None:
+    """Why the monitor row's encoder counts as collapsed, or None when it does not.
+
+    Args:
+        row: a label-free monitor row (``rankme`` at least).
+        max_rank: ``min(N, D)``: the monitor's images N, the feature dimension D.
+    """
+    rank, limit = row.get("rankme"), collapse_threshold(max_rank)
+    if rank is not None and rank < limit:
+        return (f"RankMe {rank:.2f} < {limit:.3g} (of at most {max_rank}): the features use "
+                "almost no directions")
+    return None
+
+
+def no_better_than_init(init: float, end: float, *, higher_is_better: bool = True,
+                        margin: float = INIT_MARGIN) -> bool:
+    """Whether ``end`` fails to beat ``init`` by more than ``margin * |init|``."""
+    gain = (end - init) if higher_is_better else (init - end)
+    return gain <= margin * abs(init)
+
+
+def trend(epochs: Sequence[int], values: Sequence[float], *, higher_is_better: bool = True,
+          fraction: float = PLATEAU_FRACTION) -> tuple[int, int]:
+    """Still improving, plateaued since epoch E, or got worse after epoch E.
+
+    With ``v`` the values oriented so that higher is better, ``gain = max(v) - v[0]`` (the
+    best point's gain over the first, the random init) and ``tol = fraction * gain``:
+
+    * got worse after epoch E: the last value is more than ``tol`` below the best, E = the
+      first epoch holding the best value;
+    * plateaued since epoch E: otherwise, E = the first epoch from which every value lies
+      within ``tol`` of the best, when E is before the last epoch;
+    * still improving: E is the last epoch (only it reached the best band).
+
+    Args:
+        epochs: the monitor epochs, increasing (epoch 0 = the random init).
+        values: the number at each.
+        higher_is_better: the number's direction.
+        fraction: the tolerance as a share of the gain.
+
+    Returns:
+        ``(code, epoch)``: ``(IMPROVING, NO_EPOCH)``, ``(PLATEAU, E)`` or ``(WORSE, E)``.
+
+    Raises:
+        InputError: fewer than two points, lengths differ, or epochs not increasing.
+    """
+    if len(epochs) != len(values) or len(epochs) < 2:
+        raise InputError(f"trend: needs >= 2 (epoch, value) points of equal count, got "
+                         f"{len(epochs)} epochs and {len(values)} values")
+    if any(b <= a for a, b in zip(epochs, epochs[1:])):
+        raise InputError(f"trend: epochs must increase, got {list(epochs)}")
+    v = [x if higher_is_better else -x for x in values]
+    best = max(v)
+    tol = fraction * max(best - v[0], 0.0)
+    if v[-1] < best - tol:
+        return WORSE, int(epochs[v.index(best)])
+    start = len(v) - 1
+    while start > 0 and v[start - 1] >= best - tol:
+        start -= 1
+    if start == len(v) - 1:
+        return IMPROVING, NO_EPOCH
+    return PLATEAU, int(epochs[start])
+
+
+def verdict(rows: Sequence[Mapping[str, float]], max_rank: int) -> Verdict | None:
+    """The run's verdict from its label-free monitor rows (epoch 0 first = the random init).
+
+    Args:
+        rows: ``{"epoch", "rankme", ...}`` per monitor point, in epoch order
+            (``plots/labelfree.tsv``).
+        max_rank: ``min(N, D)`` of the monitor (:func:`collapse_reason`).
+
+    Returns:
+        The verdict, or None when the rows cannot support one (fewer than two points, or no
+        random-init row at epoch 0).
+    """
+    if len(rows) < 2 or rows[0].get("epoch") != 0:
+        return None
+    end, init = rows[-1], rows[0]
+    reason = collapse_reason(end, max_rank)
+    if reason is not None:
+        return Verdict(COLLAPSED, NO_EPOCH, reason)
+    if no_better_than_init(init[ABSOLUTE], end[ABSOLUTE]):
+        return Verdict(NO_BETTER, NO_EPOCH, f"{ABSOLUTE} {end[ABSOLUTE]:.3g} at the end, "
+                                            f"{init[ABSOLUTE]:.3g} at random init")
+    epochs = [int(r["epoch"]) for r in rows]
+    code, epoch = trend(epochs, [r[TREND] for r in rows],
+                        higher_is_better=TREND_HIGHER_IS_BETTER)
+    values = ", ".join(f"{r[TREND]:.3g}" for r in rows)
+    return Verdict(code, epoch, f"{TREND} per monitor epoch {epochs[0]}..{epochs[-1]}: {values}")
