@@ -295,6 +295,10 @@ def analyse(work: Path, runs: list[str]) -> dict:
         rho, pval = spearmanr(*zip(*pts))
         across[k] = {"rho": round(float(rho), 4), "p": float(f"{pval:.3g}"), "encoders": len(pts)}
     result["across_runs_spearman"] = across
+    # every trained epoch of these runs as one pool of encoders (all candidates): which number
+    # ranks encoders of different runs and lengths as kNN does
+    pool = [r for v in result["runs"].values() for r in v["rows"][1:]]
+    result["pooled_trained_spearman"] = within_run([{}] + pool)
     return result
 
 
