@@ -7,9 +7,9 @@ augmentation's under fixed seeds (as :class:`pipeline.train.monitor.LabelFreePro
 * ``rankme_2048`` / ``rankme_25600``: RankMe on 2,048 (the monitor's) and 25,600 images
   (Garrido et al. use 25,600).
 * ``alignment``, ``uniformity``: as the monitor (2,048 images).
-* ``view_top1_N``: label-free view retrieval: two views of N images; the share of first views
-  whose nearest second view (cosine) is the same image's (both directions averaged). Chance
-  is 1/N; a constant encoder gets it (ties resolve to the first index).
+* ``view_top1_N``: label-free view retrieval (:func:`pipeline.evaluate.labelfree.view_top1`):
+  two views of N images; the share of first views whose nearest second view (cosine) is the
+  same image's (both directions averaged). Chance is 1/N; a constant encoder gets it.
 * ``lidar``: LiDAR (Thilak et al., ICLR 2024): the effective rank of the linear discriminant
   matrix ``Sw^-1/2 Sb Sw^-1/2`` with each image a class and its q views the samples
   (``delta = 1e-4``, ``eps = 1e-7`` as the paper).
@@ -27,32 +27,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pipeline.evaluate.labelfree import alignment, effective_rank, uniformity
+from pipeline.evaluate.labelfree import alignment, effective_rank, uniformity, view_top1
 from pipeline.evaluate.normalize import l2_normalize
 
 LIDAR_DELTA = 1e-4  # Thilak et al., the ridge added to the within-class scatter
 LIDAR_EPS = 1e-7
 KMEANS_K = 10
-
-
-def view_top1(a: Tensor, b: Tensor, chunk: int = 2048) -> float:
-    """Share (%) of rows of ``a`` whose nearest row of ``b`` (cosine) has the same index, and back.
-
-    Args:
-        a: ``(N, D)`` first views.
-        b: ``(N, D)`` second views, row ``i`` of the same image as ``a[i]``.
-        chunk: rows per similarity block.
-
-    Returns:
-        The mean of the two directions' top-1, in % (chance: 100 / N).
-    """
-    za, zb = l2_normalize(a.float()), l2_normalize(b.float())
-    hits = 0
-    for x, y in ((za, zb), (zb, za)):
-        for i in range(0, x.shape[0], chunk):
-            nn_idx = (x[i:i + chunk] @ y.T).argmax(dim=1)
-            hits += int((nn_idx == torch.arange(i, i + nn_idx.shape[0])).sum())
-    return 100.0 * hits / (2 * a.shape[0])
 
 
 def lidar(views: Tensor, delta: float = LIDAR_DELTA, eps: float = LIDAR_EPS) -> float:

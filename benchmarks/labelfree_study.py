@@ -41,6 +41,10 @@ RUNS: dict[str, tuple[str, dict[str, dict]]] = {
     "default": ("params.yaml", {}),
     "width16": ("params.yaml", {"model": {"width": 16}}),
     "long": ("configs/fashion-mnist-long.yaml", {}),
+    # one-epoch runs of two variants that the cross-run study found near or below their random
+    # init by kNN (m0.9) or by RankMe (multicrop2): for question (c)
+    "m0.9-1ep": ("params.yaml", {"moco": {"m": 0.9}, "pretrain": {"epochs": 1}}),
+    "multicrop2-1ep": ("params.yaml", {"augment": {"small_crops": 2}, "pretrain": {"epochs": 1}}),
 }
 WORK = Path("/tmp/labelfree-study")
 log = logging.getLogger("labelfree_study")
@@ -49,10 +53,14 @@ log = logging.getLogger("labelfree_study")
 def run_params(name: str, *, root: Path = Path("."), **pretrain: Any) -> Any:
     """The params of run ``name`` with the monitor after every epoch (``pretrain``: overrides
     of that section, None = the file's)."""
-    from pipeline.config import from_dict, load_params, to_dict
+    import yaml
+
+    from pipeline.config import from_dict
 
     path, overrides = RUNS[name]
-    tree = to_dict(load_params(root / path))
+    # the file's own tree: to_dict(load_params(...)) turns `compile: false` into the string
+    # 'false', which from_dict refuses
+    tree = yaml.safe_load((root / path).read_text())
     for sec, vals in overrides.items():
         tree[sec].update(copy.deepcopy(vals))
     tree["pretrain"]["knn_every_epochs"] = 1

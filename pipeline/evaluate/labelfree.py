@@ -1,6 +1,6 @@
-"""Quality without labels: effective rank (RankMe), alignment and uniformity of an encoder.
+"""Quality without labels: RankMe, alignment, uniformity and view top-1 of an encoder.
 
-For a user whose images nobody labelled, three numbers computed from images alone:
+For a user whose images nobody labelled, four numbers computed from images alone:
 
 * **RankMe** (Garrido et al., ICML 2023): the effective rank of the ``(N, D)`` embedding matrix,
   ``exp(-sum_k p_k log p_k)`` with ``p_k = s_k / sum(s) + eps`` over its singular values ``s``.
@@ -12,8 +12,12 @@ For a user whose images nobody labelled, three numbers computed from images alon
   ``[0, 4]``; lower = views of one image land closer.
 * **Uniformity** (Wang & Isola): ``log E exp(-t ||f(x) - f(y)||^2)`` over pairs of different
   images (``t = 2``), in ``[-4, 0]``; lower = the images spread more evenly over the sphere.
+* **View top-1** (label-free view retrieval): two augmented views of each of N images; the
+  share (%) of views whose nearest other view (cosine) is the same image's. Chance is
+  ``100 / N`` (a constant encoder); higher = the encoder tells images apart across the
+  augmentations, the task MoCo trains on, with views it never trained on.
 
-All three are computed on the backbone's globally pooled features (what a user gets from
+All four are computed on the backbone's globally pooled features (what a user gets from
 ``models/encoder.pt``), in fp64 for the reductions, on a fixed sample of pretraining images:
 the first ``n`` of the built ``pretrain`` split in manifest order (itself a seeded shuffle of
 the source), resized and centre-cropped to the training side. The two views are the training
@@ -36,29 +40,46 @@ from pipeline.evaluate.normalize import l2_normalize
 RANKME_EPS = 1e-7  # Garrido et al. 2023, the epsilon added to each normalised singular value
 ALIGN_ALPHA = 2  # Wang & Isola 2020, the default exponent of the alignment loss
 UNIFORM_T = 2.0  # Wang & Isola 2020, the default temperature of the uniformity loss
-METRICS = ("rankme", "alignment", "uniformity")
+METRICS = ("rankme", "alignment", "uniformity", "view_top1")
 
-# Does each number rank encoders as kNN top-1 does, on this project's own data? The Spearman
-# rho and the number of encoders of the correlation study (benchmarks/labelfree_correlation.py;
-# tests/evaluate/test_labelfree.py checks these against the file). A number is a quality signal
-# when rho has the expected sign and |rho| >= SIGNAL_MIN_RHO; otherwise it is a diagnostic.
+# What each number answers on this project's own data, measured against the kNN monitor.
+# Across runs: the Spearman rho with kNN top-1 over the encoders of the cross-run study of
+# 3-epoch runs (benchmarks/labelfree_correlation.py; STUDY_FILE). Within a run: the mean over
+# the full-length runs of the Spearman rho with the kNN monitor along their epochs, random init
+# included (benchmarks/labelfree_study.py; VERDICTS_FILE). tests/evaluate/test_labelfree.py
+# checks both against the files. ROLE says what the report shows each number as; the run
+# verdict (pipeline/evaluate/verdict.py) uses the numbers the study supports.
 STUDY_FILE = "results/labelfree-correlation-2026-12-06.json"
 STUDY: dict[str, tuple[float, int]] = {"rankme": (0.6807, 20), "alignment": (0.2505, 20),
                                         "uniformity": (-0.7469, 20)}
-EXPECTED_SIGN = {"rankme": 1, "alignment": -1, "uniformity": -1}  # higher/lower = better
-SIGNAL_MIN_RHO = 0.7
+VERDICTS_FILE = "results/labelfree-verdict-2026-12-06.json"
+WITHIN_RUN: dict[str, tuple[float, int]] = {"rankme": (0.9611, 2), "alignment": (-0.1566, 2),
+                                            "uniformity": (-0.3686, 2),
+                                            "view_top1": (0.9611, 2)}
+# the study's column of each number (it measured RankMe and view top-1 on 2,048 images too)
+STUDY_KEY = {"rankme": "rankme_2048", "alignment": "alignment", "uniformity": "uniformity",
+             "view_top1": "view_top1_2048"}
+ROLE = {
+    "rankme": "the verdict's number: collapse, random init, progress within a run",
+    "alignment": "a diagnostic only (rises with training; 0 for a collapsed encoder)",
+    "uniformity": "ranked 3-epoch runs of one recipe; not progress within a run",
+    "view_top1": "followed kNN within a run as RankMe did; not yet used by the verdict",
+}
 
 
 def study_rho(name: str) -> tuple[float | None, int]:
-    """``(Spearman rho with kNN top-1, encoders)`` of a number in :data:`STUDY` (None: not run)."""
+    """``(Spearman rho with kNN top-1, encoders)`` across runs (:data:`STUDY`; None: not run)."""
     rho, n = STUDY.get(name, (None, 0))
     return rho, n
 
 
-def is_signal(name: str) -> bool:
-    """Whether the study found ``name`` ranking encoders as kNN top-1 does (see :data:`STUDY`)."""
-    rho, _ = study_rho(name)
-    return rho is not None and EXPECTED_SIGN[name] * rho >= SIGNAL_MIN_RHO
+def within_run_rho(name: str) -> tuple[float | None, int]:
+    """``(mean Spearman rho with the kNN monitor along a run's epochs, runs)`` (None: none).
+
+    From :data:`WITHIN_RUN`.
+    """
+    rho, n = WITHIN_RUN.get(name, (None, 0))
+    return rho, n
 
 
 def effective_rank(features: Tensor, eps: float = RANKME_EPS) -> float:
@@ -104,6 +125,36 @@ def alignment(a: Tensor, b: Tensor, alpha: int = ALIGN_ALPHA) -> float:
                          f"{tuple(a.shape)} and {tuple(b.shape)}")
     za, zb = l2_normalize(a.double()), l2_normalize(b.double())
     return float((za - zb).norm(dim=1).pow(alpha).mean())
+
+
+def view_top1(a: Tensor, b: Tensor, chunk: int = 2048) -> float:
+    """Label-free view retrieval: the share of images whose other view is their nearest.
+
+    For each row of ``a`` the most cosine-similar row of ``b`` is looked up, and vice versa;
+    a hit is the same image's view. Ties resolve to the lowest index, so an encoder with one
+    output for every image finds only image 0: chance, ``100 / N``.
+
+    Args:
+        a: ``(N, D)`` embeddings of the first views.
+        b: ``(N, D)`` embeddings of the second views, row ``i`` of the same image as ``a[i]``.
+        chunk: rows per similarity block (memory: ``chunk x N`` floats).
+
+    Returns:
+        The mean of both directions' top-1, in percent, in ``[0, 100]``.
+
+    Raises:
+        ValueError: shapes differ or are not ``(N, D)`` with N >= 1.
+    """
+    if a.shape != b.shape or a.ndim != 2 or a.shape[0] < 1:
+        raise InputError(f"view_top1: expected two (N, D) tensors of one shape, got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    za, zb = l2_normalize(a.double()), l2_normalize(b.double())
+    hits = 0
+    for x, y in ((za, zb), (zb, za)):
+        for i in range(0, x.shape[0], chunk):
+            nearest = (x[i:i + chunk] @ y.T).argmax(dim=1)  # first index among ties
+            hits += int((nearest == torch.arange(i, i + nearest.shape[0])).sum())
+    return 100.0 * hits / (2 * a.shape[0])
 
 
 def uniformity(features: Tensor, t: float = UNIFORM_T) -> float:

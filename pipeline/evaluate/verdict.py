@@ -1,7 +1,7 @@
 """One verdict per pretraining run, from the label-free monitor rows alone.
 
 The verdict answers three questions in order, each from the number the project's study found
-answering it (``results/labelfree-verdicts-2026-12-06.md``, :data:`STUDY_FILE`):
+answering it (``results/labelfree-verdict-2026-12-06.md``, :data:`STUDY_FILE`):
 
 1. **Collapsed?** (:func:`collapse_reason`): the effective rank of the features (RankMe on the
    monitor's images) below :func:`collapse_threshold`: :data:`COLLAPSE_MIN_RANKME` (a constant
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from pipeline.errors import InputError
 
-STUDY_FILE = "results/labelfree-verdicts-2026-12-06.json"
+STUDY_FILE = "results/labelfree-verdict-2026-12-06.md"
 
 IMPROVING, PLATEAU, WORSE, NO_BETTER, COLLAPSED = 0, 1, 2, 3, 4  # verdict codes
 NO_EPOCH = -1  # ``verdict_epoch`` of a verdict that names no epoch
@@ -180,3 +180,34 @@ def verdict(rows: Sequence[Mapping[str, float]], max_rank: int) -> Verdict | Non
                         higher_is_better=TREND_HIGHER_IS_BETTER)
     values = ", ".join(f"{r[TREND]:.3g}" for r in rows)
     return Verdict(code, epoch, f"{TREND} per monitor epoch {epochs[0]}..{epochs[-1]}: {values}")
+
+
+def report_sentence(metrics: Mapping[str, float]) -> str | None:
+    """The report's first line on quality without labels, from ``metrics/pretrain.json``.
+
+    Returns:
+        The verdict, what it rests on and what to do; None when the metrics hold no verdict
+        (no label-free monitor, or an older run).
+    """
+    code = metrics.get("verdict_code")
+    if code is None:
+        return None
+    epoch = metrics.get("verdict_epoch")
+    code, epoch = int(code), NO_EPOCH if epoch is None else int(epoch)
+    why = {
+        COLLAPSED: "the features use almost no directions (RankMe at the end below "
+                   f"max({COLLAPSE_MIN_RANKME:g}, {COLLAPSE_SHARE:g} x min(images, dimension)))"
+                   ": the encoder maps images to nearly one point or line. Do not use it; "
+                   "check the data and the augmentations, or lower pretrain.lr.",
+        NO_BETTER: f"its {ABSOLUTE} at the end is not above its random init's: the training "
+                   "did not make the images easier to tell apart. Check the recipe before "
+                   "training longer.",
+        IMPROVING: f"its {TREND} rose by more than {PLATEAU_FRACTION:.0%} of its whole gain "
+                   "at the last monitor point: more epochs may still help.",
+        PLATEAU: f"its {TREND} has stayed within {PLATEAU_FRACTION:.0%} of its whole gain "
+                 f"since epoch {epoch}: more epochs of this recipe are unlikely to help much.",
+        WORSE: f"its {TREND} fell by more than {PLATEAU_FRACTION:.0%} of its whole gain after "
+               f"epoch {epoch}: a run of {epoch} epochs may be better.",
+    }
+    return (f"Verdict without labels: {describe(code, epoch)}. From the label-free monitor "
+            f"alone, {why[code]} How the rule was chosen: {STUDY_FILE}.")

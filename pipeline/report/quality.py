@@ -1,10 +1,10 @@
 """What the report says about quality without labels and with few: two sections, two figures.
 
-* "Quality without labels": RankMe, alignment and uniformity (:mod:`pipeline.evaluate.
-  labelfree`) at the end of pretraining and per monitor epoch, each with one sentence on how to
-  read it. A number is called a quality signal only if the project's correlation study found
-  it ranking encoders as kNN top-1 does (:func:`pipeline.evaluate.labelfree.is_signal`);
-  otherwise it is shown as a diagnostic.
+* "Quality without labels": first the run's verdict (:func:`pipeline.evaluate.verdict.
+  report_sentence`), then RankMe, alignment, uniformity and view top-1 (:mod:`pipeline.
+  evaluate.labelfree`) at the end of pretraining and per monitor epoch, each with one sentence
+  on how to read it and what the project's studies found it answering
+  (:data:`pipeline.evaluate.labelfree.ROLE`).
 * "Label efficiency": kNN and linear-probe top-1 from a few labelled images per class
   (:mod:`pipeline.evaluate.label_efficiency`), MoCo beside raw pixels and the random encoder,
   with the pipeline's whole-train-set numbers as the last point, and the margin MoCo has over
@@ -20,7 +20,15 @@ from typing import Any
 import numpy as np
 
 from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T
-from pipeline.evaluate.labelfree import METRICS, STUDY_FILE, is_signal, study_rho
+from pipeline.evaluate.labelfree import (
+    METRICS,
+    ROLE,
+    STUDY_FILE,
+    VERDICTS_FILE,
+    study_rho,
+    within_run_rho,
+)
+from pipeline.evaluate.verdict import report_sentence
 from pipeline.report import figures as fg
 from pipeline.report.document import NOT_AVAILABLE, FigureRef, Paragraph, Section, Table, fmt
 from pipeline.report.inputs import Metrics, RunOutputs
@@ -36,9 +44,12 @@ READING = {
     "uniformity": "Uniformity is log mean exp(-2 x squared distance) over pairs of different "
                   "images on the unit sphere (0 = all on one point, down to about -4): lower "
                   "means the images spread more evenly (Wang & Isola 2020).",
+    "view_top1": "View top-1 is the share of images whose other augmented view is their "
+                 "nearest neighbour among the sample's views (chance = 1 / images; a constant "
+                 "encoder gets it): how well the encoder tells images apart.",
 }
 LABELS = {"rankme": "RankMe (effective rank)", "alignment": "alignment",
-          "uniformity": "uniformity"}
+          "uniformity": "uniformity", "view_top1": "view top-1 (%)"}
 KIND_NAMES = {"moco": "MoCo", "raw_pixels": "raw pixels", "random_encoder": "random encoder"}
 # the pipeline's whole-train-set numbers for each kind and probe: (metrics file, key)
 ALL_LABELS = {
@@ -51,10 +62,14 @@ MARGIN_AT = "10"  # labels per class at which the report states MoCo's margin ov
 
 
 def plot_labelfree(table: Mapping[str, np.ndarray], path: Path) -> Path:
-    """RankMe, alignment and uniformity per monitor epoch (epoch 0 = random init), 3 panels."""
-    fig, axes = fg._figure(10.5, 3.2, ncols=3)
+    """The label-free numbers per monitor epoch (epoch 0 = random init), one panel each.
+
+    A number the table lacks (a run older than it) gets no panel.
+    """
+    names = [k for k in METRICS if fg._has(table, k)]
+    fig, axes = fg._figure(3.5 * len(names), 3.2, ncols=len(names))
     x = np.asarray(table["epoch"], dtype=float)
-    for ax, name in zip(axes, METRICS):
+    for ax, name in zip(axes, names):
         ax.plot(x, table[name], marker="o", color="C0")
         ax.set(xlabel="epoch", title=LABELS[name])
         fg._integer_ticks(ax)
@@ -62,35 +77,42 @@ def plot_labelfree(table: Mapping[str, np.ndarray], path: Path) -> Path:
     return fg._save(fig, path)
 
 
-def _signal_sentence(name: str) -> str:
-    rho, n = study_rho(name)
-    if rho is None:
-        return "Not yet checked against accuracy on this project's data: a diagnostic."
-    verdict = ("a quality signal here" if is_signal(name)
-               else "a diagnostic only: it did not rank encoders as accuracy does here")
-    return (f"Across {n} encoders of this project's correlation study ({STUDY_FILE}) its "
-            f"Spearman correlation with kNN top-1 was {rho:+.2f}: {verdict}.")
+def _study_sentence(name: str) -> str:
+    within, runs = within_run_rho(name)
+    across, n = study_rho(name)
+    parts = ([f"along the epochs of {runs} full-length runs its Spearman correlation with the "
+              f"kNN monitor was {within:+.2f} on average ({VERDICTS_FILE})"]
+             if within is not None else [])
+    parts += ([f"across {n} encoders of 3-epoch runs, {across:+.2f} ({STUDY_FILE})"]
+              if across is not None else [])
+    if not parts:
+        return "Not yet checked against accuracy on this project's data."
+    return f"In this project's studies {'; '.join(parts)}: {ROLE[name]}."
 
 
 def labelfree_section(outputs: RunOutputs, fig_dir: Path) -> Section:
-    """Label-free numbers: table (init -> end), curves, one reading per number."""
+    """The verdict, then the label-free numbers: table (init -> end), curves, one reading each."""
     pre = outputs.metrics.get("pretrain")
     sec = Section("Quality without labels")
     if pre is None or pre.get("rankme") is None:
         sec.blocks.append(Paragraph(f"Label-free numbers: {NOT_AVAILABLE} (metrics/pretrain.json "
                                     "has none: pretrain.labelfree_images 0, or an older run)."))
         return sec
-    rows = [[LABELS[k], fmt(pre.get(f"{k}_init"), ".3f"), fmt(pre.get(k), ".3f"),
-             "quality signal" if is_signal(k) else "diagnostic"] for k in METRICS]
-    sec.blocks.append(Table(["number", "random init", "end of pretraining", "shown as"], rows))
+    said = report_sentence(pre)
+    if said is not None:
+        sec.blocks.append(Paragraph(said))
+    rows = [[LABELS[k], fmt(pre.get(f"{k}_init"), ".3f"), fmt(pre.get(k), ".3f"), ROLE[k]]
+            for k in METRICS]
+    sec.blocks.append(Table(["number", "random init", "end of pretraining", "what it answers"],
+                            rows))
     table = outputs.plots.get("labelfree")
-    if table is not None and all(fg._has(table, k) for k in ("epoch", *METRICS)):
+    if table is not None and fg._has(table, "epoch") and any(fg._has(table, k) for k in METRICS):
         plot_labelfree(table, fig_dir / "labelfree.png")
         sec.blocks.append(FigureRef("labelfree.png", "Label-free numbers at every monitor point "
                                     "(pretrain.labelfree_images pretraining images, no labels; "
                                     "epoch 0 = random init)."))
     for k in METRICS:
-        sec.blocks.append(Paragraph(f"{READING[k]} {_signal_sentence(k)}"))
+        sec.blocks.append(Paragraph(f"{READING[k]} {_study_sentence(k)}"))
     return sec
 
 

@@ -106,8 +106,10 @@ def final_metrics(state: TrainState, *, total_steps: int, epochs: int, wall_s: f
         out["knn_top5"] = state.knn_rows[-1]["knn_top5"]
         out["knn_top1_init"] = state.knn_rows[0]["knn_top1"]
     if state.labelfree_rows:  # the last monitor point: the end of training
-        out.update({k: state.labelfree_rows[-1][k] for k in LABELFREE_METRICS})
-        out.update({f"{k}_init": state.labelfree_rows[0][k] for k in LABELFREE_METRICS})
+        # a number a resumed run's older rows lack is left out
+        end, init = state.labelfree_rows[-1], state.labelfree_rows[0]
+        out.update({k: end[k] for k in LABELFREE_METRICS if k in end})
+        out.update({f"{k}_init": init[k] for k in LABELFREE_METRICS if k in init})
     return out
 
 

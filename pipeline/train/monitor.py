@@ -1,8 +1,8 @@
 """The monitor: what pretraining measures of the query backbone every few epochs.
 
 With labels, the weighted kNN top-1/top-5 (:class:`KnnMonitor`); with or without them, the
-label-free numbers (:class:`pipeline.evaluate.labelfree.LabelFreeProbe`: RankMe, alignment,
-uniformity). :class:`Monitor` holds the two and the cadence.
+label-free numbers (:class:`LabelFreeProbe`: RankMe, alignment, uniformity, view top-1).
+:class:`Monitor` holds the two and the cadence.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pipeline.data.remote import ShardURL
 from pipeline.data.views import BatchTwoCrop, build_batch_view
 from pipeline.evaluate.features import extract_features
 from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, knn_classify
-from pipeline.evaluate.labelfree import alignment, effective_rank, uniformity
+from pipeline.evaluate.labelfree import alignment, effective_rank, uniformity, view_top1
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def uint8_transform(image_size: int) -> T.Compose:
 
 
 class LabelFreeProbe:
-    """RankMe, alignment and uniformity of a backbone on a fixed sample of pretraining images.
+    """RankMe, alignment, uniformity and view top-1 of a backbone on fixed pretraining images.
 
     Args:
         split: the built ``pretrain`` split (its first ``n`` images in manifest order).
@@ -127,10 +127,11 @@ class LabelFreeProbe:
         return torch.cat(plain), torch.cat(v1), torch.cat(v2)
 
     def __call__(self, backbone: nn.Module) -> dict[str, float]:
-        """The three numbers of ``backbone`` as it is now (eval mode; its mode is restored).
+        """The numbers of ``backbone`` as it is now (eval mode; its mode is restored).
 
         Returns:
-            ``{"rankme", "alignment", "uniformity"}``.
+            ``{"rankme", "alignment", "uniformity", "view_top1"}``
+            (:data:`pipeline.evaluate.labelfree.METRICS`).
         """
         t0 = time.time()
         was = [(m, m.training) for m in backbone.modules()]
@@ -141,10 +142,10 @@ class LabelFreeProbe:
             for m, training in was:
                 m.training = training
         out = {"rankme": effective_rank(plain), "alignment": alignment(a, b),
-               "uniformity": uniformity(plain)}
-        log.info("label-free (%d images): RankMe %.1f of %d, alignment %.3f, uniformity %.3f "
-                 "(%.1fs)", len(self), out["rankme"], min(plain.shape), out["alignment"],
-                 out["uniformity"], time.time() - t0)
+               "uniformity": uniformity(plain), "view_top1": view_top1(a, b)}
+        log.info("label-free (%d images): RankMe %.1f of %d, alignment %.3f, uniformity %.3f, "
+                 "view top-1 %.2f%% (%.1fs)", len(self), out["rankme"], min(plain.shape),
+                 out["alignment"], out["uniformity"], out["view_top1"], time.time() - t0)
         return out
 
 

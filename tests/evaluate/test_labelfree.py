@@ -9,9 +9,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from helpers import build_tiny_shards, run_pretrain
+from helpers import build_tiny_shards, run_pretrain, says
 
 from pipeline.evaluate.labelfree import alignment, effective_rank, uniformity
+from pipeline.evaluate.labelfree import view_top1 as lf_view_top1
 from pipeline.evaluate.run.embed import load_encoder
 from pipeline.train.monitor import LabelFreeProbe
 
@@ -85,7 +86,7 @@ def test_pretrain__labelfree_curve_in_plots_metrics_and_resume(tmp_path):
                          "knn_monitor_test_images": 16, "labelfree_images": 64}}
     m = run_pretrain(shards, tmp_path / "full", over)
     rows = [r.split("\t") for r in (tmp_path / "full/labelfree.tsv").read_text().splitlines()]
-    assert rows[0] == ["epoch", "step", "rankme", "alignment", "uniformity"]
+    assert rows[0] == ["epoch", "step", "rankme", "alignment", "uniformity", "view_top1"]
     assert [r[:2] for r in rows[1:]] == [["0", "0"], ["1", "12"], ["2", "24"]]
     assert float(rows[-1][2]) == pytest.approx(m["rankme"], rel=1e-5)
     assert float(rows[1][3]) == pytest.approx(m["alignment_init"], rel=1e-5)
@@ -128,7 +129,7 @@ def test_pretrain__labelfree_without_labels(tmp_path):
     assert knn == ["epoch\tstep\tknn_top1\tknn_top5"] and len(lf) == 3
 
 
-def test_study__constants_are_the_results_file_and_decide_signal_or_diagnostic():
+def test_study__constants_are_the_results_files():
     import json
 
     from pipeline.codegraph import REPO
@@ -139,6 +140,24 @@ def test_study__constants_are_the_results_file_and_decide_signal_or_diagnostic()
              for k, v in study["spearman_with_knn_top1"].items() if k in lf.METRICS}
     assert lf.STUDY == found
     assert len(study["encoders"]) >= 8  # the floor: at least 8 encoders
-    # by hand from the file: uniformity -0.75 (lower = better, so a signal); RankMe +0.68 and
-    # alignment +0.25 stay under 0.7 in their expected direction: diagnostics
-    assert [lf.is_signal(k) for k in lf.METRICS] == [False, False, True]
+    runs = json.loads((REPO / lf.VERDICTS_FILE).read_text())["runs"]
+    within = {k: (round(sum(r["within_run_spearman"][lf.STUDY_KEY[k]]["all_epochs"]["rho"]
+                            for r in runs.values()) / len(runs), 4), len(runs))
+              for k in lf.METRICS}
+    assert lf.WITHIN_RUN == within
+    # by hand from the file: default 0.9222 and width16 1.0 for RankMe: mean 0.9611
+    assert lf.WITHIN_RUN["rankme"] == (0.9611, 2)
+
+
+def test_view_top1__known_embeddings():
+    a = torch.eye(4, dtype=torch.float64) + 0.1
+    assert lf_view_top1(a, a) == 100.0  # each view's nearest is its own image's other view
+    assert lf_view_top1(a, a.flip(0)) == 0.0  # every pair swapped: no image finds its own
+    const = torch.ones(8, 3)
+    assert lf_view_top1(const, const) == 100.0 / 8  # ties -> index 0: chance, only image 0
+    # two of four images swap their second views: half the images find their own, both ways
+    b = a[[1, 0, 2, 3]]
+    assert lf_view_top1(a, b, chunk=3) == 50.0
+    with pytest.raises(ValueError) as e:
+        lf_view_top1(a, a[:3])
+    says(str(e.value), "view_top1", "(4, 4)", "(3, 4)")

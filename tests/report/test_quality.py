@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 
+from helpers import says
 from reporthelpers import LABEL_EFFICIENCY, make_run
 
-from pipeline.atomic import write_json
+from pipeline.atomic import read_json, write_json
 from pipeline.evaluate import labelfree
-from pipeline.report.document import FigureRef, Paragraph, Table
+from pipeline.report.document import NOT_AVAILABLE, FigureRef, Paragraph, Table
 from pipeline.report.inputs import read_outputs
 from pipeline.report.quality import label_efficiency_section, labelfree_section, margin_sentence
 
@@ -31,25 +32,40 @@ def test_margin_sentence__says_so_when_moco_does_not_beat_raw_pixels():
         "MoCo does NOT beat raw pixels by more than the spread of the draws.")
 
 
-def test_quality_sections__tables_figures_and_study_verdicts(tmp_path, monkeypatch):
+def test_quality_sections__verdict_first_tables_figures_and_study_roles(tmp_path, monkeypatch):
     root = make_run(tmp_path / "run")
+    pre = read_json(root / "metrics/pretrain.json")
+    write_json(root / "metrics/pretrain.json", {**pre, "verdict_code": 1, "verdict_epoch": 2})
     out = read_outputs(root, "data/shards")
     figs = tmp_path / "figs"
     figs.mkdir()
     monkeypatch.setattr(labelfree, "STUDY", {"rankme": (0.81, 20), "alignment": (0.5, 20),
                                              "uniformity": (-0.2, 20)})
+    monkeypatch.setattr(labelfree, "WITHIN_RUN", {"rankme": (0.93, 3)})
     sec = labelfree_section(out, figs)
-    table = next(b for b in sec.blocks if isinstance(b, Table))
-    assert table.rows[0] == ["RankMe (effective rank)", "12.500", "41.250", "quality signal"]
-    assert [r[3] for r in table.rows[1:]] == ["diagnostic", "diagnostic"]
     texts = [b.text for b in sec.blocks if isinstance(b, Paragraph)]
-    assert "correlation with kNN top-1 was +0.81: a quality signal here" in texts[0]
-    assert "+0.50: a diagnostic only" in texts[1]
+    assert sec.blocks[0] == Paragraph(texts[0])  # the verdict comes first
+    says(texts[0], "Verdict without labels: plateaued since epoch 2", "since epoch 2")
+    table = next(b for b in sec.blocks if isinstance(b, Table))
+    assert table.rows[0] == ["RankMe (effective rank)", "12.500", "41.250",
+                             labelfree.ROLE["rankme"]]
+    # a run older than view top-1 has none: n/a in the table, no panel
+    assert table.rows[3][:3] == ["view top-1 (%)", NOT_AVAILABLE, NOT_AVAILABLE]
+    says(texts[1], "along the epochs of 3 full-length runs", "+0.93",
+         "across 20 encoders of 3-epoch runs, +0.81", labelfree.ROLE["rankme"])
+    says(texts[2], "across 20 encoders of 3-epoch runs, +0.50")
+    assert texts[4].endswith("Not yet checked against accuracy on this project's data.")
     assert (figs / "labelfree.png").is_file()
     le = label_efficiency_section(out, figs)
     assert [b.name for b in le.blocks if isinstance(b, FigureRef)] == ["label_efficiency.png"]
     rows = next(b for b in le.blocks if isinstance(b, Table)).rows
     assert rows[0] == ["MoCo", "knn", "30.00 ± 2.00", "60.50 ± 2.00"]
+
+
+def test_quality_sections__no_verdict_line_without_one(tmp_path):
+    out = read_outputs(make_run(tmp_path / "run"), "data/shards")  # metrics without a verdict
+    sec = labelfree_section(out, tmp_path)
+    assert not any(isinstance(b, Paragraph) and "Verdict" in b.text for b in sec.blocks)
 
 
 def test_label_efficiency__points_read_in_increasing_n_not_as_sorted_text(tmp_path):
