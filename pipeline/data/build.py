@@ -42,6 +42,7 @@ from pipeline.data.manifest import (
     ShardEntry,
     ShardError,
     pixel_stats,
+    pixel_sums,
     round6,
     write_manifest,
 )
@@ -161,7 +162,9 @@ def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, 
 class _SplitStats:
     """Checks each sample as it is written and accumulates what the manifest reports.
 
-    Pixel sums are exact integers, so the statistics are reproducible bit for bit.
+    Pixel sums are exact integers, so the statistics are reproducible bit for bit; they come
+    from each image's histogram (:func:`~pipeline.data.manifest.pixel_sums`), without a copy of
+    its pixels.
     """
 
     def __init__(self, mode: str, num_classes: int, out_dir: Path) -> None:
@@ -190,10 +193,10 @@ class _SplitStats:
             raise ShardError(f"{where}: image mode {s.image.mode}, expected {self.mode}")
         if not -1 <= int(s.label) < self.num_classes:
             raise ShardError(f"{where}: label {s.label} outside -1..{self.num_classes - 1}")
-        arr = np.asarray(s.image).reshape(-1, self.channels)
-        self.pix_sum += arr.sum(axis=0, dtype=np.uint64)
-        self.pix_sq += np.square(arr, dtype=np.uint64).sum(axis=0, dtype=np.uint64)
-        self.n_pix += arr.shape[0]
+        sums, squares, pixels = pixel_sums(s.image)
+        self.pix_sum += sums
+        self.pix_sq += squares
+        self.n_pix += pixels
         self.sizes.add(s.image.size)
         self.label_counts[int(s.label)] += 1
 

@@ -89,6 +89,33 @@ def test_write_shards__pixel_stats_by_hand(tmp_path: Path):
     assert (m2.mean, m2.std) == ((0.4,) * 3, (0.2,) * 3)
 
 
+def test_write_shards__stats_of_a_large_image_take_no_copy_of_its_pixels(tmp_path: Path):
+    # A 1.2 MP RGB image kept as its file's bytes (nothing encoded): its statistics must not
+    # copy the pixels (squaring them as uint64 allocated 8 bytes per value, 29 MB here; at
+    # 60 MP 1.4 GB). numpy's buffers are traced by tracemalloc, PIL's are not: the peak is what
+    # the statistics and the tar writing allocate.
+    import tracemalloc
+
+    from pipeline.data.sources.base import SourceFile
+
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (1000, 1200, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels)
+    s = Sample("big", image, 0, SourceFile("JPEG", b"\xff\xd8\xff-the-file-bytes"))
+    write(tmp_path / "warm", [Sample("small", Image.new("RGB", (2, 2)), 0)], mode="RGB")
+    tracemalloc.start()
+    try:
+        m = write(tmp_path / "s", [s], mode="RGB")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < pixels.size // 2  # half a byte per value: 1.8 MB (the histogram is 6 KiB)
+    values = pixels.reshape(-1, 3).astype(np.float64) / 255  # numpy's mean / std, by hand
+    assert m.pixel_mean == pytest.approx(values.mean(axis=0), abs=1e-6)
+    assert m.pixel_std == pytest.approx(values.std(axis=0), abs=1e-6)
+    assert m.image_shape == (3, 1000, 1200)
+
+
 def test_write_shards__nothing_to_write(tmp_path: Path):
     write(tmp_path / "s", samples(3))
     before = (tmp_path / "s" / "manifest.json").read_bytes()
