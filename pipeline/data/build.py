@@ -5,6 +5,12 @@ options and no metadata, and kept JPEGs are the files' own bytes, so rebuilding 
 source, caps and seed gives byte-identical shards (and DVC sees no change downstream). The
 format itself (members, manifest fields) is :mod:`pipeline.data.shards`.
 
+The tars are written with the standard library's ``tarfile`` exactly as webdataset's
+``ShardWriter``/``TarWriter`` (1.0.2) writes them (a ``w|`` stream, members of a sample in
+sorted extension order, same headers: the golden manifests' sha256 pin the bytes). The build
+imports neither webdataset nor torchvision: importing torch alone takes ~500 MiB resident, more
+than a 60 MP photo's decoded pixels (``benchmarks/big_photo.py``).
+
 How each image is stored (``data.shard_format``: ``auto``, ``png``, ``jpeg``) is
 :mod:`pipeline.data.encode`; a split that holds a JPEG member records the choice in its
 manifest (``build.shard_format``, ``build.jpeg_quality`` and ``build.members``).
@@ -15,9 +21,11 @@ failure leaves the previous outputs untouched.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import shutil
+import tarfile
 import tempfile
 import time
 from collections import Counter
@@ -26,7 +34,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import webdataset as wds
 from tqdm import tqdm
 
 from pipeline.data.encode import (
@@ -65,7 +72,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_TAR_OPTIONS = {"mtime": 0, "user": "moco", "group": "moco", "mode": 0o444}
+_TAR_OPTIONS = {"mtime": 0, "uname": "moco", "gname": "moco", "mode": 0o444}  # every member
+
+
+def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    """One member, its header fixed but for name and size (:data:`_TAR_OPTIONS`)."""
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    for field_name, value in _TAR_OPTIONS.items():
+        setattr(info, field_name, value)
+    tar.addfile(info, io.BytesIO(data))
+
 
 def _replace_dir(tmp: Path, out_dir: Path) -> None:
     """Swap a finished temp directory in for ``out_dir`` (two renames on one filesystem)."""
@@ -221,20 +238,27 @@ def _write_tars(samples: Iterator[Sample], tmp: Path, *, stats: _SplitStats,
     ``kinds`` counts how the images were stored (:data:`MEMBER_KINDS`).
     """
     counts: list[int] = []
-    with wds.ShardWriter(str(tmp / SHARD_PATTERN), maxcount=samples_per_shard,
-                         maxsize=float("inf"), verbose=0, encoder=False, **_TAR_OPTIONS) as writer:
+    tar: tarfile.TarFile | None = None
+    try:
         for n, s in enumerate(samples):
             stats.add(n, s)
             if n % samples_per_shard == 0:
-                if counts:
+                if tar is not None:
+                    tar.close()
                     bar.shard_done(SHARD_PATTERN % (len(counts) - 1), n)
+                tar = tarfile.open(tmp / (SHARD_PATTERN % len(counts)), "w|")
                 counts.append(0)
+            assert tar is not None
             ext, data, kind = encode_member(s, shard_format)
             kinds[kind] += 1
-            writer.write({"__key__": s.key, ext: data,
-                          LABEL_EXT: str(int(s.label)).encode("ascii")})
+            members = {ext: data, LABEL_EXT: str(int(s.label)).encode("ascii")}
+            for member in sorted(members):
+                _add_member(tar, f"{s.key}.{member}", members[member])
             counts[-1] += 1
             bar.update(1)
+    finally:
+        if tar is not None:
+            tar.close()
     bar.shard_done(SHARD_PATTERN % (len(counts) - 1), sum(counts))
     return counts
 
@@ -251,7 +275,7 @@ def _shard_table(tmp: Path, counts: list[int], out_dir: Path) -> tuple[ShardEntr
         shards.append(ShardEntry(name=path.name, num_samples=count,
                                  bytes=path.stat().st_size, sha256=sha256_file(path)))
     on_disk = sorted(p.name for p in tmp.glob("*.tar"))
-    if on_disk != [s.name for s in shards]:  # ShardWriter opened a shard it never filled
+    if on_disk != [s.name for s in shards]:  # a shard opened and never filled
         raise ShardError(f"{out_dir}: shard files {on_disk} differ from those written")
     return tuple(shards)
 

@@ -44,11 +44,14 @@ MEMBER_KINDS = ("jpg_copied", "jpg_encoded", "png")  # build.members: how each i
 
 
 def _encode(image: Image.Image, options: dict[str, Any]) -> bytes:
-    if image.info:  # ICC profiles, EXIF etc. would be copied into the file
-        image = image.copy()
-        image.info = {}
-    buf = io.BytesIO()
-    image.save(buf, **options)
+    # ICC profiles, EXIF etc. in ``info`` would be copied into the file: saved without them,
+    # and put back after (a copy of the image without them would double a 60 MP photo's memory)
+    info, image.info = image.info, {}
+    try:
+        buf = io.BytesIO()
+        image.save(buf, **options)
+    finally:
+        image.info = info
     return buf.getvalue()
 
 
@@ -113,6 +116,40 @@ def _resized(s: Sample, image: Image.Image) -> Sample:
     return Sample(s.key, image, s.label, file)
 
 
+def resize_short_side(image: Image.Image, side: int) -> Image.Image:
+    """The image with its shorter side resized to ``side`` px (bicubic, antialiased).
+
+    torchvision's ``Resize(side)`` on a PIL image (0.29, ``functional.resize``), which is PIL's
+    ``resize`` at ``side`` x ``int(side * long / short)`` px (the longer side truncated), and the
+    image itself when that is its size; here without importing torch (~500 MiB resident), which
+    the build needs nowhere else. ``tests/data/test_photo_shards.py`` checks the pixels are
+    torchvision's, bit for bit.
+
+    Args:
+        image: a PIL image.
+        side: the new shorter side in px (> 0).
+
+    Returns:
+        A new image, or ``image`` when its size would not change.
+    """
+    w, h = image.size
+    short, long = (w, h) if w <= h else (h, w)
+    new_long = int(side * long / short)
+    size = (side, new_long) if w <= h else (new_long, side)
+    return image if size == (w, h) else image.resize(size, Image.Resampling.BICUBIC)
+
+
+def center_square(image: Image.Image, side: int) -> Image.Image:
+    """The centred ``side x side`` crop of an image at least ``side`` px a side.
+
+    torchvision's ``CenterCrop(side)`` on a PIL image: the offsets are
+    ``int(round((W - side) / 2))`` and ``int(round((H - side) / 2))``.
+    """
+    w, h = image.size
+    top, left = int(round((h - side) / 2.0)), int(round((w - side) / 2.0))
+    return image.crop((left, top, left + side, top + side))
+
+
 def resize_samples(samples: Iterable[Sample], image_size: int) -> Iterator[Sample]:
     """Resize the shorter side to ``image_size`` (bicubic, antialiased), then center-crop square.
 
@@ -123,19 +160,15 @@ def resize_samples(samples: Iterable[Sample], image_size: int) -> Iterator[Sampl
     Yields:
         Samples with ``image_size`` x ``image_size`` images, same key, label and mode.
     """
-    from torchvision.transforms import InterpolationMode
-    from torchvision.transforms import functional as F
-
     for s in samples:
-        img = F.resize(s.image, image_size, interpolation=InterpolationMode.BICUBIC,
-                       antialias=True)
-        yield _resized(s, F.center_crop(img, [image_size, image_size]))
+        yield _resized(s, center_square(resize_short_side(s.image, image_size), image_size))
 
 
 def limit_short_side(samples: Iterable[Sample], max_side: int) -> Iterator[Sample]:
     """Shrink images whose shorter side exceeds ``max_side`` so it equals it; no crop.
 
-    The aspect ratio is kept (the longer side is rounded as torchvision's ``Resize(int)`` does),
+    The aspect ratio is kept (the longer side is truncated as torchvision's ``Resize(int)``
+    does, :func:`resize_short_side`),
     so RandomResizedCrop later samples from the whole photo as in the official MoCo code.
     Images already within ``max_side`` are stored unchanged (never upsampled).
 
@@ -146,11 +179,8 @@ def limit_short_side(samples: Iterable[Sample], max_side: int) -> Iterator[Sampl
     Yields:
         Samples with ``min(W, H) <= max_side``, same key, label and mode.
     """
-    from torchvision.transforms import InterpolationMode
-    from torchvision.transforms import functional as F
-
     for s in samples:
         img = s.image
         if min(img.size) > max_side:
-            img = F.resize(img, max_side, interpolation=InterpolationMode.BICUBIC, antialias=True)
+            img = resize_short_side(img, max_side)
         yield _resized(s, img)

@@ -96,6 +96,32 @@ def test_build__resized_jpegs_are_jpeg_q95_of_the_resized_pixels(photos, tmp_pat
         assert psnr(got, np.asarray(ref)) > 35  # q95 of the resized pixels, not of the source
 
 
+@pytest.mark.parametrize("side", [64, 128, 239, 240, 500])
+def test_resize_short_side_and_center_square__torchvision_bit_for_bit(photos, side):
+    # the build resizes with PIL directly (no torch import); torchvision's Resize and
+    # CenterCrop on the same PIL images are the reference: landscape, portrait, odd sizes,
+    # grey, shrinking, the identity (240) and enlarging (500)
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as F
+
+    from pipeline.data.encode import center_square, resize_short_side
+
+    paths = sorted(photos.rglob("*.jpg"))[:3]
+    for path in paths:
+        with Image.open(path) as im:
+            photo = im.convert("RGB")
+        for image in (photo, photo.rotate(90, expand=True), photo.crop((3, 5, 300, 202)),
+                      photo.convert("L")):
+            ref = F.resize(image, side, interpolation=InterpolationMode.BICUBIC, antialias=True)
+            got = resize_short_side(image, side)
+            assert got.size == ref.size and got.mode == ref.mode
+            assert got.tobytes() == ref.tobytes()
+            if min(image.size) == side:
+                assert got is image  # torchvision gives the image itself back too
+            crop = center_square(got, side)
+            assert crop.tobytes() == F.center_crop(ref, [side, side]).tobytes()
+
+
 def test_build__exif_turned_jpeg_is_stored_upright_as_new_jpeg(tmp_path, monkeypatch):
     root = tmp_path / "folder"
     write_photos(root, count=8, width=160, height=120)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import tarfile
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from pipeline.data.shards import ShardError, read_manifest, verify_shards
 from pipeline.data.sources import Sample
 
 FASHION_REAL = Path("/usr/share/datasets/fashion-mnist")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def samples(n: int, mode: str = "L", seed: int = 0) -> list[Sample]:
@@ -292,6 +294,33 @@ def test_build_all__imagefolder_stats_and_resize(tmp_path: Path):
     build_all(params, seed=3, progress=False)
     assert {p.name: p.read_bytes() for p in (tmp_path / "sh" / "train").iterdir()} == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["raw", "sh"]
+
+
+def test_build_all__imports_no_torch(tmp_path: Path):
+    # importing torch alone takes ~500 MiB resident (benchmarks/big_photo.py: the build of one
+    # 60 MP photo peaked at 652 MiB before any pixel); the build needs it nowhere
+    import subprocess
+    import sys
+
+    raw = tmp_path / "raw"
+    for c in ("a", "b"):
+        (raw / c).mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (40, 30), (60 * i, 90, 30)).save(raw / c / f"{i}.jpg")
+    code = (
+        "import sys\n"
+        "from pipeline.config import DataParams\n"
+        "from pipeline.data.build import build_all\n"
+        "for kw in ({'image_size': 8}, {'max_side': 16}):\n"
+        f"    build_all(DataParams(source='imagefolder', root={str(raw)!r}, test_fraction=0.5,\n"
+        f"                         shards_dir={str(tmp_path / 'sh')!r}, **kw), seed=0,\n"
+        "              progress=False)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision',\n"
+        "                                                            'webdataset')))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.skipif(not FASHION_REAL.is_dir(), reason="dataset-fashion-mnist not installed")
