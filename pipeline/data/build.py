@@ -161,11 +161,13 @@ def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, 
     first = next(it, None)
     if first is None:
         raise ShardError(f"{out_dir}: no samples for split '{split}'; nothing written")
+    it = _prepend([first], it)
+    del first  # held until written, not for the whole split (a 60 MP photo is 229 MiB)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     tmp.chmod(0o755)  # mkdtemp makes 0700; shards are shared data
     try:
-        manifest = _write(first, it, tmp, split=split, source=source, class_names=class_names,
+        manifest = _write(it, tmp, split=split, source=source, class_names=class_names,
                           mode=mode, samples_per_shard=samples_per_shard, mean=mean, std=std,
                           expected_count=expected_count, build=build, progress=progress,
                           out_dir=out_dir, shard_format=shard_format)
@@ -174,6 +176,15 @@ def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _prepend(head: list[Sample], rest: Iterator[Sample]) -> Iterator[Sample]:
+    """``head``'s one sample, then ``rest``; ``head`` is emptied, so nothing keeps the sample.
+
+    (``itertools.chain`` keeps its arguments, and a generator's local variable its value.)
+    """
+    yield head.pop()
+    yield from rest
 
 
 class _SplitStats:
@@ -235,12 +246,14 @@ def _write_tars(samples: Iterator[Sample], tmp: Path, *, stats: _SplitStats,
                 kinds: Counter[str]) -> list[int]:
     """Write the samples into ``tmp/shard-NNNNNN.tar``; returns the count per shard.
 
-    ``kinds`` counts how the images were stored (:data:`MEMBER_KINDS`).
+    ``kinds`` counts how the images were stored (:data:`MEMBER_KINDS`). A sample and its
+    encoded bytes are let go before the next one is read, so one image is decoded at a time.
     """
     counts: list[int] = []
     tar: tarfile.TarFile | None = None
     try:
-        for n, s in enumerate(samples):
+        n = 0  # not enumerate: its reused result tuple would hold the last sample
+        for s in samples:
             stats.add(n, s)
             if n % samples_per_shard == 0:
                 if tar is not None:
@@ -255,7 +268,9 @@ def _write_tars(samples: Iterator[Sample], tmp: Path, *, stats: _SplitStats,
             for member in sorted(members):
                 _add_member(tar, f"{s.key}.{member}", members[member])
             counts[-1] += 1
+            n += 1
             bar.update(1)
+            del s, data, members  # not held while the source decodes the next image
     finally:
         if tar is not None:
             tar.close()
@@ -280,7 +295,7 @@ def _shard_table(tmp: Path, counts: list[int], out_dir: Path) -> tuple[ShardEntr
     return tuple(shards)
 
 
-def _write(first: Sample, rest: Iterator[Sample], tmp: Path, *, split: str, source: str,
+def _write(samples: Iterator[Sample], tmp: Path, *, split: str, source: str,
            class_names: Sequence[str], mode: str, samples_per_shard: int,
            mean: Sequence[float] | None, std: Sequence[float] | None,
            expected_count: int | None, build: dict[str, Any] | None, progress: bool,
@@ -289,7 +304,7 @@ def _write(first: Sample, rest: Iterator[Sample], tmp: Path, *, split: str, sour
     bar = _Progress(split, expected_count, progress)
     kinds: Counter[str] = Counter()
     try:
-        counts = _write_tars(_chain(first, rest), tmp, stats=stats,
+        counts = _write_tars(samples, tmp, stats=stats,
                              samples_per_shard=samples_per_shard, bar=bar,
                              shard_format=shard_format, kinds=kinds)
     finally:
@@ -308,11 +323,6 @@ def _write(first: Sample, rest: Iterator[Sample], tmp: Path, *, split: str, sour
                         shards=_shard_table(tmp, counts, out_dir))
     write_manifest(manifest, tmp)
     return manifest
-
-
-def _chain(first: Sample, rest: Iterator[Sample]) -> Iterator[Sample]:
-    yield first
-    yield from rest
 
 
 def empty_split(out_dir: Path, *, split: str, source: str, class_names: Sequence[str],

@@ -153,34 +153,42 @@ def center_square(image: Image.Image, side: int) -> Image.Image:
 def resize_samples(samples: Iterable[Sample], image_size: int) -> Iterator[Sample]:
     """Resize the shorter side to ``image_size`` (bicubic, antialiased), then center-crop square.
 
+    Lazily, one sample at a time, keeping no reference to a sample once it is handed on (a
+    ``map``: a generator's loop variable would hold the source image while the next decodes).
+
     Args:
         samples: source samples.
         image_size: output side in pixels (``data.image_size``); must be > 0.
 
-    Yields:
-        Samples with ``image_size`` x ``image_size`` images, same key, label and mode.
+    Returns:
+        An iterator of samples with ``image_size`` x ``image_size`` images, same key, label
+        and mode.
     """
-    for s in samples:
-        yield _resized(s, center_square(resize_short_side(s.image, image_size), image_size))
+    def one(s: Sample) -> Sample:
+        return _resized(s, center_square(resize_short_side(s.image, image_size), image_size))
+
+    return map(one, samples)
 
 
 def limit_short_side(samples: Iterable[Sample], max_side: int) -> Iterator[Sample]:
     """Shrink images whose shorter side exceeds ``max_side`` so it equals it; no crop.
 
     The aspect ratio is kept (the longer side is truncated as torchvision's ``Resize(int)``
-    does, :func:`resize_short_side`),
-    so RandomResizedCrop later samples from the whole photo as in the official MoCo code.
-    Images already within ``max_side`` are stored unchanged (never upsampled).
+    does, :func:`resize_short_side`), so RandomResizedCrop later samples from the whole photo
+    as in the official MoCo code.
+    Images already within ``max_side`` are stored unchanged (never upsampled). Lazily, holding
+    no sample once it is handed on (as :func:`resize_samples`).
 
     Args:
         samples: source samples.
         max_side: the largest shorter side in pixels (``data.max_side``); must be > 0.
 
-    Yields:
-        Samples with ``min(W, H) <= max_side``, same key, label and mode.
+    Returns:
+        An iterator of samples with ``min(W, H) <= max_side``, same key, label and mode.
     """
-    for s in samples:
-        img = s.image
-        if min(img.size) > max_side:
-            img = resize_short_side(img, max_side)
-        yield _resized(s, img)
+    def one(s: Sample) -> Sample:
+        if min(s.image.size) <= max_side:
+            return s
+        return _resized(s, resize_short_side(s.image, max_side))
+
+    return map(one, samples)

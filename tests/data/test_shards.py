@@ -118,6 +118,36 @@ def test_write_shards__stats_of_a_large_image_take_no_copy_of_its_pixels(tmp_pat
     assert m.image_shape == (3, 1000, 1200)
 
 
+@pytest.mark.parametrize("max_side", [8, 0, 100])
+def test_write_shards__one_image_at_a_time(tmp_path: Path, max_side: int):
+    # While the source decodes image n, nothing holds image n - 1 any more: neither the
+    # writer (the first sample was held for the whole split), nor the resize (shrunk: 8;
+    # data.image_size: 0; kept as it is: 100). A folder of 60 MP photos then peaks at one
+    # photo, not two or three.
+    import weakref
+
+    from pipeline.data.encode import limit_short_side, resize_samples
+
+    alive: list[str] = []
+
+    refs: list[weakref.ref] = []
+
+    def load(i: int) -> Sample:  # as Source._load: nothing of it stays in the source
+        image = Image.new("L", (16, 12), 40 * i)
+        refs.append(weakref.ref(image))
+        return Sample(f"k{i}", image, 0)
+
+    def source():
+        for i in range(5):
+            alive.extend(f"{i}: image {j} alive" for j, r in enumerate(refs) if r() is not None)
+            yield load(i)
+
+    samples = (limit_short_side(source(), max_side) if max_side
+               else resize_samples(source(), 6))
+    m = write(tmp_path / "s", samples)
+    assert m.num_samples == 5 and alive == []
+
+
 def test_write_shards__nothing_to_write(tmp_path: Path):
     write(tmp_path / "s", samples(3))
     before = (tmp_path / "s" / "manifest.json").read_bytes()
