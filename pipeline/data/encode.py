@@ -3,9 +3,11 @@
 ``data.shard_format`` (:func:`encode_member`):
 
 * ``auto`` (default): a JPEG file (ImageFolder, unlabelled tree, webdataset source) whose pixels
-  need no change (no EXIF turn, no mode conversion but grey to RGB, no resize) keeps its bytes
-  as ``<key>.jpg``; a JPEG that was turned upright, converted or resized is encoded as JPEG at
-  quality :data:`JPEG_QUALITY`; every other image (PNG, TIFF, WebP, BMP files, Fashion-MNIST,
+  need no change (no mode conversion but grey to RGB, no resize) keeps its bytes as
+  ``<key>.jpg``, an EXIF orientation tag included: every reader turns the image upright when
+  decoding (:func:`pipeline.data.external.open_image`, :func:`pipeline.data.jpeg.upright`); a
+  JPEG that was converted or resized (after its turn) is encoded as JPEG at quality
+  :data:`JPEG_QUALITY`; every other image (PNG, TIFF, WebP, BMP files, Fashion-MNIST,
   CIFAR and STL-10 arrays) as lossless PNG. A photo's shards are then about the size of its
   JPEGs instead of ~5x (docs/performance.md, ``benchmarks/photo_loader.py``).
 * ``png``: every image as PNG: the stored pixels are exactly what the conversion and resize
@@ -30,7 +32,7 @@ from pipeline.data.sources import Sample
 from pipeline.errors import InputError
 
 _PNG_OPTIONS = {"format": "PNG", "compress_level": 6, "optimize": False}  # Pillow's default level
-# Quality of the JPEGs build_shards encodes (resized, turned or converted photos): 95, kept by
+# Quality of the JPEGs build_shards encodes (resized or converted photos): 95, kept by
 # measurement: 200 q90 500x375 photos resized to a 256 px short side take 0.66x their source
 # bytes at q95 4:2:0 and keep 39.3 dB PSNR of the resized pixels (q90: 0.47x, 36.6 dB; q95
 # 4:4:4: 0.84x, 42.8 dB); with tar headers the shards are 0.70x (benchmarks/photo_loader.py,
