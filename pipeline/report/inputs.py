@@ -22,7 +22,6 @@ Inputs, all relative to the repo root::
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import math
 import tarfile
@@ -35,7 +34,7 @@ import numpy as np
 from torch import Tensor
 
 from pipeline.atomic import read_json
-from pipeline.data.external import IMAGE_MEMBERS
+from pipeline.data.external import IMAGE_MEMBERS, open_image
 from pipeline.data.manifest import ShardError, read_manifest
 from pipeline.data.remote import is_url, shards_location
 from pipeline.data.shards import member_key
@@ -356,8 +355,9 @@ def _shard_paths(shard_dir: Path) -> list[Path]:
 def load_shard_images(shard_dir: Path, keys: Iterable[str]) -> dict[str, Any]:
     """Decode the image members of the requested keys from a split's tar shards.
 
-    Only image members (:data:`pipeline.data.external.IMAGE_MEMBERS`) are decoded (with PIL);
-    nothing is unpickled. Reading stops as soon as every key is found.
+    Only image members (:data:`pipeline.data.external.IMAGE_MEMBERS`) are decoded (with PIL,
+    upright: :func:`pipeline.data.external.open_image`); nothing is unpickled. Reading stops
+    as soon as every key is found.
 
     Args:
         shard_dir: a split directory (``data/shards/test``) holding ``*.tar`` shards.
@@ -389,8 +389,6 @@ def shard_images(shard: Path, wanted: set[str]) -> dict[str, Any]:
     Returns:
         key -> PIL image (mode ``L`` or ``RGB``).
     """
-    from PIL import Image
-
     found: dict[str, Any] = {}
     if not wanted or not Path(shard).is_file():
         return found
@@ -400,9 +398,8 @@ def shard_images(shard: Path, wanted: set[str]) -> dict[str, Any]:
             if not member.isfile() or (ext or "").lower() not in IMAGE_MEMBERS or key not in wanted:
                 continue
             try:
-                image = Image.open(io.BytesIO(tar.extractfile(member).read()))  # type: ignore[union-attr]
-                image.load()
-            except OSError as e:  # PIL's UnidentifiedImageError is an OSError
+                image = open_image(tar.extractfile(member).read())  # type: ignore[union-attr]
+            except (OSError, SyntaxError) as e:  # PIL's UnidentifiedImageError is an OSError
                 log.warning("report: %s: sample %r does not decode (%s)", shard, key, e)
                 continue
             found[key] = image if image.mode in ("L", "RGB") else image.convert("RGB")
