@@ -1,4 +1,4 @@
-"""``python -m pipeline check-params|verify-shards|clean-checkpoints|relocate-mlflow``.
+"""``python -m pipeline check-params|verify-shards|clean-checkpoints|relocate-mlflow|compare``.
 
 ``clean-checkpoints [--keep N]`` deletes pretraining resume state of the repo (see
 :mod:`pipeline.train.resume_store`). ``relocate-mlflow [--from OLD] [--to NEW]`` repoints the
@@ -7,6 +7,8 @@ MLflow database at a moved repo (see :mod:`pipeline.tracking.relocate`).
 ``check-params`` validates a whole params file (every key present, typed and in range) and
 prints the resolved config; the ``check_params`` DVC stage (``stages/check_params.py``) runs the
 same check. ``verify-shards`` checks shard directories or URLs against their manifests.
+``compare [--width N]`` prints every experiment's changed params and headline metrics in one
+table (see :mod:`pipeline.compare`).
 """
 
 from __future__ import annotations
@@ -49,12 +51,20 @@ def _main(argv: list[str] | None) -> int:
                          "gone)")
     rm.add_argument("--to", dest="new", default=None,
                     help="the new repo root (default: this repo's root)")
+    cm = sub.add_parser("compare", help="the experiments' changed params and headline metrics "
+                                        "(from `dvc exp show --json`), one screen wide")
+    cm.add_argument("--width", type=int, default=None,
+                    help="the longest line (default: the terminal's width, else 160)")
     args = parser.parse_args(argv)
     setup_logging()
     if args.cmd == "relocate-mlflow":
         from pipeline.tracking.relocate import relocate_main
 
         return relocate_main(args.old, args.new)
+    if args.cmd == "compare":
+        from pipeline.compare import compare_main
+
+        return compare_main(args.width)
     if args.cmd == "check-params":
         return _check_params(args.params)
     if args.cmd == "clean-checkpoints":

@@ -13,9 +13,9 @@ if TYPE_CHECKING:
 def run(p: Params) -> None:
     from pathlib import Path
 
-    from pipeline.atomic import write_metrics
+    from pipeline.atomic import headline, write_metrics
     from pipeline.data.remote import shards_location
-    from pipeline.evaluate.run.baselines import baselines
+    from pipeline.evaluate.run.baselines import HEADLINE, baselines
     from pipeline.tracking import stage_run
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
@@ -25,7 +25,8 @@ def run(p: Params) -> None:
         metrics = baselines(shards_dir=shards, model=p.model, seed=p.seed, linear=p.linear,
                             batch_size=p.embed.batch_size, pool_grid=p.embed.pool_grid,
                             layer=p.embed.layer)
-        write_metrics(Path("metrics/baselines.json"), metrics)
+        write_metrics(Path("eval/metrics/baselines.json"), metrics)
+        write_metrics(Path("metrics/baselines.json"), headline(metrics, HEADLINE))
         mlrun.log_metrics(metrics)
 
 

@@ -13,9 +13,9 @@ if TYPE_CHECKING:
 def run(p: Params) -> None:
     from pathlib import Path
 
-    from pipeline.atomic import write_metrics
+    from pipeline.atomic import headline, write_metrics
     from pipeline.data.remote import shards_location
-    from pipeline.evaluate.run.embed import embed
+    from pipeline.evaluate.run.embed import HEADLINE, embed
     from pipeline.tracking import stage_run
     from pipeline.tracking.registry import link_encoder_input, trusted_encoder
 
@@ -32,7 +32,8 @@ def run(p: Params) -> None:
                         use_head=p.embed.use_head, head_path=Path("models/head.pt"),
                         pool_grid=p.embed.pool_grid, layer=p.embed.layer,
                         reuse_dir=Path("features"))  # data_insights' features of the same shards
-        write_metrics(Path("metrics/embed.json"), metrics)
+        write_metrics(Path("eval/metrics/embed.json"), metrics)
+        write_metrics(Path("metrics/embed.json"), headline(metrics, HEADLINE))
         mlrun.log_metrics(metrics)
 
 

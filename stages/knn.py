@@ -13,9 +13,9 @@ if TYPE_CHECKING:
 def run(p: Params) -> None:
     from pathlib import Path
 
-    from pipeline.atomic import write_metrics
+    from pipeline.atomic import headline, write_metrics
     from pipeline.data.remote import shards_location
-    from pipeline.evaluate.run.knn import knn_eval
+    from pipeline.evaluate.run.knn import HEADLINE, knn_eval
     from pipeline.tracking import stage_run
     from pipeline.tracking.registry import attach_scores, trusted_encoder
 
@@ -26,7 +26,8 @@ def run(p: Params) -> None:
         metrics = knn_eval(features_dir=Path("features"),
                            manifest_dir=shards / "test", knn=p.knn,
                            details_path=Path("eval/knn_details.json"), seed=p.seed)
-        write_metrics(Path("metrics/knn.json"), metrics)
+        write_metrics(Path("eval/metrics/knn.json"), metrics)
+        write_metrics(Path("metrics/knn.json"), headline(metrics, HEADLINE))
         mlrun.log_metrics(metrics)
         encoder = trusted_encoder(mlrun, params=p, encoder_path=Path("models/encoder.pt"),
                                   example_split=shards / "test")  # found by its md5

@@ -17,9 +17,8 @@ if TYPE_CHECKING:
 def run(p: Params) -> None:
     from pathlib import Path
 
-    from pipeline.atomic import write_metrics
     from pipeline.data.remote import shards_location
-    from pipeline.evaluate.run.label_efficiency import label_efficiency
+    from pipeline.evaluate.run.label_efficiency import label_efficiency, write_label_efficiency
     from pipeline.tracking import stage_run
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
@@ -29,12 +28,14 @@ def run(p: Params) -> None:
             linear=p.linear, per_class=p.label_efficiency.per_class,
             draws=p.label_efficiency.draws, layer=p.embed.layer, pool_grid=p.embed.pool_grid,
             batch_size=p.embed.batch_size)
-        write_metrics(Path("metrics/label_efficiency.json"), metrics)
+        write_label_efficiency(metrics, metrics_path=Path("metrics/label_efficiency.json"),
+                               details_path=Path("eval/metrics/label_efficiency.json"),
+                               plots_path=Path("plots/label_efficiency.tsv"))
         curve = metrics["curve"]
         mlrun.log_metrics({f"{kind}_{probe}_top1_{n}_per_class": point["mean"]
                            for kind, probes in curve.items() for probe, points in probes.items()
                            for n, point in points.items()})
-        mlrun.log_artifact("metrics/label_efficiency.json")
+        mlrun.log_artifact("eval/metrics/label_efficiency.json")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ except for the few shard images that the retrieval figure picks, which they load
 
 Inputs, all relative to the repo root::
 
-    metrics/{pretrain,data_insights,embed,baselines,knn,linear}.json   Metrics
-    metrics/label_efficiency.json                        the label-efficiency curve
+    eval/metrics/{pretrain,data_insights,embed,baselines,knn,linear}.json   Metrics
+    eval/metrics/label_efficiency.json                   the label-efficiency curve
     eval/data_insights.json                              near-duplicates and outliers
     plots/{pretrain,knn_monitor,labelfree,linear}.tsv    columns of floats
+    plots/linear_val.tsv                                 the probe's val_acc, if measured
     eval/{knn,linear}_details.json                       EvalDetails
     features/{train,test}.pt                             Embeddings
     runs/<stage>.json                                    RunRecord
@@ -43,21 +44,23 @@ log = logging.getLogger(__name__)
 
 TRACKED_STAGES = ("build_shards", "pretrain", "data_insights", "embed", "baselines", "knn",
                   "linear", "label_efficiency")
+# Every number of each stage (eval/metrics/; metrics/<stage>.json holds only its headline)
 METRICS_FILES = {  # metric-name prefix -> metrics file (relative to the repo root)
-    "pretrain": "metrics/pretrain.json",
-    "data_insights": "metrics/data_insights.json",
-    "embed": "metrics/embed.json",
-    "baselines": "metrics/baselines.json",
-    "knn": "metrics/knn.json",
-    "linear": "metrics/linear.json",
+    "pretrain": "eval/metrics/pretrain.json",
+    "data_insights": "eval/metrics/data_insights.json",
+    "embed": "eval/metrics/embed.json",
+    "baselines": "eval/metrics/baselines.json",
+    "knn": "eval/metrics/knn.json",
+    "linear": "eval/metrics/linear.json",
 }
-LABEL_EFFICIENCY_FILE = "metrics/label_efficiency.json"  # nested: not among the final metrics
+LABEL_EFFICIENCY_FILE = "eval/metrics/label_efficiency.json"  # nested: not among the final metrics
 PLOT_FILES = {  # curve name -> TSV (relative to the repo root)
     "pretrain": "plots/pretrain.tsv",
     "knn_monitor": "plots/knn_monitor.tsv",
     "labelfree": "plots/labelfree.tsv",
     "linear": "plots/linear.tsv",
 }
+LINEAR_VAL_FILE = "plots/linear_val.tsv"  # its val_acc joins the "linear" columns
 EVALUATIONS = ("knn", "linear")  # eval/<name>_details.json
 
 Columns = Mapping[str, np.ndarray]  # TSV column name -> (R,) float64 values
@@ -156,7 +159,7 @@ class RunOutputs:
             skipped).
         shards_dir: the shard directory (``<root>/<data.shards_dir>``); retrieval images are
             read from its ``train`` and ``test`` splits.
-        label_efficiency: ``metrics/label_efficiency.json`` (:func:`read_label_efficiency`).
+        label_efficiency: ``eval/metrics/label_efficiency.json`` (:func:`read_label_efficiency`).
         data_insights: ``eval/data_insights.json`` (:func:`read_data_insights`).
         root: the repo root (shard paths recorded relative to it are read from there).
     """
@@ -196,7 +199,7 @@ def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
     return RunOutputs(
         metrics={s: read_metrics(root / rel) for s, rel in
                  {**METRICS_FILES, "label_efficiency": LABEL_EFFICIENCY_FILE}.items()},
-        plots={name: read_tsv(root / rel) for name, rel in PLOT_FILES.items()},
+        plots=_with_val(root, {name: read_tsv(root / rel) for name, rel in PLOT_FILES.items()}),
         details={e: read_details(root / f"eval/{e}_details.json") for e in EVALUATIONS},
         features={s: load_features(root / f"features/{s}.pt") for s in ("train", "test")},
         test_class_names=names,
@@ -211,7 +214,7 @@ def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
 
 
 def read_label_efficiency(path: Path) -> dict[str, Any] | None:
-    """``metrics/label_efficiency.json`` when its curve is whole, else None (with a log line).
+    """``eval/metrics/label_efficiency.json`` when its curve is whole, else None (with a log line).
 
     Whole: ``curve[kind][probe][n]`` holds finite ``mean`` and ``std`` for every kind, both
     probes and the same ``n`` everywhere. The points come back in increasing ``n`` (the file's
@@ -230,6 +233,18 @@ def read_label_efficiency(path: Path) -> dict[str, Any] | None:
     except (TypeError, KeyError, AttributeError, ValueError):
         ok = False
     return _if_whole(path, data, ok, "a whole label-efficiency curve")
+
+
+def _with_val(root: Path, plots: dict[str, Columns | None]) -> dict[str, Columns | None]:
+    """``plots`` with :data:`LINEAR_VAL_FILE`'s ``val_acc`` added to the ``linear`` columns.
+
+    Only when it holds one row per row of ``plots/linear.tsv`` (the same epochs).
+    """
+    lin, val = plots.get("linear"), read_tsv(root / LINEAR_VAL_FILE)
+    if lin is not None and val is not None and "val_acc" in val and "epoch" in lin \
+            and np.array_equal(val.get("epoch"), lin["epoch"]):
+        plots["linear"] = {**lin, "val_acc": val["val_acc"]}
+    return plots
 
 
 def _if_whole(path: Path, data: Any, ok: bool, what: str) -> Any:

@@ -77,8 +77,9 @@ def labelfree_section(outputs: RunOutputs, fig_dir: Path) -> Section:
     pre = outputs.metrics.get("pretrain")
     sec = Section("Quality without labels")
     if pre is None or pre.get("rankme") is None:
-        sec.blocks.append(Paragraph(f"Label-free numbers: {NOT_AVAILABLE} (metrics/pretrain.json "
-                                    "has none: pretrain.labelfree_images 0, or an older run)."))
+        sec.blocks.append(Paragraph(f"Label-free numbers: {NOT_AVAILABLE} (eval/metrics/"
+                                    "pretrain.json has none: pretrain.labelfree_images 0, or an "
+                                    "older run)."))
         return sec
     rows = [[LABELS[k], fmt(pre.get(f"{k}_init"), ".3f"), fmt(pre.get(k), ".3f"),
              "quality signal" if is_signal(k) else "diagnostic"] for k in METRICS]
@@ -162,7 +163,7 @@ def label_efficiency_section(outputs: RunOutputs, fig_dir: Path) -> Section:
     le = outputs.label_efficiency
     if le is None:
         sec.blocks.append(Paragraph(f"Label efficiency: {NOT_AVAILABLE} "
-                                    "(metrics/label_efficiency.json)."))
+                                    "(eval/metrics/label_efficiency.json)."))
         return sec
     curve = le["curve"]
     classes = len(outputs.test_class_names or []) or 1

@@ -305,7 +305,7 @@ def setup_threads(*, requested: int | str, resumed: int, num_workers: int,
     times one training-sized forward+backward of a copy of ``probe_model`` for each of
     :func:`thread_candidates` and keeps the fastest (:func:`choose_threads`): faster on a busy
     machine, but a busy and a quiet machine may then train different weights. The count used
-    is in ``metrics/pretrain.json`` (``num_threads``) either way.
+    is in ``eval/metrics/pretrain.json`` (``num_threads``) either way.
 
     Args:
         requested: ``pretrain.num_threads``: ``auto``, ``probe`` or a count >= 1.

@@ -80,6 +80,6 @@ def test_fmnist_preset__repro_end_to_end_on_the_tree(repo):
     assert pre.image_shape == (1, 28, 28) and pre.mode == "L"
     assert pre.mean == train.mean == (0.286,)  # the source's published statistics
     assert pre.build["unlabelled"]["images"] == 600
-    embed = json.loads((dst / "metrics/embed.json").read_text())
+    embed = json.loads((dst / "eval/metrics/embed.json").read_text())
     assert (embed["train_images"], embed["test_images"]) == (300, 200)
-    assert json.loads((dst / "metrics/pretrain.json").read_text())["pretrain_images"] == 600
+    assert json.loads((dst / "eval/metrics/pretrain.json").read_text())["pretrain_images"] == 600

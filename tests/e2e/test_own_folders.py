@@ -111,9 +111,9 @@ def test_unlabelled__skipped_files_counted_in_the_log(repo):
 
 def test_unlabelled__evaluation_uses_only_labelled_images(repo):
     dst, _, _ = repo
-    embed = json.loads((dst / "metrics/embed.json").read_text())
+    embed = json.loads((dst / "eval/metrics/embed.json").read_text())
     assert embed["train_images"] == 40 and embed["test_images"] == 20
-    pre = json.loads((dst / "metrics/pretrain.json").read_text())
+    pre = json.loads((dst / "eval/metrics/pretrain.json").read_text())
     assert pre["pretrain_images"] == 340 and pre["steps"] == 340 // 32
     for name in ("knn", "linear"):
         assert 0 <= json.loads((dst / f"metrics/{name}.json").read_text())["top1"] <= 100
@@ -249,7 +249,7 @@ def test_unlabelled__an_image_added_to_the_tree_rebuilds_and_retrains(repo):
     assert ran(text) == ["index_shards", "build_shards", "check_data", "pretrain"], text[-3000:]
     m = read_manifest(dst / "data/shards/pretrain")
     assert m.num_samples == 341 and m.build["unlabelled"]["images"] == 301
-    assert json.loads((dst / "metrics/pretrain.json").read_text())["pretrain_images"] == 341
+    assert json.loads((dst / "eval/metrics/pretrain.json").read_text())["pretrain_images"] == 341
     # a README beside the images is skipped and counted: the shards are rebuilt with the same
     # bytes, so pretraining does not rerun
     (dst.parent / "photos/d1/notes.txt").write_text("more photos soon\n")
@@ -300,7 +300,7 @@ def test_no_labels__repro_data_insights_gives_the_encoder_and_the_insights(nolab
     details = json.loads((dst / "eval/data_insights.json").read_text())
     assert details["images"] == 120 and details["parts"] == {"built": 120, "read_in_place": 0}
     assert len(details["outliers"]) == 120  # insights.listed 1000 >= 120: every image ranked
-    assert json.loads((dst / "metrics/data_insights.json").read_text())["images"] == 120
+    assert json.loads((dst / "eval/metrics/data_insights.json").read_text())["images"] == 120
     assert json.loads((dst / "runs/data_insights.json").read_text())["run_id"]
     assert (dst / "models/encoder.pt").is_file() and (dst / "models/encoder.json").is_file()
     assert "kNN monitor off: no labelled train or test images" in text
@@ -309,7 +309,7 @@ def test_no_labels__repro_data_insights_gives_the_encoder_and_the_insights(nolab
     assert json.loads((dst / "runs/pretrain.json").read_text())["model_version"] == "1"
     assert read_manifest(dst / "data/shards/pretrain").num_samples == 120
     assert read_manifest(dst / "data/shards/train").num_samples == 0
-    assert json.loads((dst / "metrics/pretrain.json").read_text())["pretrain_images"] == 120
+    assert json.loads((dst / "eval/metrics/pretrain.json").read_text())["pretrain_images"] == 120
 
 
 def test_no_labels__evaluation_stages_say_what_they_need(nolabels):

@@ -89,3 +89,34 @@ def test_label_efficiency_stage__three_kinds_same_draws(tmp_path):
     # the synthetic classes differ by a bright quadrant: raw pixels with 5 labels per class
     # (20 images) separate them almost perfectly
     assert m["curve"]["raw_pixels"]["knn"]["5"]["mean"] > 90
+
+
+def test_write_label_efficiency__headline_points_curve_rows_in_numeric_order(tmp_path):
+    import csv
+    import json
+
+    from pipeline.evaluate.run.label_efficiency import write_label_efficiency
+
+    def pt(mean):
+        return {"mean": mean, "std": 1.5, "min": mean - 2, "max": mean + 2}
+
+    ns = ["1", "10", "100", "2"]  # the text order json.dumps(sort_keys=True) writes them in
+    curve = {kind: {probe: {n: pt(base + int(n) / 4 + (probe == "linear")) for n in ns}
+                    for probe in ("knn", "linear")}
+             for kind, base in (("moco", 50), ("raw_pixels", 40), ("random_encoder", 30))}
+    result = {"draws": 3, "train_images": 600, "curve": curve, "wall_time_s": 12.5}
+    paths = {k: tmp_path / f for k, f in (("metrics_path", "m.json"),
+                                          ("details_path", "d.json"), ("plots_path", "p.tsv"))}
+    write_label_efficiency(result, **paths)
+    # MoCo's means at 1 and 10 labels per class (50 + n/4, +1 for linear), nothing else
+    assert json.loads(paths["metrics_path"].read_text()) == {
+        "knn": {"1": 50.25, "10": 52.5}, "linear": {"1": 51.25, "10": 53.5},
+        "wall_time_s": 12.5}
+    assert json.loads(paths["details_path"].read_text()) == result
+    with open(paths["plots_path"]) as fh:
+        rows = list(csv.DictReader(fh, delimiter="\t"))
+    assert list(rows[0]) == ["per_class", "features", "probe", "top1", "top1_min", "top1_max"]
+    assert [int(r["per_class"]) for r in rows] == [1] * 6 + [2] * 6 + [10] * 6 + [100] * 6
+    at100 = {(r["features"], r["probe"]): (r["top1"], r["top1_min"], r["top1_max"])
+             for r in rows if r["per_class"] == "100"}
+    assert at100[("raw_pixels", "linear")] == ("66", "64", "68")  # 40 + 25 + 1, -2, +2

@@ -127,7 +127,7 @@ def test_build_report__missing_inputs_say_not_available(tmp_path):
 
 def test_build_report__one_metrics_file_missing(tmp_path):
     root = make_run(tmp_path / "run")
-    (root / "metrics/knn.json").unlink()
+    (root / "eval/metrics/knn.json").unlink()
     (root / "eval/knn_details.json").unlink()
     params = from_dict({"report": {"tsne_points": 0, "retrieval_queries": 0}})
     report = build_report(params=params, root=root, out_dir=root / "reports")
@@ -172,8 +172,8 @@ def test_build_report__broken_figure_keeps_previous_report(tmp_path, monkeypatch
 def test_build_report__same_inputs_same_bytes(tmp_path):
     root = tmp_path / "empty"
     root.mkdir()
-    (root / "metrics").mkdir()
-    (root / "metrics/knn.json").write_text(json.dumps(KNN))
+    (root / "eval/metrics").mkdir(parents=True)
+    (root / "eval/metrics/knn.json").write_text(json.dumps(KNN))
     a = build_report(params=from_dict({}), root=root, out_dir=tmp_path / "a")
     b = build_report(params=from_dict({}), root=root, out_dir=tmp_path / "b")
     assert a.html.read_bytes() == b.html.read_bytes()

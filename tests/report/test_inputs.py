@@ -149,10 +149,9 @@ def test_read_dvc_lock__rows(tmp_path):
 
 def test_collect_final_metrics__union_with_prefixes(tmp_path):
     root = make_run(tmp_path / "run")
-    (root / "metrics/embed.json").unlink()
-    write_json(
-        root / "metrics/linear.json", {**LINEAR, "note": "text", "flag": True, "nested": {"a": 2}}
-    )
+    (root / "eval/metrics/embed.json").unlink()
+    write_json(root / "eval/metrics/linear.json",
+               {**LINEAR, "note": "text", "flag": True, "nested": {"a": 2}})
     expected = {f"pretrain.{k}": float(v) for k, v in PRETRAIN.items()}
     expected |= {f"knn.{k}": float(v) for k, v in KNN.items()}
     expected |= {f"linear.{k}": float(v) for k, v in LINEAR.items()}

@@ -60,9 +60,9 @@ def test_label_efficiency__points_read_in_increasing_n_not_as_sorted_text(tmp_pa
     point = {"mean": 50.0, "std": 1.0, "min": 49.0, "max": 51.0}
     curve = {kind: {probe: {str(n): dict(point) for n in ns} for probe in ("knn", "linear")}
              for kind in ("moco", "raw_pixels", "random_encoder")}
-    write_json(root / "metrics/label_efficiency.json",
+    write_json(root / "eval/metrics/label_efficiency.json",
                {"draws": 2, "train_images": 60, "curve": curve})
-    assert '"10"' in (root / "metrics/label_efficiency.json").read_text().split('"2"')[0]
+    assert '"10"' in (root / "eval/metrics/label_efficiency.json").read_text().split('"2"')[0]
     out = read_outputs(root, "data/shards")
     assert list(out.label_efficiency["curve"]["moco"]["knn"]) == [str(n) for n in ns]
     figs = tmp_path / "figs"
