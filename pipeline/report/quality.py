@@ -177,10 +177,19 @@ def label_efficiency_section(outputs: RunOutputs, fig_dir: Path) -> Section:
         f"capped at the bank, T={DEFAULT_T:g}; the linear probe of the linear params). Stars: "
         "the pipeline's numbers with every train label (kNN with k and T chosen on held-out "
         "train images)."))
-    ns = list(next(iter(curve.values()))["knn"])
+    points = next(iter(curve.values()))["knn"]
+    ns = list(points)
     rows = [[KIND_NAMES.get(kind, kind), probe] + [
         f"{probes[probe][n]['mean']:.2f} ± {probes[probe][n]['std']:.2f}" for n in ns]
         for kind, probes in curve.items() for probe in ("knn", "linear")]
-    sec.blocks.append(Table(["features", "probe"] + [f"{n}/class" for n in ns], rows))
+    short = {n: p for n, p in points.items() if p.get("per_class_min", int(n)) < int(n)}
+    sec.blocks.append(Table(["features", "probe"] + [
+        f"{n}/class" + (f" (≥ {short[n]['per_class_min']})" if n in short else "")
+        for n in ns], rows))
+    if short:  # a class held fewer than asked: the point says what it used
+        sec.blocks.append(Paragraph("Some classes hold fewer labelled train images than asked: "
+                                    + "; ".join(f"at {n}/class the smallest class gives "
+                                                f"{p['per_class_min']}, {p['labels']} labels in "
+                                                "all" for n, p in short.items()) + "."))
     sec.blocks.append(Paragraph(margin_sentence(curve)))
     return sec

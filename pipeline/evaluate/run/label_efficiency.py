@@ -34,7 +34,7 @@ KINDS = ("moco", "raw_pixels", "random_encoder")
 # the points of the curve in metrics/label_efficiency.json, when measured: MoCo's mean top-1
 # with 1 and with 10 labelled images per class (the whole curve: plots/ and eval/metrics/)
 HEADLINE_PER_CLASS = (1, 10)
-PLOT_COLUMNS = ("per_class", "features", "probe", "top1", "top1_min", "top1_max")
+PLOT_COLUMNS = ("per_class", "features", "probe", "top1", "top1_min", "top1_max", "labels")
 
 
 def _drawn_images(split: Path | ShardURL, rows: set[int], transform: Any, batch_size: int,
@@ -128,10 +128,11 @@ def plot_rows(curve: dict[str, Any]) -> list[dict[str, Any]]:
 
     One row per (labels per class, feature kind, probe), in increasing ``per_class``: the mean
     top-1 over the draws (%) and its min and max (``.dvc/plots/label_efficiency.json`` draws the
-    mean as a line, min-max as a bar).
+    mean as a line, min-max as a bar), and the labelled images the point used in all (fewer
+    than per_class x classes where a class holds fewer).
     """
     rows = [{"per_class": int(n), "features": kind, "probe": probe, "top1": pt["mean"],
-             "top1_min": pt["min"], "top1_max": pt["max"]}
+             "top1_min": pt["min"], "top1_max": pt["max"], "labels": pt["labels"]}
             for kind, probes in curve.items() for probe, points in probes.items()
             for n, pt in points.items()]
     return sorted(rows, key=lambda r: r["per_class"])
