@@ -16,9 +16,12 @@ def run(p: Params) -> None:
     from pipeline.atomic import headline, write_metrics
     from pipeline.data.remote import shards_location
     from pipeline.evaluate.run.baselines import HEADLINE, baselines
+    from pipeline.evaluate.run.skipped import skip_without_labels
     from pipeline.tracking import stage_run
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
+    if skip_without_labels("baselines", shards):  # data.source none: outputs say why, exit 0
+        return
     with stage_run("baselines", p, upstream=("build_shards",)) as mlrun:
         for split in ("train", "test"):
             mlrun.log_shards(shards / split, context="evaluation")

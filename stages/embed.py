@@ -16,10 +16,13 @@ def run(p: Params) -> None:
     from pipeline.atomic import headline, write_metrics
     from pipeline.data.remote import shards_location
     from pipeline.evaluate.run.embed import HEADLINE, embed
+    from pipeline.evaluate.run.skipped import skip_without_labels
     from pipeline.tracking import stage_run
     from pipeline.tracking.registry import link_encoder_input, trusted_encoder
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
+    if skip_without_labels("embed", shards):  # data.source none: outputs say why, exit 0
+        return
     with stage_run("embed", p, upstream=("pretrain",)) as mlrun:
         for split in ("train", "test"):
             mlrun.log_shards(shards / split, context="evaluation")

@@ -19,9 +19,12 @@ def run(p: Params) -> None:
 
     from pipeline.data.remote import shards_location
     from pipeline.evaluate.run.label_efficiency import label_efficiency, write_label_efficiency
+    from pipeline.evaluate.run.skipped import skip_without_labels
     from pipeline.tracking import stage_run
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
+    if skip_without_labels("label_efficiency", shards):  # data.source none: outputs say why, exit 0
+        return
     with stage_run("label_efficiency", p, upstream=("embed", "pretrain")) as mlrun:
         metrics = label_efficiency(
             features_dir=Path("features"), shards_dir=shards, model=p.model, seed=p.seed,

@@ -16,10 +16,13 @@ def run(p: Params) -> None:
     from pipeline.atomic import headline, write_metrics
     from pipeline.data.remote import shards_location
     from pipeline.evaluate.run.linear import HEADLINE, linear_probe
+    from pipeline.evaluate.run.skipped import skip_without_labels
     from pipeline.tracking import stage_run
     from pipeline.tracking.registry import attach_scores, trusted_encoder, update_champion
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
+    if skip_without_labels("linear", shards):  # data.source none: outputs say why, exit 0
+        return
     with stage_run("linear", p, upstream=("embed", "pretrain")) as mlrun:
         mlrun.log_shards(shards / "train", context="evaluation")
         test = mlrun.log_shards(shards / "test", context="evaluation")

@@ -30,6 +30,7 @@ from pipeline.config import (
 from pipeline.data.loader import train_loader
 from pipeline.data.manifest import Manifest, read_manifest
 from pipeline.data.remote import ShardURL
+from pipeline.data.shards import missing_labels
 from pipeline.data.views import (
     BatchTwoCrop,
     SeededRandomResizedCrop,
@@ -502,10 +503,10 @@ def _build_monitor(shards_dir: Path | ShardURL, *, spec: Any, augment: AugmentPa
 
 def _labelled(shards_dir: Path | ShardURL) -> bool:
     """Whether the train and test splits hold images (the kNN monitor needs both)."""
-    empty = [s for s in ("train", "test") if not read_manifest(shards_dir / s).num_samples]
-    if empty:
-        log.info("kNN monitor off: no labelled %s images (data.source none)", " or ".join(empty))
-    return not empty
+    why = missing_labels(shards_dir)
+    if why is not None:
+        log.info("kNN monitor off: %s", why)
+    return why is None
 
 
 __all__ = ["NonFiniteLossError", "Run", "pretrain", "train_one_epoch", "train_step"]
