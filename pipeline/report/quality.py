@@ -124,9 +124,12 @@ def plot_label_efficiency(curve: Mapping[str, Any], alls: Mapping[tuple[str, str
             ax.fill_between(n, mean - std, mean + std, color=colour, alpha=0.2)
             if kind in starred:  # side by side around x, so equal numbers cannot hide a star
                 shift = STAR_GAP_PT * (starred.index(kind) - (len(starred) - 1) / 2) / 72
+                # a line with an offset transform is left out of autoscaling: its point is not
+                ax.update_datalim([(all_per_class, alls[(kind, probe)])])
                 ax.plot([all_per_class], [alls[(kind, probe)]], marker="*",
                         markersize=STAR_SIZE_PT, color=colour, linestyle="none",
                         transform=ax.transData + ScaledTranslation(shift, 0, fig.dpi_scale_trans))
+        ax.autoscale_view()
         ax.set_xscale("log")
         ax.set(xlabel="labelled images per class (star: all)", ylabel="top-1 (%)",
                title="kNN" if probe == "knn" else "linear probe")
@@ -197,16 +200,19 @@ def label_efficiency_section(outputs: RunOutputs, fig_dir: Path) -> Section:
                                     "(metrics/label_efficiency.json)."))
         return sec
     curve = le["curve"]
-    classes = len(outputs.test_class_names or []) or 1
-    plot_label_efficiency(curve, _alls(outputs.metrics),
-                          float(le.get("train_images", 0)) / classes,
+    names = outputs.test_class_names or next(
+        (d.class_names for d in outputs.details.values() if d is not None), None)
+    known = bool(names) and bool(le.get("train_images"))  # where the stars go
+    plot_label_efficiency(curve, _alls(outputs.metrics) if known else {},
+                          float(le.get("train_images", 0)) / len(names or [1]),
                           fig_dir / "label_efficiency.png")
+    stars = (stars_caption(outputs.metrics) if known else
+             f"No stars: the train images per class are {NOT_AVAILABLE} (no class names).")
     sec.blocks.append(FigureRef(
         "label_efficiency.png",
         f"Top-1 on the whole test set from n labelled train images per class (mean and spread "
         f"over {le.get('draws')} seeded draws, the same draws for every kind; kNN k={DEFAULT_K} "
-        f"capped at the bank, T={DEFAULT_T:g}; the linear probe of the linear params). "
-        f"{stars_caption(outputs.metrics)}"))
+        f"capped at the bank, T={DEFAULT_T:g}; the linear probe of the linear params). {stars}"))
     ns = list(next(iter(curve.values()))["knn"])
     rows = [[KIND_NAMES.get(kind, kind), probe] + [
         f"{probes[probe][n]['mean']:.2f} ± {probes[probe][n]['std']:.2f}" for n in ns]

@@ -77,6 +77,7 @@ def test_plot_label_efficiency__equal_stars_stay_side_by_side(tmp_path, monkeypa
         assert len(stars) == n_stars
         xy = [ln.get_transform().transform(ln.get_xydata())[0] for ln in stars]  # pixels
         size_px = stars[0].get_markersize() * fig.dpi / 72
+        assert all(ax.bbox.contains(*p) for p in xy), (ax.bbox, xy)  # inside the axes: drawn
         for i in range(len(xy)):
             for j in range(i + 1, len(xy)):
                 assert np.hypot(*(xy[i] - xy[j])) >= size_px, (i, j, xy)
