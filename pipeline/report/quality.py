@@ -113,6 +113,8 @@ def plot_label_efficiency(curve: Mapping[str, Any], alls: Mapping[tuple[str, str
 
     fig, axes = fg._figure(10.5, 3.8, ncols=2)
     for ax, probe in zip(axes, ("knn", "linear")):
+        ax.set_xscale("log")
+        ax.margins(x=0.1, y=0.08)  # room for the stars drawn beside their x (log: ~0.4 decade)
         starred = [kind for kind in curve if (kind, probe) in alls]
         for i, (kind, probes) in enumerate(curve.items()):
             points = probes[probe]
@@ -130,7 +132,6 @@ def plot_label_efficiency(curve: Mapping[str, Any], alls: Mapping[tuple[str, str
                         markersize=STAR_SIZE_PT, color=colour, linestyle="none",
                         transform=ax.transData + ScaledTranslation(shift, 0, fig.dpi_scale_trans))
         ax.autoscale_view()
-        ax.set_xscale("log")
         ax.set(xlabel="labelled images per class (star: all)", ylabel="top-1 (%)",
                title="kNN" if probe == "knn" else "linear probe")
         ax.grid(alpha=0.3)

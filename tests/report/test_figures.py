@@ -63,7 +63,7 @@ def test_plot_label_efficiency__equal_stars_stay_side_by_side(tmp_path, monkeypa
     from pipeline.report.quality import plot_label_efficiency
 
     pt = {"mean": 50.0, "std": 1.0}
-    curve = {kind: {probe: {"1": pt, "10": pt} for probe in ("knn", "linear")}
+    curve = {kind: {probe: {"1": pt, "10": pt, "100": pt} for probe in ("knn", "linear")}
              for kind in ("moco", "raw_pixels", "random_encoder")}
     # the default run: MoCo 87.01 and raw pixels 87.16 with every label, ~1 px apart in y
     alls = {("moco", "knn"): 87.01, ("raw_pixels", "knn"): 87.16,
@@ -77,7 +77,9 @@ def test_plot_label_efficiency__equal_stars_stay_side_by_side(tmp_path, monkeypa
         assert len(stars) == n_stars
         xy = [ln.get_transform().transform(ln.get_xydata())[0] for ln in stars]  # pixels
         size_px = stars[0].get_markersize() * fig.dpi / 72
-        assert all(ax.bbox.contains(*p) for p in xy), (ax.bbox, xy)  # inside the axes: drawn
+        box = ax.bbox  # every whole star inside the axes (clipped otherwise)
+        assert all(box.x0 + size_px / 2 <= x <= box.x1 - size_px / 2
+                   and box.y0 + size_px / 2 <= y <= box.y1 - size_px / 2 for x, y in xy), (box, xy)
         for i in range(len(xy)):
             for j in range(i + 1, len(xy)):
                 assert np.hypot(*(xy[i] - xy[j])) >= size_px, (i, j, xy)
