@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import Params
-from pipeline.evaluate.knn import knn_neighbours
+from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, knn_neighbours
 from pipeline.report import figures as fg
 from pipeline.report.document import (
     NOT_AVAILABLE,
@@ -39,7 +39,7 @@ from pipeline.report.provenance import (
     runs_section,
 )
 from pipeline.report.quality import label_efficiency_section, labelfree_section
-from pipeline.report.results import KNN_PROTOCOL, pct, results_section
+from pipeline.report.results import pct, results_section
 
 
 def build_document(
@@ -217,15 +217,22 @@ def _training_curves(p: Params, table: fg.Columns | None, fig_dir: Path) -> list
     ]
 
 
-def _monitor_images(p: Params, outputs: RunOutputs) -> str:
-    """The monitor's bank and queries in words: the first N train / M test images."""
-    parts = []
-    for split, cap, what in (("train", p.pretrain.knn_monitor_train_images, "labelled train"),
-                             ("test", p.pretrain.knn_monitor_test_images, "test")):
+def _monitor_setup(p: Params, outputs: RunOutputs) -> str:
+    """The monitor's kNN and images in words: k (capped at the bank), T, the first N / M images."""
+    sizes = {}
+    for split, cap in (("train", p.pretrain.knn_monitor_train_images),
+                       ("test", p.pretrain.knn_monitor_test_images)):
         size = outputs.split_sizes.get(split)
-        parts.append(f"the first {cap if size is None else min(cap, size):,} {what} images"
-                     + (" (at most)" if size is None else ""))
-    return f"bank = {parts[0]}, queries = {parts[1]}"
+        n = cap if size is None else min(cap, size)
+        sizes[split] = (f"the first {n:,} " + ("labelled train" if split == "train" else "test")
+                        + " images" + (" (at most)" if size is None else ""),
+                        None if size is None else n)
+    bank = sizes["train"][1]
+    k = (f"k={DEFAULT_K}" if bank is not None and bank >= DEFAULT_K else
+         f"k={DEFAULT_K} capped at the bank" if bank is None else
+         f"k={bank} ({DEFAULT_K} capped at the bank)")
+    return (f"{k}, T={DEFAULT_T:g}, global average pool of the last stage; bank = "
+            f"{sizes['train'][0]}, queries = {sizes['test'][0]}")
 
 
 def _knn_monitor(p: Params, outputs: RunOutputs, fig_dir: Path) -> Block:
@@ -234,16 +241,15 @@ def _knn_monitor(p: Params, outputs: RunOutputs, fig_dir: Path) -> Block:
         return Paragraph(f"kNN monitor: {NOT_AVAILABLE} (plots/knn_monitor.tsv).")
     fg.plot_knn_monitor(monitor, fig_dir / "knn_monitor.png")
     init, end = _monitor_ends(monitor)
-    if init is None:
-        versus = "No epoch-0 row (the random init): nothing on the same features to compare."
-    else:
-        versus = (f"Dashed: epoch 0, the random init, measured the same way; the last point is "
-                  f"{end - init:+.2f} points from it." if end is not None else "")
+    versus = ("No epoch-0 row (the random init): nothing on the same features to compare."
+              if init is None or end is None else
+              f"Dashed: epoch 0, the random init, measured the same way; the last point is "
+              f"{end - init:+.2f} points from it.")
     return FigureRef(
         "knn_monitor.png",
-        f"kNN top-1 of the monitor per epoch ({KNN_PROTOCOL}, global average pool of the last "
-        f"stage; {_monitor_images(p, outputs)}; pretrain.knn_monitor_*). {versus} The baselines "
-        "stage's numbers are on other features and all images: see Results.",
+        f"kNN top-1 of the monitor per epoch ({_monitor_setup(p, outputs)}; "
+        f"pretrain.knn_monitor_*). {versus} The baselines stage's numbers are on other features "
+        "and all images: see Results.",
     )
 
 

@@ -5,7 +5,7 @@ import os
 import re
 
 import pytest
-from reporthelpers import KNN, make_run, md_row, md_section, write_json
+from reporthelpers import KNN, make_run, md_row, md_section, write_json, write_shards
 
 from pipeline.config import from_dict
 from pipeline.report.build import build_report
@@ -105,8 +105,9 @@ def test_build_report__knn_monitor_against_its_own_epoch_zero(full_report):
     caption = next(ln for ln in pre.splitlines() if ln.startswith("*kNN top-1 of the monitor"))
     # 10,000 / 2,000 monitor images asked for; the train shards have no manifest (size not
     # known), the test split has 24 images
-    assert ("bank = the first 10,000 labelled train images (at most), queries = the first 24 "
-            "test images") in caption
+    assert ("(k=200 capped at the bank, T=0.1, global average pool of the last stage; bank = "
+            "the first 10,000 labelled train images (at most), queries = the first 24 test "
+            "images;") in caption
     assert "the last point is +26.25 points from it" in caption  # 66.5 - 40.25
     assert "48.09" not in pre and "62.41" not in pre  # the baselines: other features, all images
 
@@ -267,3 +268,16 @@ def test_build_report__hostile_inputs_shown_as_text(tmp_path):
     runs = md_section(md, "MLflow runs")
     assert '| knn | &lt;img src=x onerror="alert(1)"> | &lt;b>7&lt;/b>\\|x |' in runs
     assert "<script" not in md and "<img" not in md
+
+
+def test_build_report__knn_monitor_k_capped_at_a_small_bank(tmp_path):
+    # a 60-image train split under a 10,000-image monitor cap: the bank is 60, so k = 60
+    root = make_run(tmp_path / "run")
+    keys = [f"train{i:05d}" for i in range(60)]
+    write_shards(root / "data/shards/train", keys, [i % 3 for i in range(60)], 30, manifest=True)
+    report = build_report(params=from_dict({"report": {"tsne_points": 0}}), root=root,
+                          out_dir=root / "reports")
+    pre = md_section(report.markdown.read_text(), "Pretraining")
+    assert ("(k=60 (200 capped at the bank), T=0.1, global average pool of the last stage; "
+            "bank = the first 60 labelled train images, queries = the first 24 test images;"
+            ) in pre
