@@ -20,8 +20,9 @@ def run(p: Params) -> None:
 
     root = Path.cwd()
     with stage_run("report", p, upstream=UPSTREAM) as mlrun:
+        git = git_state(root)
         report = build_report(params=p, root=root, out_dir=root / "reports",
-                              git_commit=git_state(root)["git.commit"])
+                              git_commit=git["git.commit"], git_dirty=git["git.dirty"])
         mlrun.log_metrics(report.final_metrics)
         mlrun.log_artifact(root / "reports", "report")
 

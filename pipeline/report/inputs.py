@@ -27,7 +27,7 @@ import logging
 import math
 import tarfile
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from torch import Tensor
 
 from pipeline.atomic import read_json
 from pipeline.data.external import IMAGE_MEMBERS, open_image
-from pipeline.data.manifest import ShardError, read_manifest
+from pipeline.data.manifest import Manifest, ShardError, read_manifest
 from pipeline.data.remote import is_url, shards_location
 from pipeline.data.shards import member_key
 
@@ -126,11 +126,15 @@ class RunRecord:
         run_id: the MLflow run id, None when the stage ran with MLflow disabled.
         experiment_id: the MLflow experiment id ("" when not recorded).
         tracking_uri: where the run was logged (may hold credentials: redact before showing).
+        ran: how the stage's process ran, as recorded under ``ran`` (pretrain:
+            :func:`pipeline.train.engine.how_it_ran`: precision, threads, machine, versions);
+            empty when not recorded.
     """
 
     run_id: str | None
     experiment_id: str
     tracking_uri: str | None
+    ran: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,8 @@ class RunOutputs:
         details: evaluation (:data:`EVALUATIONS`) -> its details.
         features: ``"train"`` / ``"test"`` -> embeddings.
         test_class_names: class names of the test-shard manifest.
+        split_sizes: ``"train"`` / ``"test"`` -> images in that split's manifest (None when
+            it cannot be read).
         runs: stage (:data:`TRACKED_STAGES`) -> its run record.
         dvc_lock: the outputs recorded in ``dvc.lock``, in file order.
         shards_are_url: ``data.shards_dir`` is a URL (retrieval, which reads local shards, is
@@ -176,6 +182,7 @@ class RunOutputs:
     label_efficiency: Mapping[str, Any] | None = None
     data_insights: Mapping[str, Any] | None = None
     root: Path = Path(".")
+    split_sizes: Mapping[str, int | None] = field(default_factory=dict)
 
 
 def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
@@ -189,13 +196,11 @@ def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
         The :class:`RunOutputs`; missing or unreadable files are None.
     """
     root = Path(root)
-    # published shards: class names from the URL manifest
-    test = (shards_location(shards_dir) / "test" if is_url(shards_dir)
-            else root / shards_dir / "test")
-    try:
-        names: list[str] | None = [str(n) for n in read_manifest(test).class_names]
-    except ShardError:  # no test split (yet) or an unreadable manifest: indices as names
-        names = None
+    # published shards: class names and sizes from the URL manifests
+    base = shards_location(shards_dir) if is_url(shards_dir) else root / shards_dir
+    manifests = {split: _manifest(base / split) for split in ("train", "test")}
+    test = manifests["test"]  # none: no test split (yet) or unreadable; indices as names
+    names = None if test is None else [str(n) for n in test.class_names]
     return RunOutputs(
         metrics={s: read_metrics(root / rel) for s, rel in
                  {**METRICS_FILES, "label_efficiency": LABEL_EFFICIENCY_FILE}.items()},
@@ -210,7 +215,16 @@ def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
         label_efficiency=read_label_efficiency(root / LABEL_EFFICIENCY_FILE),
         data_insights=read_data_insights(root / "eval/data_insights.json"),
         root=root,
+        split_sizes={s: None if m is None else m.num_samples for s, m in manifests.items()},
     )
+
+
+def _manifest(split_dir: Any) -> Manifest | None:
+    """A split's manifest, or None when it is missing or unreadable."""
+    try:
+        return read_manifest(split_dir)
+    except ShardError:
+        return None
 
 
 def read_label_efficiency(path: Path) -> dict[str, Any] | None:
@@ -311,11 +325,12 @@ def read_run(path: Path) -> RunRecord | None:
     run = read_json(path)
     if run is None:
         return None
-    rid, uri = run.get("run_id"), run.get("tracking_uri")
+    rid, uri, ran = run.get("run_id"), run.get("tracking_uri"), run.get("ran")
     return RunRecord(
         run_id=str(rid) if rid else None,
         experiment_id=str(run.get("experiment_id") or ""),
         tracking_uri=str(uri) if uri else None,
+        ran=ran if isinstance(ran, dict) else {},
     )
 
 

@@ -231,9 +231,11 @@ def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), ran
     root = Path.cwd()
     if not enabled:
         with signals.handled():
-            yield StageRun(None)
-        if rank == 0:
-            write_json(root / RUNS_DIR / f"{stage}.json", {"stage": stage, "run_id": None})
+            off = StageRun(None)
+            yield off
+        if rank == 0:  # the record too: what a stage records of its process is no MLflow data
+            write_json(root / RUNS_DIR / f"{stage}.json",
+                       {**off.record, "stage": stage, "run_id": None})
         return
 
     with signals.handled():

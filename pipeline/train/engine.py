@@ -58,6 +58,7 @@ from pipeline.train.runtime import (
     Precision,
     Runtime,
     configure_determinism,
+    describe_machine,
     kept_threads,
     resolve_compile,
     resolve_num_workers,
@@ -469,9 +470,26 @@ def _finish(r: Run, model: ModelParams, encoder_path: Path,
                        knn_plots_path=knn_plots_path)
         if r.tracking is not None:
             r.tracking.log_metrics({f"final_{k}": v for k, v in metrics.items()})
+            r.tracking.record["ran"] = how_it_ran(r)  # runs/pretrain.json: the report reads it
     if r.rt.world_size > 1:
         dist.barrier()
     return metrics
+
+
+def how_it_ran(r: Run) -> dict[str, Any]:
+    """How this training ran, as ``runs/pretrain.json`` records it under ``ran``.
+
+    Returns:
+        ``precision`` (``fp32`` / ``bf16`` / ``fp16``: what autocast ran, not the param),
+        ``num_threads``, ``processes`` (world size), ``device`` (``cpu`` / ``cuda``),
+        ``finished_utc`` (``YYYY-MM-DD HH:MM:SS``) and :func:`describe_machine`'s fields.
+    """
+    from datetime import datetime, timezone
+
+    return {"precision": r.precision.name, "num_threads": r.state.num_threads,
+            "processes": r.rt.world_size, "device": r.rt.device.type,
+            "finished_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+            **describe_machine()}
 
 
 def _build_monitor(shards_dir: Path | ShardURL, *, spec: Any, augment: AugmentParams,

@@ -84,7 +84,21 @@ stages:
     - path: models/encoder.pt
       hash: md5
       md5: 99998888777766665555444433332222
+  report:
+    cmd: python stages/report.py
+    outs:
+    - path: reports
+      hash: md5
+      md5: 0000111122223333444455556666777f.dir
+    - path: runs/report.json
+      hash: md5
+      md5: 0000111122223333444455556666777e
 """
+# what the tiny run's pretraining recorded of its process (runs/pretrain.json "ran")
+RAN = {"precision": "bf16", "num_threads": 3, "processes": 2, "device": "cuda",
+       "finished_utc": "2026-12-01 08:09:10", "cpu": "Test CPU 9000, 3 of 8 cores",
+       "gpu": "2 x Test GPU", "torch": "9.1.0", "torchvision": "0.99.0", "dvc": "3.0.0",
+       "mlflow": "3.1.0"}
 PARAMS = {
     "seed": 3,
     "knn": {"k": 20},
@@ -247,6 +261,7 @@ def make_run(root):
                 "run_id": None if stage == "embed" else f"run{i:02d}abc",
                 "tracking_uri": "https://alice:s3cret@mlflow.example.org",
                 "experiment_id": "7",
+                **({"ran": RAN} if stage == "pretrain" else {}),
             },
         )
     return root

@@ -90,3 +90,20 @@ def test_label_efficiency__a_point_a_class_could_not_fill_says_what_it_used(tmp_
     assert table.headers[2:] == ["1/class", "10/class", "25/class (≥ 20)"]
     texts = [b.text for b in sec.blocks if isinstance(b, Paragraph)]
     assert "at 25/class the smallest class gives 20, 45 labels in all" in texts[0]
+
+
+def test_label_efficiency__no_stars_where_the_images_per_class_are_unknown(tmp_path):
+    # stars sit at train images / classes: without class names that x is not known
+    root = make_run(tmp_path / "run")
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    out = read_outputs(root, "data/shards")
+    caption = label_efficiency_section(out, figs).blocks[0].caption
+    assert "Stars, side by side at the train images per class" in caption
+    assert "MoCo k=20, T=0.1, raw pixels k=5, T=0.05 chosen on held-out" in caption  # KNN, BASE
+    (root / "data/shards/test/manifest.json").unlink()
+    for stem in ("knn", "linear"):
+        (root / f"eval/{stem}_details.json").unlink()
+    caption = label_efficiency_section(read_outputs(root, "data/shards"), figs).blocks[0].caption
+    assert caption.endswith("No stars: the train images per class are not available "
+                            "(no class names).")

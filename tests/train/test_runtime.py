@@ -274,3 +274,25 @@ def test_pretrain__auto_threads_same_encoder_beside_a_busy_process(tiny_shards, 
     digest = [hashlib.sha256((tmp_path / d / "encoder.pt").read_bytes()).hexdigest()
               for d in ("quiet", "busy")]
     assert digest[0] == digest[1]
+
+
+def test_pretrain__runs_json_records_how_it_ran(tiny_shards, tmp_path, monkeypatch):
+    # the report's provenance: what ran (the params say `auto`), also with MLflow off
+    import json
+    from datetime import datetime
+
+    import torchvision
+
+    from pipeline.config import from_dict
+    from pipeline.tracking import stage_run
+
+    monkeypatch.chdir(tmp_path)
+    with stage_run("pretrain", from_dict({"mlflow": {"enabled": False}})) as r:
+        run_pretrain(tiny_shards, tmp_path / "m",
+                     {"pretrain": {"precision": "fp32", "num_threads": 1}}, run=r)
+    ran = json.loads((tmp_path / "runs/pretrain.json").read_text())["ran"]
+    assert (ran["precision"], ran["num_threads"], ran["processes"], ran["device"]) == (
+        "fp32", 1, 1, "cuda" if torch.cuda.is_available() else "cpu")
+    assert (ran["torch"], ran["torchvision"]) == (torch.__version__, torchvision.__version__)
+    datetime.strptime(ran["finished_utc"], "%Y-%m-%d %H:%M:%S")  # raises if not that format
+    assert ran["cpu"].endswith(f", {len(os.sched_getaffinity(0))} of {os.cpu_count()} cores")
