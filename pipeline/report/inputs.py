@@ -168,6 +168,8 @@ class RunOutputs:
         label_efficiency: ``eval/metrics/label_efficiency.json`` (:func:`read_label_efficiency`).
         data_insights: ``eval/data_insights.json`` (:func:`read_data_insights`).
         root: the repo root (shard paths recorded relative to it are read from there).
+        no_labels: why the evaluation stages were skipped (``runs/check_eval.json``: no
+            labelled train or test images), else None.
     """
 
     metrics: Mapping[str, Metrics | None]
@@ -183,6 +185,7 @@ class RunOutputs:
     data_insights: Mapping[str, Any] | None = None
     root: Path = Path(".")
     split_sizes: Mapping[str, int | None] = field(default_factory=dict)
+    no_labels: str | None = None
 
 
 def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
@@ -216,6 +219,7 @@ def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
         data_insights=read_data_insights(root / "eval/data_insights.json"),
         root=root,
         split_sizes={s: None if m is None else m.num_samples for s, m in manifests.items()},
+        no_labels=(read_json(root / "runs/check_eval.json") or {}).get("skipped"),
     )
 
 

@@ -68,15 +68,16 @@ def build_document(
 
     m = outputs.metrics
     pretrain_run = outputs.runs.get("pretrain")
+    labelled = outputs.no_labels is None
     sections = [
         settings_section(params, pretrain_run.ran if pretrain_run is not None else None),
-        results_section(params, m),
+        results_section(params, m) if labelled else no_labels_section(outputs.no_labels),
         pretrain_section(params, outputs, fig_dir),
         labelfree_section(outputs, fig_dir),
-        evaluation_section(outputs, fig_dir),
-        label_efficiency_section(outputs, fig_dir),
+        *([evaluation_section(outputs, fig_dir), label_efficiency_section(outputs, fig_dir)]
+          if labelled else []),
         insights_section(outputs, params.report.insight_images, fig_dir),
-        embedding_section(params, outputs, fig_dir),
+        *([embedding_section(params, outputs, fig_dir)] if labelled else []),
         cost_section(m),
         runs_section(outputs),
         lock_section(outputs),
@@ -90,6 +91,15 @@ def build_document(
         f"{params.pretrain.epochs} epochs; git commit {git_commit or NOT_AVAILABLE}."
     )
     return Document(title, subtitle, sections)
+
+
+def no_labels_section(why: str) -> Section:
+    """In place of the results: why nothing was evaluated with labels, and what follows."""
+    return Section("Results", [Paragraph(
+        f"Evaluation with labels skipped: {why}. kNN, the linear probe, the baselines and the "
+        "label-efficiency curve need labelled train and test images (a labelled data.source, "
+        "docs/data.md). What needs no labels follows: the pretraining, the label-free numbers, "
+        "the near-duplicates and the outliers.")])
 
 
 # --------------------------------------------------------------------------- formatting

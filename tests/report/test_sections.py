@@ -43,6 +43,28 @@ def test_build_document__sections_and_figures(tmp_path):
     )
 
 
+def test_build_document__no_labels__says_why_and_keeps_what_needs_none(tmp_path):
+    # check_eval found no labelled images: the results say why, the evaluation sections that
+    # need labels are left out, the label-free and data sections stay
+    from pipeline.atomic import write_json
+
+    root = make_run(tmp_path / "run")
+    why = "no labelled train or test images (data.source none)"
+    write_json(root / "runs/check_eval.json", {"stage": "check_eval", "run_id": None,
+                                               "labelled": False, "skipped": why})
+    fig_dir = tmp_path / "figs"
+    fig_dir.mkdir()
+    params = from_dict({**PARAMS, "report": {"tsne_points": 0, "retrieval_queries": 0}})
+    doc = build_document(params, read_outputs(root, "data/shards"), fig_dir, "c0ffee")
+    assert [s.title for s in doc.sections] == [
+        "Settings", "Results", "Pretraining", "Quality without labels",
+        "What the embeddings say about the data", "Throughput and wall time", "MLflow runs",
+        "DVC outputs", "Provenance",
+    ]
+    text = doc.sections[1].blocks[0].text
+    assert text.startswith(f"Evaluation with labels skipped: {why}.")
+
+
 def test_results_section__published_reference_row_and_distance():
     p = from_dict({"data": {"source": "cifar10"}, "pretrain": {"epochs": 200}})
     m = _metrics(knn={"top1": 80.1, "top5": 99.0, "k": 200.0, "T": 0.1},
