@@ -6,7 +6,8 @@ MLflow database at a moved repo (see :mod:`pipeline.tracking.relocate`).
 
 ``check-params [--show]`` validates a whole params file (every key present, typed and in
 range) and prints one ``ok`` line, the resolved config too with ``--show``; the ``check_params``
-DVC stage (``stages/check_params.py``) runs the same check. ``verify-shards`` checks shard directories or URLs against their manifests.
+DVC stage (``stages/check_params.py``) runs the same check. ``verify-shards`` checks shard
+directories or URLs against their manifests.
 """
 
 from __future__ import annotations
