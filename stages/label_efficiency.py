@@ -30,10 +30,8 @@ def run(p: Params) -> None:
             draws=p.label_efficiency.draws, layer=p.embed.layer, pool_grid=p.embed.pool_grid,
             batch_size=p.embed.batch_size)
         write_metrics(Path("metrics/label_efficiency.json"), metrics)
-        curve = metrics["curve"]
-        mlrun.log_metrics({f"{kind}_{probe}_top1_{n}_per_class": point["mean"]
-                           for kind, probes in curve.items() for probe, points in probes.items()
-                           for n, point in points.items()})
+        # stage_run logs its headline points (top1.knn.labels_1, ...) and the whole curve as a
+        # table and a figure (pipeline.tracking.outputs)
         mlrun.log_artifact("metrics/label_efficiency.json")
 
 
