@@ -27,6 +27,7 @@ warning.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.cli import stage_entry  # first: light; installs the signal handlers
@@ -36,16 +37,11 @@ if TYPE_CHECKING:
 
 
 def run(p: Params) -> None:
-    import logging
-    from pathlib import Path
-
     from pipeline.atomic import write_json
     from pipeline.data.checks import check_before_build
     from pipeline.data.folder_index import FOLDERS, index_params_folders, read_previous_folders
-    from pipeline.data.index import VALIDATORS, index_location, index_sets
-    from pipeline.data.manifest import MANIFEST_NAME, write_manifest
+    from pipeline.data.index import VALIDATORS, index_sets
     from pipeline.data.plan import plan_pretraining
-    from pipeline.tracking import stage_run
 
     before = read_previous_folders()
     folders = index_params_folders(p.data)  # first: a missing folder stops before any shard
@@ -59,19 +55,8 @@ def run(p: Params) -> None:
     summary = {s: {"shards": len(m.shards), "images": m.num_samples,
                    "broken_skipped": m.num_broken} for s, m in manifests.items()}
     runs_file = Path("runs/index_shards.json")
-    if not changed and runs_file.is_file():
-        logging.getLogger("index_shards").info("shard index unchanged: manifests not rewritten")
-    elif any(m.shards for m in manifests.values()):  # one MLflow run per new index
-        with stage_run("index_shards", p) as mlrun:
-            for split, m in manifests.items():
-                write_manifest(m, index_location(split))
-                mlrun.log_metrics({f"{split}_{k}": v for k, v in summary[split].items()})
-                if m.shards:
-                    mlrun.log_artifact(index_location(split) / MANIFEST_NAME, f"index/{split}")
-    else:
-        for split, m in manifests.items():
-            write_manifest(m, index_location(split))
-        write_json(runs_file, {"stage": "index_shards", "run_id": None})
+    if changed or not runs_file.is_file():  # unchanged: the manifests are left as they are
+        _write_index(p, manifests, summary, runs_file)
     write_json(VALIDATORS, fresh)
     write_json(FOLDERS, folders)
     listed = {key: (f["images"], len(f.get("broken", [])), (before or {}).get(key) == f)
@@ -81,6 +66,26 @@ def run(p: Params) -> None:
                   for s, (spec, key) in sets.items() if spec}
     for line in index_summary(shard_sets, listed):
         print(f"index_shards: {line}", file=sys.stderr)
+
+
+def _write_index(p: Params, manifests: dict, summary: dict, runs_file: Path) -> None:
+    """Write the manifests; one MLflow run per new index of shards, none without shards."""
+    from pipeline.atomic import write_json
+    from pipeline.data.index import index_location
+    from pipeline.data.manifest import MANIFEST_NAME, write_manifest
+    from pipeline.tracking import stage_run
+
+    if not any(m.shards for m in manifests.values()):
+        for split, m in manifests.items():
+            write_manifest(m, index_location(split))
+        write_json(runs_file, {"stage": "index_shards", "run_id": None})
+        return
+    with stage_run("index_shards", p) as mlrun:
+        for split, m in manifests.items():
+            write_manifest(m, index_location(split))
+            mlrun.log_metrics({f"{split}_{k}": v for k, v in summary[split].items()})
+            if m.shards:
+                mlrun.log_artifact(index_location(split) / MANIFEST_NAME, f"index/{split}")
 
 
 def index_summary(shard_sets: dict[str, tuple[int, int, int, bool]],
