@@ -30,6 +30,7 @@ from registryhelpers import PARAMS, other_bytes, publish, score, train_tiny
 
 from pipeline.config import from_dict
 from pipeline.tracking import stage_run, ui_url
+from pipeline.tracking.ui import TABLE_LEADING_COLUMNS, headline_view_state
 
 pytestmark = pytest.mark.slow  # the server alone takes ~15 s to start on 2 cores
 
@@ -163,6 +164,18 @@ def test_ui__runs_table_and_models_view_in_headless_chromium(server, tmp_path):
     assert 'col-id="attributes.`Run Name`"' in view  # the runs table itself
     columns = re.findall(r'col-id="metrics\.`([^`]+)`"', view)  # the header, then each row
     assert list(dict.fromkeys(columns)) == ["top1.knn", "top1.knn.pixels", "top1.linear"]
+    # after the table's own leading columns, each header as wide as the view asks
+    index = {}
+    for cell in re.findall(r'<div[^>]*role="columnheader"[^>]*>', view):
+        col, at = re.search(r'col-id="([^"]+)"', cell), re.search(r'aria-colindex="(\d+)"', cell)
+        if col and at:
+            index[col.group(1)] = int(at.group(1))
+    assert [index[c] for c in TABLE_LEADING_COLUMNS] == [2, 3, 4]  # after the checkbox
+    assert index["metrics.`top1.knn`"] == 5
+    widths = {col: int(w) for col, w in re.findall(
+        r'role="columnheader"[^>]*col-id="metrics\.`([^`]+)`"[^>]*width: (\d+)px', view)}
+    assert widths == {name: headline_view_state()["columnWidths"][f"metrics.`{name}`"]
+                      for name in ("top1.knn", "top1.knn.pixels", "top1.linear")}
     assert "exp-srv:report" in view and "exp-srv:pretrain" not in view  # one row per pipeline run
     assert "52.5" in text(view) and "85" in text(view).split()
 

@@ -54,6 +54,8 @@ def test_headline_metrics__committed_files__every_name_its_value():
         "top1.linear.labels_10": labels["curve"]["moco"]["linear"]["10"]["mean"],
         "top1.linear.pixels": base["raw_pixels_linear_top1"],
     }
+    want = {k: round(v, 2) for k, v in want.items()}  # top-1s in %, to 0.01 pt
+    assert want["top1.knn.labels_10"] != labels["curve"]["moco"]["knn"]["10"]["mean"]  # 71.6833
     assert headline_metrics(root=REPO) == want
     assert list(headline_metrics(root=REPO)) == sorted(want)
     assert headline_metrics("metrics/knn.json", root=REPO) == {"top1.knn": knn["top1"]}

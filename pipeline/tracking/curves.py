@@ -140,7 +140,7 @@ def draw_curve(table: Any, curve: Curve) -> Figure:
     """
     import numpy as np
     from matplotlib.figure import Figure  # lazy: no matplotlib work at import time
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
     fig = Figure(figsize=(max(6.4, 4.6 * len(curve.panels)), 3.8), dpi=DPI,
                  layout="constrained")
@@ -164,6 +164,8 @@ def draw_curve(table: Any, curve: Curve) -> Figure:
             ax.set_xticks(np.unique(x[np.isfinite(x)]), minor=False)
             ax.set_xticks([], minor=True)
             ax.xaxis.set_major_formatter(ScalarFormatter())
+        else:  # epochs, counts: whole numbers
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel(curve.x)
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)

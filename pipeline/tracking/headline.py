@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.atomic import read_json
+from pipeline.atomic import PERCENT_DECIMALS, read_json
 
 PREFIX = "top1."
 
@@ -101,13 +101,14 @@ def headline_from(file: str, metrics: dict[str, Any] | None) -> dict[str, float]
         metrics: its content (as written); None = nothing.
 
     Returns:
-        ``{"top1.knn": 87.01}``: the entries of ``file`` that ``metrics`` holds.
+        ``{"top1.knn": 87.01}``: the entries of ``file`` that ``metrics`` holds, rounded to
+        0.01 pt (a label-efficiency mean over draws has more digits).
     """
     out = {}
     for h in HEADLINES:
         value = _lookup(metrics, h.key) if h.file == file else None
-        if value is not None:
-            out[h.name] = value
+        if value is not None:  # a top-1 in %: 0.01 pt, as the metrics files write top-1s
+            out[h.name] = round(value, PERCENT_DECIMALS)
     return out
 
 

@@ -40,14 +40,25 @@ HEADLINE_VIEW = "headline"  # the saved view's id: tag mlflow.sharedViewState.he
 HEADLINE_VIEW_NAME = "Headline top-1 (one row per pipeline run)"
 
 
+# The runs table's first columns in MLflow 3.17 (run name, created, duration; the checkbox
+# column's id is generated, and it is pinned first anyway), by their grid ids;
+# tests/test_mlflow_server.py reads them back from the rendered page.
+TABLE_LEADING_COLUMNS = ("attributes.`Run Name`", "runDateAndNestInfo", "duration")
+
+
 def headline_view_state() -> dict[str, Any]:
     """The state of :data:`HEADLINE_VIEW`: the report runs, the headline metrics as columns.
 
     The keys are those MLflow 3.17's experiment page restores from a saved view (its search
     facets and UI state); the ones left out keep their defaults there.
     """
-    return {"searchFilter": "tags.stage = 'report'",
-            "selectedColumns": [f"metrics.`{name}`" for name in headline_names()]}
+    columns = [f"metrics.`{name}`" for name in headline_names()]
+    return {"searchFilter": "tags.stage = 'report'", "selectedColumns": columns,
+            # the page applies columnWidths only to the columns columnOrder lists, and puts
+            # those first: the table's own leading columns (MLflow 3.17's ids) come first here
+            "columnOrder": [*TABLE_LEADING_COLUMNS, *columns],
+            # wide enough for the whole name (a header is cut at its column's width)
+            "columnWidths": {c: 24 + 7 * len(name) for c, name in zip(columns, headline_names())}}
 
 
 def ensure_headline_view(client: Any, experiment_id: str) -> None:
