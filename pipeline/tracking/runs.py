@@ -6,10 +6,12 @@
 * Each run is tagged with the stage, git commit, dirty flag, DVC experiment name and baseline
   rev, the run ids of the upstream stages (read from their ``runs/<stage>.json``), the repo root
   and the process that owns it (:mod:`pipeline.tracking.provenance`).
+* The run is named ``<DVC experiment>:<stage>`` (``workspace:knn`` for ``dvc repro``).
 * Params are flattened with dots (the names DVC uses) and the resolved config is logged as an
-  artifact. SIGTERM/SIGINT end the run as KILLED (tag ``killed.reason``); any other exception
-  as FAILED (``failed.reason``); a run is FINISHED only if the process then exits 0 (see
-  :mod:`pipeline.signals`).
+  artifact. When the stage's block completes, its headline numbers and curves are logged
+  (:func:`log_stage_outputs`). SIGTERM/SIGINT end the run as KILLED (tag
+  ``killed.reason``); any other exception as FAILED (``failed.reason``); a run is FINISHED only
+  if the process then exits 0 (see :mod:`pipeline.signals`).
 * A pretraining resumed from its checkpoint continues the interrupted run (same run id, status
   RUNNING again, then FINISHED; tags ``interrupted.count`` and ``interrupted.<n>`` record each
   interruption): one training = one run.
