@@ -31,7 +31,7 @@ def run(p: Params) -> None:
             batch_size=p.embed.batch_size)
         write_metrics(Path("metrics/label_efficiency.json"), metrics)
         # stage_run logs its headline points (top1.knn.labels_1, ...) and the whole curve as a
-        # table and a figure (pipeline.tracking.outputs)
+        # table and a figure (pipeline.tracking.runs.log_stage_outputs)
         mlrun.log_artifact("metrics/label_efficiency.json")
 
 

@@ -18,7 +18,7 @@ each is read (a metrics file and a key in it) and its MLflow name. The names sha
 
 The stage that measures a number logs it under its headline name (:func:`headline_metrics`),
 and the report stage logs them all, so its run is one row of the runs table holding every
-headline (:mod:`pipeline.tracking.views` shows them by default). :func:`summary_lines` are the
+headline (the saved view of :mod:`pipeline.tracking.ui` shows them). :func:`summary_lines` are the
 few lines the report stage prints last. A number absent from its file (no labels, a
 label-efficiency draw not made) is left out, never shown as 0.
 """
