@@ -34,10 +34,8 @@ def run(p: Params) -> None:
         write_label_efficiency(metrics, metrics_path=Path("metrics/label_efficiency.json"),
                                details_path=Path("eval/metrics/label_efficiency.json"),
                                plots_path=Path("plots/label_efficiency.tsv"))
-        curve = metrics["curve"]
-        mlrun.log_metrics({f"{kind}_{probe}_top1_{n}_per_class": point["mean"]
-                           for kind, probes in curve.items() for probe, points in probes.items()
-                           for n, point in points.items()})
+        # stage_run logs its headline points (top1.knn.labels_1, ...) and the whole curve as a
+        # table and a figure (pipeline.tracking.runs.log_stage_outputs)
         mlrun.log_artifact("eval/metrics/label_efficiency.json")
 
 

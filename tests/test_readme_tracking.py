@@ -52,7 +52,7 @@ def test_readme__comparing_runs_snippet_lists_versions_and_aliases(registry):
     lines = out.strip().splitlines()
     eid = json.loads((registry / "runs/pretrain.json").read_text())["experiment_id"]
     assert lines[0] == (f"http://127.0.0.1:5000/#/experiments/{eid}/runs"
-                        "?workflowType=machine_learning")
+                        "?workflowType=machine_learning&viewStateShareKey=headline")
     assert lines[1] == "{'champion': 1, 'newest': 2}"  # 75 < 80: the champion stayed
     assert sorted(lines[2:]) == ["1 80 exp-a unknown", "2 75 exp-a unknown"]  # not a git repo
 

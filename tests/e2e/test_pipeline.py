@@ -76,6 +76,14 @@ def test_pipeline__all_stages_run_with_sane_metrics(repo):
                       ("baselines", "random_encoder_top1")):
         assert 25 < m[name][key] <= 100, f"eval/metrics/{name}.json: {key} = {m[name][key]}"
     assert m["pretrain"]["steps"] == 2 * (2048 // 64)
+    # `dvc repro` ends with the headline numbers and where the report is (the report stage);
+    # index_shards says it has nothing to index instead of counting 0 images
+    lines = out.splitlines()
+    for want in (f"kNN top-1 {m['knn']['top1']:.2f} % (raw pixels "
+                 f"{m['baselines']['raw_pixels_top1']:.2f} %",
+                 f"linear top-1 {m['linear']['top1']:.2f} %", "report: reports/report.html"):
+        assert any(ln.startswith(want) for ln in lines), want
+    assert "index_shards: nothing to index" in out and '"images": 0' not in out
     assert (dst / "reports/report.html").stat().st_size > 10_000
     from pipeline.report.check import check_html
     from pipeline.report.document import NOT_AVAILABLE
@@ -124,8 +132,8 @@ def test_pipeline__registry_version_aliases_and_champion_features_bit_identical(
     assert versions[1].run_id == rec["run_id"] and rec["model_version"] == "1"
     assert float(versions[1].tags["linear.top1"]) == linear["top1"]
     linked = {m.key: m.value for m in client.get_logged_model(rec["model_id"]).metrics}
-    assert linked["linear.top1"] == linear["top1"]
-    assert linked["knn.top1"] == json.loads((dst / "metrics/knn.json").read_text())["top1"]
+    assert linked["top1.linear"] == linear["top1"]
+    assert linked["top1.knn"] == json.loads((dst / "metrics/knn.json").read_text())["top1"]
 
     out = tmp_path / "champion.pt"
     proc = subprocess.run([sys.executable, "-c", LOAD_CHAMPION, str(out)], cwd=dst,
@@ -245,6 +253,19 @@ def test_pipeline__mlflow_has_finished_runs_per_stage(repo):
     assert all(s == "FINISHED" for statuses in by_stage.values() for s in statuses)
     report = [r for r in runs if r.data.tags["stage"] == "report"]
     assert all("knn.top1" in r.data.metrics and "moco.K" in r.data.params for r in report)
+    # the headline numbers, one row per pipeline run; the run named after its DVC experiment
+    knn = json.loads((dst / "metrics/knn.json").read_text())["top1"]  # the last experiment's
+    assert all({"top1.knn", "top1.linear", "top1.knn.pixels"} <= set(r.data.metrics)
+               for r in report)
+    assert knn in {r.data.metrics["top1.knn"] for r in report}
+    first = min(report, key=lambda r: r.info.start_time)
+    assert first.info.run_name == "workspace:report"
+    assert {r.info.run_name for r in report} - {"workspace:report"}  # dvc exp run's names
+    pretrain = min((r for r in runs if r.data.tags["stage"] == "pretrain"),
+                   key=lambda r: r.info.start_time)
+    assert {a.path for a in client.list_artifacts(pretrain.info.run_id, "curves")} == {
+        "curves/knn_monitor.tsv", "curves/knn_monitor.png", "curves/labelfree.tsv",
+        "curves/labelfree.png"}
     # lineage: the report run names the runs of every upstream stage
     assert all(r.data.tags.get("upstream.pretrain", "unknown") != "unknown" for r in report)
 
