@@ -80,7 +80,7 @@ def server(tmp_path_factory):
             records.append(publish())
             score("linear", 85.0)
             report_run({"knn.json": {"top1": 61.0}, "linear.json": {"top1": 85.0},
-                        "baselines.json": {"raw_pixels_top1": 52.5}})
+                        "baselines.json": {"pixels_knn": 52.5}})
         finally:
             mp.undo()
             mlflow.set_tracking_uri(None)

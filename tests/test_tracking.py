@@ -388,14 +388,14 @@ def test_ensure_headline_view__saved_view_tag_written_once_headline_columns(db):
     assert state["searchFilter"] == "tags.stage = 'report'"
     columns = [
         "metrics.`top1.knn`", "metrics.`top1.knn.labels_1`", "metrics.`top1.knn.labels_10`",
-        "metrics.`top1.knn.pixels`", "metrics.`top1.knn.pixels_tuned`",
-        "metrics.`top1.knn.random`", "metrics.`top1.linear`", "metrics.`top1.linear.labels_1`",
-        "metrics.`top1.linear.labels_10`", "metrics.`top1.linear.pixels`"]
+        "metrics.`top1.knn.pixels`", "metrics.`top1.knn.random`", "metrics.`top1.linear`",
+        "metrics.`top1.linear.labels_1`", "metrics.`top1.linear.labels_10`",
+        "metrics.`top1.linear.pixels`"]
     assert state["selectedColumns"] == columns
     assert state["columnOrder"][-len(columns):] == columns  # after the run name
     assert state["columnOrder"][0] == "attributes.`Run Name`"
     # a header as wide as its name (7 px a character at the table's font, checked in Chromium)
-    assert state["columnWidths"]["metrics.`top1.knn.pixels_tuned`"] >= 7 * 21
+    assert state["columnWidths"]["metrics.`top1.linear.labels_10`"] >= 7 * 21
     with stage_run("linear", p):
         pass
     assert c.get_experiment(eid).tags[tag] == first  # unchanged state: not rewritten

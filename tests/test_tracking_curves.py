@@ -27,7 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_label_efficiency_table__committed_curve__numeric_rows_means_and_stds():
-    curve = json.loads((REPO / "metrics/label_efficiency.json").read_text())["curve"]
+    # the default run's whole curve, as its label_efficiency stage wrote it (results/)
+    run = REPO / "results/fashion-mnist-default-2026-12-06-epyc-bf16"
+    curve = json.loads((run / "metrics/label_efficiency.json").read_text())["curve"]
     columns, rows = label_efficiency_table(curve)
     counts = sorted(int(n) for n in curve["moco"]["knn"])  # "1", "10", "100", "2", ... as ints
     assert [r["labels_per_class"] for r in rows] == counts == [1, 2, 5, 10, 25, 100]
@@ -77,9 +79,12 @@ def _artifacts(run_id: str, tmp: Path) -> dict[str, bytes]:
 
 
 def test_stage_run__pretrain_and_label_efficiency_log_table_and_figure(db, tmp_path):
-    for rel in ("plots/knn_monitor.tsv", "plots/labelfree.tsv", "metrics/label_efficiency.json"):
-        (tmp_path / rel).parent.mkdir(exist_ok=True)
-        shutil.copy(REPO / rel, tmp_path / rel)
+    whole = REPO / "results/fashion-mnist-default-2026-12-06-epyc-bf16/metrics"
+    for rel, src in (("plots/knn_monitor.tsv", REPO / "plots/knn_monitor.tsv"),
+                     ("plots/labelfree.tsv", REPO / "plots/labelfree.tsv"),
+                     ("eval/metrics/label_efficiency.json", whole / "label_efficiency.json")):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, tmp_path / rel)
     p = from_dict({"mlflow": {"experiment": "c"}})
     got = {}
     for stage in ("pretrain", "label_efficiency", "knn"):
@@ -94,7 +99,7 @@ def test_stage_run__pretrain_and_label_efficiency_log_table_and_figure(db, tmp_p
     assert all(got[s][f].startswith(b"\x89PNG") for s in got for f in got[s] if f.endswith("png"))
     assert sorted(got["label_efficiency"]) == ["label_efficiency.png", "label_efficiency.tsv"]
     table = pd.read_csv(io.BytesIO(got["label_efficiency"]["label_efficiency.tsv"]), sep="\t")
-    curve = json.loads((REPO / "metrics/label_efficiency.json").read_text())["curve"]
+    curve = json.loads((whole / "label_efficiency.json").read_text())["curve"]
     assert table["labels_per_class"].tolist() == [1, 2, 5, 10, 25, 100]
     assert table.loc[table.labels_per_class == 100, "raw_pixels_linear"].item() == pytest.approx(
         curve["raw_pixels"]["linear"]["100"]["mean"])

@@ -12,7 +12,7 @@ when its block completes (:func:`log_stage_curves`), so the stage scripts do not
 * pretrain: ``knn_monitor`` (``plots/knn_monitor.tsv``) and ``labelfree``
   (``plots/labelfree.tsv``), per epoch.
 * label_efficiency: ``label_efficiency``, top-1 against labelled images per class, MoCo beside
-  raw pixels and the random encoder (the ``curve`` of ``metrics/label_efficiency.json``,
+  raw pixels and the random encoder (the ``curve`` of ``eval/metrics/label_efficiency.json``,
   :func:`label_efficiency_table`).
 """
 
@@ -97,7 +97,7 @@ def label_efficiency_table(curve: Mapping[str, Any]) -> tuple[list[str], list[di
 
 
 def _label_efficiency_tsv(path: Path) -> str | None:
-    """The table of ``metrics/label_efficiency.json``'s ``curve`` as TSV text (None: none)."""
+    """The table of ``eval/metrics/label_efficiency.json``'s ``curve`` as TSV text (None: none)."""
     import pandas as pd
 
     curve = (read_json(path) or {}).get("curve")
@@ -124,7 +124,7 @@ STAGE_CURVES: dict[str, tuple[Curve, ...]] = {
                ("uniformity (lower = more spread)", ("uniformity",)))),
     ),
     "label_efficiency": (
-        Curve("label_efficiency", "metrics/label_efficiency.json",
+        Curve("label_efficiency", "eval/metrics/label_efficiency.json",
               "Top-1 from a few labelled images per class", LABEL_EFFICIENCY_X,
               (("top-1 (%), mean and std over draws", _MOCO_AND_BASELINES),), log_x=True,
               reader=_label_efficiency_tsv),

@@ -8,8 +8,7 @@ each is read (a metrics file and a key in it) and its MLflow name. The names sha
     top1.knn              MoCo features, kNN (metrics/knn.json top1)
     top1.knn.labels_1     ... from 1 labelled image per class (label_efficiency)
     top1.knn.labels_10    ... from 10
-    top1.knn.pixels       raw pixels, kNN with the same k and T
-    top1.knn.pixels_tuned raw pixels, kNN with k and T tuned on a validation split
+    top1.knn.pixels       raw pixels, kNN with k and T chosen on held-out train images
     top1.knn.random       a randomly initialised encoder of the same architecture, kNN
     top1.linear           MoCo features, linear probe
     top1.linear.labels_1  ... (as for kNN)
@@ -42,7 +41,7 @@ class Headline:
     Attributes:
         name: the MLflow metric name (``top1.<probe>[.<what>]``).
         file: the metrics file that holds it, relative to the repo root.
-        key: its key there, dots for nested objects (``curve.moco.knn.1.mean``).
+        key: its key there, dots for nested objects (``knn.1``).
         label: what it is, in the console line of its probe ("" for MoCo's own numbers).
         labels: labelled images per class it was measured from (0 = every labelled image).
     """
@@ -66,16 +65,14 @@ KNN, LINEAR, BASELINES, LABELS = ("metrics/knn.json", "metrics/linear.json",
 # In the order the console prints them (a probe's own number first); the names sort the same.
 HEADLINES: tuple[Headline, ...] = (
     Headline("top1.knn", KNN, "top1"),
-    Headline("top1.knn.labels_1", LABELS, "curve.moco.knn.1.mean", labels=1),
-    Headline("top1.knn.labels_10", LABELS, "curve.moco.knn.10.mean", labels=10),
-    Headline("top1.knn.pixels", BASELINES, "raw_pixels_top1", "raw pixels"),
-    Headline("top1.knn.pixels_tuned", BASELINES, "raw_pixels_knn_tuned_top1",
-             "raw pixels with tuned k and T"),
-    Headline("top1.knn.random", BASELINES, "random_encoder_top1", "random encoder"),
+    Headline("top1.knn.labels_1", LABELS, "knn.1", labels=1),
+    Headline("top1.knn.labels_10", LABELS, "knn.10", labels=10),
+    Headline("top1.knn.pixels", BASELINES, "pixels_knn", "raw pixels"),
+    Headline("top1.knn.random", BASELINES, "random_knn", "random encoder"),
     Headline("top1.linear", LINEAR, "top1"),
-    Headline("top1.linear.labels_1", LABELS, "curve.moco.linear.1.mean", labels=1),
-    Headline("top1.linear.labels_10", LABELS, "curve.moco.linear.10.mean", labels=10),
-    Headline("top1.linear.pixels", BASELINES, "raw_pixels_linear_top1", "raw pixels"),
+    Headline("top1.linear.labels_1", LABELS, "linear.1", labels=1),
+    Headline("top1.linear.labels_10", LABELS, "linear.10", labels=10),
+    Headline("top1.linear.pixels", BASELINES, "pixels_linear", "raw pixels"),
 )
 
 
