@@ -6,7 +6,6 @@ import sys
 import time
 from pathlib import Path
 
-import mlflow
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
@@ -28,15 +27,6 @@ from pipeline.tracking.provenance import pipeline_outputs, process_tags
 from pipeline.tracking.runs import mark_stale_runs
 from pipeline.tracking.store import check_reachable
 from pipeline.tracking.ui import ensure_headline_view
-
-
-@pytest.fixture()
-def db(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.chdir(tmp_path)
-    yield uri
-    mlflow.set_tracking_uri(None)
 
 
 def test_tracking_uri__env_then_dvc_root(monkeypatch, tmp_path):

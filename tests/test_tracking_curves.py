@@ -63,14 +63,6 @@ def test_draw_curve__empty_column_not_drawn_std_as_band_log_x():
     assert band.min() == pytest.approx(48.0) and band.max() == pytest.approx(71.0)
 
 
-@pytest.fixture()
-def db(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.chdir(tmp_path)
-    yield uri
-    mlflow.set_tracking_uri(None)
-
 
 def _artifacts(run_id: str, tmp: Path) -> dict[str, bytes]:
     local = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="curves",

@@ -7,7 +7,6 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import from_dict
@@ -89,16 +88,6 @@ def test_summary_lines__docs_example_is_what_the_committed_metrics_print():
     printed = summary_lines(headline_metrics(root=REPO), report="reports/report.html")
     assert shown[:len(printed)] == printed and shown[len(printed)].startswith("MLflow: ")
 
-
-@pytest.fixture()
-def db(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.chdir(tmp_path)
-    yield uri
-    import mlflow
-
-    mlflow.set_tracking_uri(None)
 
 
 def test_stage_run__baselines_and_report_runs_hold_their_headline_metrics(db, tmp_path):
