@@ -173,7 +173,7 @@ def test_runs_section__links_the_ui_runs_table_without_credentials(tmp_path):
     (link,) = [b for b in sec.blocks if isinstance(b, Paragraph) and b.href]
     # the helper's runs were logged to https://alice:s3cret@mlflow.example.org, experiment 7
     assert link.href == ("https://mlflow.example.org/#/experiments/7/runs"
-                         "?workflowType=machine_learning")
+                         "?workflowType=machine_learning&viewStateShareKey=headline")
 
 
 def test_results_section__moco_protocol_rows_beside_ours():
