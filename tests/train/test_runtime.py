@@ -2,6 +2,7 @@
 
 import math
 import os
+import shutil
 import signal
 import time
 
@@ -192,6 +193,7 @@ def test_pretrain__compile_on_cpu_and_resume_bit_identical(tiny_shards, tmp_path
     full = run_pretrain(tiny_shards, tmp_path / "full", over)
     assert math.isfinite(full["loss"])
     run_pretrain(tiny_shards, tmp_path / "part", over, max_steps=5)  # checkpoint at 4
+    shutil.copytree(tmp_path / "part/ckpt", tmp_path / "eager/ckpt")
     caplog.set_level("INFO")
     run_pretrain(tiny_shards, tmp_path / "part", over)
     # a fresh start would be bit-identical too: the second run must have resumed at step 4
@@ -199,6 +201,10 @@ def test_pretrain__compile_on_cpu_and_resume_bit_identical(tiny_shards, tmp_path
     a = torch.load(tmp_path / "full/encoder.pt", weights_only=True)
     b = torch.load(tmp_path / "part/encoder.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the compiled run's checkpoint resumes eagerly: compiling leaves the state_dict keys alone
+    eager = {"model": over["model"], "pretrain": {**over["pretrain"], "compile": False}}
+    assert math.isfinite(run_pretrain(tiny_shards, tmp_path / "eager", eager)["loss"])
+    assert f"resuming from {tmp_path / 'eager/ckpt/last.pt'} at step 4" in caplog.text
 
 
 def test_plan_error__bad_bn_mode_is_a_one_line_user_error(tiny_shards, tmp_path):
