@@ -16,7 +16,7 @@ answering it (``results/labelfree-verdict-2026-12-06.md``, :data:`STUDY_FILE`):
    :data:`PLATEAU_FRACTION` of the run's whole gain over its random init.
 
 A verdict is stored as numbers (:meth:`Verdict.metrics`: ``verdict_code`` and
-``verdict_epoch`` in ``metrics/pretrain.json``, whose leaves are numeric) and rendered as
+``verdict_epoch`` in ``eval/metrics/pretrain.json``, whose leaves are numeric) and rendered as
 text by :func:`describe` from those two numbers alone, so every place that shows it (the
 console, ``models/encoder.json``, the MLflow run and model-version tag ``verdict``, the report)
 shows the same words.
@@ -45,7 +45,7 @@ PLATEAU_FRACTION = 0.1  # tolerance: this share of the run's gain (best - init) 
 
 
 def describe(code: int, epoch: int = NO_EPOCH) -> str:
-    """The verdict's words from its two numbers (``metrics/pretrain.json``).
+    """The verdict's words from its two numbers (``eval/metrics/pretrain.json``).
 
     Raises:
         InputError: an unknown code, or a plateau/worse code without an epoch.
@@ -183,7 +183,7 @@ def verdict(rows: Sequence[Mapping[str, float]], max_rank: int) -> Verdict | Non
 
 
 def report_sentence(metrics: Mapping[str, float]) -> str | None:
-    """The report's first line on quality without labels, from ``metrics/pretrain.json``.
+    """The report's first line on quality without labels, from ``eval/metrics/pretrain.json``.
 
     Returns:
         The verdict, what it rests on and what to do; None when the metrics hold no verdict

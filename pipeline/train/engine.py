@@ -30,6 +30,7 @@ from pipeline.config import (
 from pipeline.data.loader import train_loader
 from pipeline.data.manifest import Manifest, read_manifest
 from pipeline.data.remote import ShardURL
+from pipeline.data.shards import missing_labels
 from pipeline.data.views import (
     BatchTwoCrop,
     SeededRandomResizedCrop,
@@ -59,6 +60,7 @@ from pipeline.train.runtime import (
     Precision,
     Runtime,
     configure_determinism,
+    describe_machine,
     kept_threads,
     resolve_compile,
     resolve_num_workers,
@@ -266,10 +268,9 @@ def record_monitor(r: Run, epoch: int, *, last: bool = False) -> None:
     ``last``: the training's last epoch, always due.
 
     The kNN part (with labels) appends to ``knn_rows`` and logs ``monitor_knn_top1/5``; the
-    label-free part to ``labelfree_rows``, logging ``labelfree_rankme``, ``_alignment``,
-    ``_uniformity``, with a warning when the encoder looks collapsed
-    (:func:`pipeline.evaluate.verdict.collapse_reason`). Neither touches the training RNG or the
-    weights (eval mode, forked RNG).
+    label-free part to ``labelfree_rows``, logging ``labelfree_<number>``, with a warning when
+    the encoder looks collapsed (:func:`pipeline.evaluate.verdict.collapse_reason`). Neither
+    touches the training RNG or the weights (eval mode, forked RNG).
     """
     if not (r.rt.is_main and r.monitor.due(epoch, last=last)):
         return
@@ -297,7 +298,7 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
              seed: int, shards_dir: Path | ShardURL, encoder_path: Path,
              checkpoint_dir: Path, metrics_path: Path,
              plots_path: Path, knn_plots_path: Path, run: StageRun | None = None,
-             max_steps: int | None = None,
+             max_steps: int | None = None, details_path: Path | None = None,
              pretrain_set: Manifest | None = None,
              resume_key: TrainingInput | None = None,
              abandoned: Callable[[], bool] | None = None) -> dict[str, float]:
@@ -315,11 +316,13 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
             the query projection head.
         checkpoint_dir: ``last.pt`` lives here (resume state, outside DVC's outputs; the
             stage's resume store entry, :func:`pipeline.train.resume_store.open_entry`).
-        metrics_path: final metrics JSON (``metrics/pretrain.json``).
+        metrics_path: the headline of the final metrics (``metrics/pretrain.json``:
+            :data:`pipeline.train.export.HEADLINE`).
         plots_path: per-logged-step TSV (``plots/pretrain.tsv``).
         knn_plots_path: kNN-monitor TSV per epoch (``plots/knn_monitor.tsv``).
         run: MLflow handle (rank 0) or None.
         max_steps: stop after this global step (tests simulate an interruption with it).
+        details_path: every final metric (``eval/metrics/pretrain.json``); None = not written.
         pretrain_set: the pretraining set's manifest when it is more than
             ``shards_dir/pretrain`` (:func:`pipeline.data.index.pretrain_manifest`); None =
             that split alone.
@@ -332,7 +335,7 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
             (:meth:`pipeline.train.resume_store.WorkspaceWatch.abandoned`). None = never.
 
     Returns:
-        The final metrics (also written to ``metrics_path``).
+        The final metrics (all of them; ``details_path`` holds them too).
 
     Raises:
         PlanError: sizes that do not fit the data or the processes (names the param).
@@ -366,7 +369,8 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
                                  f"{r.state.step} to {r.ckpt.path}") from None
         if r.state.step < r.plan.total_steps:  # stopped early by max_steps (tests)
             return {"step": float(r.state.step)}
-        return _finish(r, model, encoder_path, metrics_path, plots_path, knn_plots_path)
+        return _finish(r, model, encoder_path, (metrics_path, details_path), plots_path,
+                       knn_plots_path)
 
 
 def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
@@ -448,13 +452,13 @@ def _restore(ckpt: Checkpointer, net: MoCo, optimizer: torch.optim.Optimizer,
     return state
 
 
-def _finish(r: Run, model: ModelParams, encoder_path: Path, metrics_path: Path,
-            plots_path: Path, knn_plots_path: Path) -> dict[str, float]:
+def _finish(r: Run, model: ModelParams, encoder_path: Path,
+            metrics_paths: tuple[Path, Path | None], plots_path: Path,
+            knn_plots_path: Path) -> dict[str, float]:
     """Final metrics and the verdict; rank 0 exports; all ranks compare their queues.
 
-    The verdict (:func:`pipeline.evaluate.verdict.verdict`, from the label-free monitor rows)
-    is a log line, ``verdict_code``/``verdict_epoch`` in the metrics, ``verdict`` in
-    ``encoder.json`` and the MLflow run's ``verdict`` tag; none without a label-free monitor.
+    The verdict (:func:`pipeline.evaluate.verdict.verdict`; none without a label-free monitor):
+    a log line, ``verdict_code``/``_epoch`` in the metrics, ``encoder.json``, an MLflow tag.
 
     ``queue_ranks_identical`` (several processes only: one has nothing to compare) is 1 when
     every rank's queue (keys, pointer, write steps) is bit-identical to the others', 0 with a
@@ -468,7 +472,7 @@ def _finish(r: Run, model: ModelParams, encoder_path: Path, metrics_path: Path,
         metrics["queue_ranks_identical"] = int(same)
         if not same and r.rt.is_main:
             log.warning("pretrain: the key queues differ across the %d ranks after training "
-                        "(metrics/pretrain.json queue_ranks_identical 0)", r.rt.world_size)
+                        "(eval/metrics/pretrain.json queue_ranks_identical 0)", r.rt.world_size)
     metrics["pretrain_images"] = r.pretrain_set.num_samples
     metrics["broken_images_skipped"] = r.pretrain_set.num_broken or 0
     judged = verdict(r.state.labelfree_rows, _max_rank(r)) if r.rt.is_main else None
@@ -478,16 +482,34 @@ def _finish(r: Run, model: ModelParams, encoder_path: Path, metrics_path: Path,
     if r.rt.is_main:
         export_outputs(r.net, model, in_channels=r.plan.spec.channels,
                        image_size=r.plan.spec.size, state=r.state, metrics=metrics,
-                       encoder_path=encoder_path, metrics_path=metrics_path,
-                       plots_path=plots_path, knn_plots_path=knn_plots_path,
+                       encoder_path=encoder_path, metrics_path=metrics_paths[0],
+                       details_path=metrics_paths[1], plots_path=plots_path,
+                       knn_plots_path=knn_plots_path,
                        verdict=judged.text if judged is not None else None)
         if r.tracking is not None:
             r.tracking.log_metrics({f"final_{k}": v for k, v in metrics.items()})
+            r.tracking.record["ran"] = how_it_ran(r)  # runs/pretrain.json: the report reads it
             if judged is not None:
                 r.tracking.set_tags({VERDICT_TAG: judged.text})
     if r.rt.world_size > 1:
         dist.barrier()
     return metrics
+
+
+def how_it_ran(r: Run) -> dict[str, Any]:
+    """How this training ran, as ``runs/pretrain.json`` records it under ``ran``.
+
+    Returns:
+        ``precision`` (``fp32`` / ``bf16`` / ``fp16``: what autocast ran, not the param),
+        ``num_threads``, ``processes`` (world size), ``device`` (``cpu`` / ``cuda``),
+        ``finished_utc`` (``YYYY-MM-DD HH:MM:SS``) and :func:`describe_machine`'s fields.
+    """
+    from datetime import datetime, timezone
+
+    return {"precision": r.precision.name, "num_threads": r.state.num_threads,
+            "processes": r.rt.world_size, "device": r.rt.device.type,
+            "finished_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+            **describe_machine()}
 
 
 def _build_monitor(shards_dir: Path | ShardURL, *, spec: Any, augment: AugmentParams,
@@ -519,10 +541,10 @@ def _build_monitor(shards_dir: Path | ShardURL, *, spec: Any, augment: AugmentPa
 
 def _labelled(shards_dir: Path | ShardURL) -> bool:
     """Whether the train and test splits hold images (the kNN monitor needs both)."""
-    empty = [s for s in ("train", "test") if not read_manifest(shards_dir / s).num_samples]
-    if empty:
-        log.info("kNN monitor off: no labelled %s images (data.source none)", " or ".join(empty))
-    return not empty
+    why = missing_labels(shards_dir)
+    if why is not None:
+        log.info("kNN monitor off: %s", why)
+    return why is None
 
 
 __all__ = ["NonFiniteLossError", "Run", "pretrain", "train_one_epoch", "train_step"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pipeline.atomic import save_torch, write_atomic, write_json, write_metrics, write_tsv
+from pipeline.atomic import headline, save_torch, write_atomic, write_json, write_metrics, write_tsv
 from pipeline.config import ModelParams
 from pipeline.evaluate.labelfree import METRICS as LABELFREE_METRICS
 from pipeline.moco.backbones import resolve_small_stem, resolve_stem_stride
@@ -24,6 +24,12 @@ from pipeline.train.checkpoint import TrainState
 from pipeline.train.logging import PLOT_COLUMNS
 
 LABELFREE_PLOT = "labelfree.tsv"  # beside plots/knn_monitor.tsv
+# metrics/pretrain.json (pipeline.atomic.headline): three label-free end values, throughput and
+# cost; the loss, the kNN monitor, view top-1, the verdict (verdict_code, verdict_epoch: in
+# words in the log, encoder.json, MLflow and the report) and the rest are curves (plots/) and
+# eval/metrics/pretrain.json. Two more columns would take `dvc metrics show` past its 200
+# characters a line (tests/test_dvc_metrics.py).
+HEADLINE = ("rankme", "alignment", "uniformity", "images_per_s", "wall_time_s")
 
 
 def encoder_meta(model: ModelParams, *, in_channels: int, image_size: int,
@@ -89,7 +95,11 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def final_metrics(state: TrainState, *, total_steps: int, epochs: int, wall_s: float,
                   device: torch.device, world_size: int) -> dict[str, float]:
-    """``metrics/pretrain.json``: last window's loss/accuracy, mean throughput, cost, kNN."""
+    """Every final number: last window's loss/accuracy, mean throughput, cost, kNN, label-free.
+
+    Written whole to ``eval/metrics/pretrain.json``, :data:`HEADLINE` of it to
+    ``metrics/pretrain.json`` (:func:`export_outputs`).
+    """
     rows = state.rows
     last = rows[-1] if rows else {}
 
@@ -116,15 +126,16 @@ def final_metrics(state: TrainState, *, total_steps: int, epochs: int, wall_s: f
 def export_outputs(net: MoCo, model: ModelParams, *, in_channels: int, image_size: int,
                    state: TrainState, metrics: dict[str, float], encoder_path: Path,
                    metrics_path: Path, plots_path: Path, knn_plots_path: Path,
-                   verdict: str | None = None) -> None:
+                   details_path: Path | None = None, verdict: str | None = None) -> None:
     """Write the encoder (plain BN, no ``fc``; ``.pt`` and ``.safetensors``), head, metrics.
 
     ``verdict``: the run's verdict in words (:mod:`pipeline.evaluate.verdict`), kept in
     ``encoder.json`` (not in the safetensors metadata: the weights' file stays the same).
 
     Also ``head.pt``, ``encoder.json`` and the curves: ``plots_path``, ``knn_plots_path`` and,
-    beside it, :data:`LABELFREE_PLOT` (the label-free monitor rows). Every file is written
-    atomically (temp file + rename).
+    beside it, :data:`LABELFREE_PLOT` (the label-free monitor rows). ``metrics_path`` gets the
+    :data:`HEADLINE` numbers, ``details_path`` (None: not written) all of ``metrics``. Every
+    file is written atomically (temp file + rename).
     """
     backbone = net.export_backbone()
     meta = encoder_meta(model, in_channels=in_channels, image_size=image_size,
@@ -139,7 +150,9 @@ def export_outputs(net: MoCo, model: ModelParams, *, in_channels: int, image_siz
                 encoder_path.with_name("head.pt"))
     write_json(encoder_path.with_suffix(".json"),
                {**meta, "verdict": verdict} if verdict is not None else meta)
-    write_metrics(metrics_path, metrics)
+    if details_path is not None:
+        write_metrics(details_path, metrics)
+    write_metrics(metrics_path, headline(metrics, HEADLINE))
     write_tsv(plots_path, PLOT_COLUMNS, state.rows)
     write_tsv(knn_plots_path, ("epoch", "step", "knn_top1", "knn_top5"), state.knn_rows)
     write_tsv(knn_plots_path.with_name(LABELFREE_PLOT), ("epoch", "step", *LABELFREE_METRICS),

@@ -124,7 +124,7 @@ def test_pretrain__trained_encoder_verdict_in_metrics_encoder_json_and_log(probe
     over = {"pretrain": {"epochs": 3, "knn_every_epochs": 1, "knn_monitor_train_images": 32,
                          "knn_monitor_test_images": 16, "labelfree_images": 64}}
     with caplog.at_level("INFO", logger="pipeline.train.engine"):
-        m = run_pretrain(shards, tmp_path, over)
+        m = run_pretrain(shards, tmp_path, over, details_path=tmp_path / "details.json")
     lines = (tmp_path / "labelfree.tsv").read_text().splitlines()
     head = lines[0].split("\t")
     rows = [dict(zip(head, map(float, r.split("\t")))) for r in lines[1:]]
@@ -133,8 +133,11 @@ def test_pretrain__trained_encoder_verdict_in_metrics_encoder_json_and_log(probe
     expected = vd.verdict(rows, 32)
     assert expected.code in (vd.IMPROVING, vd.PLATEAU, vd.WORSE)
     assert (m["verdict_code"], m["verdict_epoch"]) == (expected.code, expected.epoch)
-    on_disk = json.loads((tmp_path / "metrics.json").read_text())
+    # every number in eval/metrics/pretrain.json; the headline (metrics/pretrain.json) stays
+    # small: the verdict is words in the log, encoder.json, MLflow and the report
+    on_disk = json.loads((tmp_path / "details.json").read_text())
     assert (on_disk["verdict_code"], on_disk["verdict_epoch"]) == (expected.code, expected.epoch)
+    assert "verdict_code" not in json.loads((tmp_path / "metrics.json").read_text())
     assert json.loads((tmp_path / "encoder.json").read_text())["verdict"] == expected.text
     says(caplog.text, f"pretrain verdict: {expected.text}")
 
