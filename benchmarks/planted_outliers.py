@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -269,6 +270,21 @@ def measure(details: dict, keys: list[str], planted: dict[str, str]) -> dict:
     return out
 
 
+def contact_sheet(images: dict[str, Image.Image], ranked: list[str], planted: dict[str, str],
+                  path: Path, count: int = 20, side: int = 64) -> None:
+    """The first ``count`` of ``ranked`` in rows of 10, planted ones framed red, as a PNG."""
+    sheet = Image.new("RGB", (10 * (side + 4), -(-count // 10) * (side + 4)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for n, key in enumerate(ranked[:count]):
+        x, y = (n % 10) * (side + 4), (n // 10) * (side + 4)
+        if key in planted:
+            draw.rectangle((x, y, x + side + 3, y + side + 3), fill=(220, 30, 30))
+        sheet.paste(images[key].convert("RGB").resize((side, side), Image.NEAREST),
+                    (x + 2, y + 2))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sheet.save(path)
+
+
 def run_stage(shards_dir: Path, encoder: Path, out: Path, images: int) -> dict:
     """The stage's own function with ``params.yaml``'s params, every image listed."""
     from pipeline.config import from_dict, read_yaml
@@ -292,9 +308,11 @@ def main() -> None:
     ap.add_argument("--encoder", type=Path, help="an encoder.pt to use instead of pretraining")
     ap.add_argument("--images", type=int, default=0, help="real images (0: 400 / 60,000)")
     ap.add_argument("--plant-seed", type=int, default=0, help="which planted images, and where")
+    ap.add_argument("--sheet", type=Path, help="write the first 20 listed here (PNG)")
     ap.add_argument("--threads", default="1", help="pretrain.num_threads and torch's threads "
                     "(1: the 2-core machine is shared)")
     a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # to stderr
     import torch
 
     from pipeline.data.sources.idx import read_idx
@@ -319,8 +337,12 @@ def main() -> None:
             threads = a.threads if a.threads == "auto" else int(a.threads)
             pretrain_encoder(shards, run_dir, recipe(a.set, a.steps, len(images), threads))
     pretrain_s = time.time() - t0
-    stage = run_stage(shards, encoder, a.out / f"stage-{a.set}-{encoder.parent.name}",
+    stage = run_stage(shards, encoder, a.out / f"stage-{a.set}-seed{a.plant_seed}-"
+                                             f"{encoder.parent.name}",
                       len(images))
+    if a.sheet:
+        contact_sheet(dict(zip(keys, images)), [o["key"] for o in stage["details"]["outliers"]],
+                      planted, a.sheet)
     print(json.dumps({"benchmark": "planted_outliers", "set": a.set, "real": len(real),
                       "planted": planted, "plant_seed": a.plant_seed, "encoder": str(encoder),
                       "steps": None if a.encoder else a.steps, "pretrain_s": round(pretrain_s),
