@@ -18,6 +18,7 @@ HERE = Path(__file__).resolve().parent
 BENCHES = {
     "data": ["data_throughput.py"],
     "photo_loader": ["photo_loader.py"],
+    "big_photo": ["big_photo.py"],
     "pretrain_step": ["pretrain_step.py"],
     "width_precision": ["width_precision.py"],
     "queue": ["queue_bench.py"],

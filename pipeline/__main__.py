@@ -1,12 +1,14 @@
-"""``python -m pipeline check-params|verify-shards|clean-checkpoints|relocate-mlflow``.
+"""``python -m pipeline check-params|verify-shards|clean-checkpoints|relocate-mlflow|compare``.
 
 ``clean-checkpoints [--keep N]`` deletes pretraining resume state of the repo (see
 :mod:`pipeline.train.resume_store`). ``relocate-mlflow [--from OLD] [--to NEW]`` repoints the
 MLflow database at a moved repo (see :mod:`pipeline.tracking.relocate`).
 
-``check-params`` validates a whole params file (every key present, typed and in range) and
-prints the resolved config; the ``check_params`` DVC stage (``stages/check_params.py``) runs the
-same check. ``verify-shards`` checks shard directories or URLs against their manifests.
+``check-params [--show]`` validates a whole params file (every key present, typed and in
+range) and prints one ``ok`` line, the resolved config too with ``--show``; the ``check_params``
+DVC stage (``stages/check_params.py``) runs the same check. ``verify-shards`` checks shard
+directories or URLs against their manifests. ``compare [--width N]`` prints every experiment's
+changed params and headline metrics in one table (see :mod:`pipeline.compare`).
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    cp = sub.add_parser("check-params", help="validate a params file, print the resolved config")
+    cp = sub.add_parser("check-params", help="validate a params file (one line: ok or error)")
     cp.add_argument("--params", default="params.yaml")
+    cp.add_argument("--show", action="store_true",
+                    help="also print the resolved config (YAML, every key)")
     vs = sub.add_parser("verify-shards", help="check shards against their manifest.json")
     vs.add_argument("dir", nargs="+", help="shard directories (each with a manifest.json)")
     cc = sub.add_parser("clean-checkpoints",
@@ -49,14 +53,22 @@ def _main(argv: list[str] | None) -> int:
                          "gone)")
     rm.add_argument("--to", dest="new", default=None,
                     help="the new repo root (default: this repo's root)")
+    cm = sub.add_parser("compare", help="the experiments' changed params and headline metrics "
+                                        "(from `dvc exp show --json`), one screen wide")
+    cm.add_argument("--width", type=int, default=None,
+                    help="the longest line (default: the terminal's width, else 160)")
     args = parser.parse_args(argv)
     setup_logging()
     if args.cmd == "relocate-mlflow":
         from pipeline.tracking.relocate import relocate_main
 
         return relocate_main(args.old, args.new)
+    if args.cmd == "compare":
+        from pipeline.compare import compare_main
+
+        return compare_main(args.width)
     if args.cmd == "check-params":
-        return _check_params(args.params)
+        return _check_params(args.params, show=args.show)
     if args.cmd == "clean-checkpoints":
         from pipeline.train.resume_store import clean_main
 
@@ -64,19 +76,23 @@ def _main(argv: list[str] | None) -> int:
     return max(verify_main(d) for d in args.dir)
 
 
-def _check_params(path: str) -> int:
+def _check_params(path: str, *, show: bool = False) -> int:
+    """``check-params``: one ``ok`` line (and the resolved YAML with ``show``) or one error."""
     from omegaconf import OmegaConf
 
-    from pipeline.config import ParamsError, check_params_file, to_dict
+    from pipeline.config import ParamsError, check_params_file, flatten, to_dict
 
     try:
         params = check_params_file(path)
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(OmegaConf.to_yaml(OmegaConf.create(to_dict(params))), end="")
+    tree = to_dict(params)
+    if show:
+        print(OmegaConf.to_yaml(OmegaConf.create(tree)), end="")
+    print(f"ok  {path}: {len(flatten(tree))} params, every key present, typed and in range"
+          + ("" if show else " (--show prints them resolved)"))
     return 0
-
 
 
 def verify_main(directory: str | Path) -> int:

@@ -13,7 +13,7 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -131,12 +131,37 @@ def write_metrics(path: str | Path, metrics: Any) -> Any:
     return rounded
 
 
+def headline(metrics: Mapping[str, Any], names: Iterable[str] | Mapping[str, str]
+             ) -> dict[str, Any]:
+    """The few numbers of a stage that ``metrics/<stage>.json`` holds, of all it measured.
+
+    ``eval/metrics/<stage>.json`` keeps every number; ``metrics/<stage>.json``, the file that
+    ``dvc exp show``, ``dvc metrics show`` and ``python -m pipeline compare`` display, only
+    these (docs/tracking.md, "Metrics": why so few).
+
+    Args:
+        metrics: every number of the stage.
+        names: the keys kept, in order; a mapping renames (headline name -> key in ``metrics``).
+
+    Returns:
+        ``{name: metrics[key]}`` for the keys present: a number the stage computes only with
+        some params (``val_top1`` without a validation split) is left out.
+    """
+    pairs = names.items() if isinstance(names, Mapping) else ((n, n) for n in names)
+    return {name: metrics[key] for name, key in pairs if key in metrics}
+
+
 def write_tsv(path: str | Path, columns: Sequence[str], rows: Iterable[dict[str, Any]]) -> None:
-    """A TSV with a header row; floats as ``%.6g``, missing values empty (atomic)."""
+    """A TSV with a header row; floats as ``%.6g``, a missing value as ``NaN`` (atomic).
+
+    ``NaN``, not an empty cell: ``dvc plots show`` draws an empty cell at 0 (the linear probe's
+    test accuracy of augment mode, known at the last epoch only, was a line from 0), and leaves
+    a ``NaN`` point out; numpy and pandas read it as nan.
+    """
 
     def fmt(v: Any) -> str:
         if v is None:
-            return ""
+            return "NaN"
         return f"{v:.6g}" if isinstance(v, float) else str(v)
 
     lines = ["\t".join(columns)] + ["\t".join(fmt(r.get(c)) for c in columns) for r in rows]

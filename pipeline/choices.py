@@ -99,8 +99,9 @@ class DataSource(Choice):
 class ShardFormat(Choice):
     """``data.shard_format``: how ``build_shards`` stores each image (:mod:`pipeline.data.build`).
 
-    ``auto``: a JPEG file whose pixels need no change keeps its bytes, a JPEG that was resized,
-    turned upright or converted is encoded as JPEG (quality 95), everything else (PNG, TIFF,
+    ``auto``: a JPEG file whose pixels need no change keeps its bytes (its EXIF orientation
+    too: every reader applies it), a JPEG that was resized or converted is encoded as JPEG
+    (quality 95), everything else (PNG, TIFF,
     Fashion-MNIST, CIFAR, STL-10 arrays) as lossless PNG. ``png``: every image as PNG (lossless;
     the only format before 2026-12-06). ``jpeg``: every image as JPEG (kept bytes where the
     file is a JPEG that needs no change, else encoded at quality 95).

@@ -94,7 +94,7 @@ def _digest(path: Path) -> str | None:
         return None
 
 
-def _stage_spec(stage: str, dvc_yaml: Path = DVC_YAML) -> dict[str, Any]:
+def stage_spec(stage: str, dvc_yaml: Path = DVC_YAML) -> dict[str, Any]:
     """``stage``'s entry in ``dvc.yaml`` (empty when the file or the stage is missing).
 
     Raises:
@@ -112,7 +112,7 @@ def declared_params(spec: dict[str, Any], params_file: str | Path) -> dict[str, 
     """``{params file: [dotted keys]}`` that a ``dvc.yaml`` stage entry lists.
 
     Args:
-        spec: the stage's entry (:func:`_stage_spec`).
+        spec: the stage's entry (:func:`stage_spec`).
         params_file: the file the stage reads; plain keys belong to it (DVC's default
             ``params.yaml``, which a stage run by DVC reads).
 
@@ -217,7 +217,7 @@ def snapshot(stage: str, params_file: str | Path) -> Snapshot:
     """
     from pipeline.config import read_yaml
 
-    spec = _stage_spec(stage)
+    spec = stage_spec(stage)
     snap = Snapshot(stage)
     for file, keys in declared_params(spec, params_file).items():
         if not Path(file).is_file():

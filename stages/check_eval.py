@@ -1,12 +1,12 @@
-"""DVC stage ``check_eval``: refuse an evaluation without labelled images before embed runs.
+"""DVC stage ``check_eval``: whether there is anything to evaluate with labels.
 
 ``data.source: none`` (and a labelled source whose train or test split came out empty) builds
-no labelled images: ``dvc repro pretrain`` gives the encoder, but the evaluation stages need a
-labelled source. Refused inside ``embed``, the error would come after DVC had deleted the
-previous features; this stage sits before ``embed`` (its only dependant), reads the two
-manifests and writes a content-stable stamp, so ``dvc repro`` stops with one line and every
-output is kept. ``dvc repro pretrain`` does not run it. Like ``check_params`` it logs no MLflow
-run.
+no labelled images. The evaluation stages after it (``embed``, ``baselines``, ``knn``,
+``linear``, ``label_efficiency``) are then skipped cleanly, each writing its outputs as
+"skipped" (:mod:`pipeline.evaluate.run.skipped`), and the report is built from what exists, so
+``dvc repro`` exits 0. This stage reads the two manifests and writes a stamp whose bytes change
+only with the answer (the dependants rerun when labels appear or go). Like ``check_params``
+it logs no MLflow run.
 """
 
 from __future__ import annotations
@@ -18,19 +18,15 @@ from pipeline.cli import stage_entry  # first: light; installs the signal handle
 if TYPE_CHECKING:
     from pipeline.config import Params
 
-STAMP = {"stage": "check_eval", "run_id": None, "data": "labelled train and test images"}
-
 
 def run(p: Params) -> None:
     from pipeline.atomic import write_json
-    from pipeline.data.manifest import read_manifest
     from pipeline.data.remote import shards_location
-    from pipeline.data.shards import require_images
+    from pipeline.data.shards import missing_labels
 
-    shards = shards_location(p.data.shards_dir)
-    for split in ("train", "test"):
-        require_images(read_manifest(shards / split), shards / split)
-    write_json("runs/check_eval.json", STAMP)
+    why = missing_labels(shards_location(p.data.shards_dir))
+    write_json("runs/check_eval.json", {"stage": "check_eval", "run_id": None,
+                                        "labelled": why is None, "skipped": why})
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ if TYPE_CHECKING:
 def run(p: Params) -> None:
     from pathlib import Path
 
-    from pipeline.atomic import write_metrics
+    from pipeline.atomic import headline, write_metrics
     from pipeline.data.index import index_location
     from pipeline.data.remote import shards_location
-    from pipeline.evaluate.run.data_insights import data_insights
+    from pipeline.evaluate.run.data_insights import HEADLINE, data_insights
     from pipeline.tracking import stage_run
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
@@ -37,7 +37,8 @@ def run(p: Params) -> None:
             shards_dir=shards, index_dir=index, image_size=p.data.image_size, embed=p.embed,
             insights=p.insights, features_dir=Path("features"),
             details_path=Path("eval/data_insights.json"))
-        write_metrics(Path("metrics/data_insights.json"), metrics)
+        write_metrics(Path("eval/metrics/data_insights.json"), metrics)
+        write_metrics(Path("metrics/data_insights.json"), headline(metrics, HEADLINE))
         mlrun.log_metrics(metrics)
         mlrun.log_artifact("eval/data_insights.json")
 

@@ -17,24 +17,26 @@ if TYPE_CHECKING:
 def run(p: Params) -> None:
     from pathlib import Path
 
-    from pipeline.atomic import write_metrics
     from pipeline.data.remote import shards_location
-    from pipeline.evaluate.run.label_efficiency import label_efficiency
+    from pipeline.evaluate.run.label_efficiency import label_efficiency, write_label_efficiency
+    from pipeline.evaluate.run.skipped import skip_without_labels
     from pipeline.tracking import stage_run
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
+    if skip_without_labels("label_efficiency", shards):  # data.source none: outputs say why, exit 0
+        return
     with stage_run("label_efficiency", p, upstream=("embed", "pretrain")) as mlrun:
         metrics = label_efficiency(
             features_dir=Path("features"), shards_dir=shards, model=p.model, seed=p.seed,
             linear=p.linear, per_class=p.label_efficiency.per_class,
             draws=p.label_efficiency.draws, layer=p.embed.layer, pool_grid=p.embed.pool_grid,
             batch_size=p.embed.batch_size)
-        write_metrics(Path("metrics/label_efficiency.json"), metrics)
-        curve = metrics["curve"]
-        mlrun.log_metrics({f"{kind}_{probe}_top1_{n}_per_class": point["mean"]
-                           for kind, probes in curve.items() for probe, points in probes.items()
-                           for n, point in points.items()})
-        mlrun.log_artifact("metrics/label_efficiency.json")
+        write_label_efficiency(metrics, metrics_path=Path("metrics/label_efficiency.json"),
+                               details_path=Path("eval/metrics/label_efficiency.json"),
+                               plots_path=Path("plots/label_efficiency.tsv"))
+        # stage_run logs its headline points (top1.knn.labels_1, ...) and the whole curve as a
+        # table and a figure (pipeline.tracking.runs.log_stage_outputs)
+        mlrun.log_artifact("eval/metrics/label_efficiency.json")
 
 
 if __name__ == "__main__":

@@ -13,13 +13,16 @@ if TYPE_CHECKING:
 def run(p: Params) -> None:
     from pathlib import Path
 
-    from pipeline.atomic import write_metrics
+    from pipeline.atomic import headline, write_metrics
     from pipeline.data.remote import shards_location
-    from pipeline.evaluate.run.linear import linear_probe
+    from pipeline.evaluate.run.linear import HEADLINE, linear_probe
+    from pipeline.evaluate.run.skipped import skip_without_labels
     from pipeline.tracking import stage_run
     from pipeline.tracking.registry import attach_scores, trusted_encoder, update_champion
 
     shards = shards_location(p.data.shards_dir)  # a Path or a URL; both join with /
+    if skip_without_labels("linear", shards):  # data.source none: outputs say why, exit 0
+        return
     with stage_run("linear", p, upstream=("embed", "pretrain")) as mlrun:
         mlrun.log_shards(shards / "train", context="evaluation")
         test = mlrun.log_shards(shards / "test", context="evaluation")
@@ -28,7 +31,8 @@ def run(p: Params) -> None:
                                seed=p.seed, details_path=Path("eval/linear_details.json"),
                                plots_path=Path("plots/linear.tsv"),
                                pool_grid=p.embed.pool_grid, layer=p.embed.layer)
-        write_metrics(Path("metrics/linear.json"), metrics)
+        write_metrics(Path("eval/metrics/linear.json"), metrics)
+        write_metrics(Path("metrics/linear.json"), headline(metrics, HEADLINE))
         mlrun.log_metrics(metrics)
         encoder = trusted_encoder(mlrun, params=p, encoder_path=Path("models/encoder.pt"),
                                   example_split=shards / "test")  # found by its md5

@@ -60,6 +60,7 @@ def run(p: Params) -> None:
                      seed=p.seed, shards_dir=shards, encoder_path=Path("models/encoder.pt"),
                      checkpoint_dir=checkpoint_dir, resume_key=key,
                      metrics_path=Path("metrics/pretrain.json"),
+                     details_path=Path("eval/metrics/pretrain.json"),
                      plots_path=Path("plots/pretrain.tsv"),
                      knn_plots_path=Path("plots/knn_monitor.tsv"), run=mlrun,
                      pretrain_set=pretrain_set, abandoned=watch.abandoned)

@@ -38,3 +38,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_shards(tmp_path_factory) -> Path:
     return build_tiny_shards(tmp_path_factory.mktemp("shards"))
+
+
+@pytest.fixture()
+def db(tmp_path, monkeypatch):
+    """A fresh MLflow SQLite database in ``tmp_path`` (the working directory), as its URI."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)
+    yield uri
+    mlflow.set_tracking_uri(None)

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from pipeline.atomic import round_metric, round_metrics, write_metrics
+from pipeline.atomic import headline, round_metric, round_metrics, write_metrics
 
 
 @pytest.mark.parametrize(("name", "value", "want"), [
@@ -43,3 +43,18 @@ def test_write_metrics__file_holds_rounded_text(tmp_path):
     text = path.read_text()
     assert "79.32," in text and "99.04" in text and "0000000" not in text and "99999" not in text
     assert json.loads(text) == back == {"k": 200, "top1": 79.32, "top5": 99.04}
+
+
+def test_headline__kept_keys_in_order_renamed_absent_left_out():
+    every = {"top1": 81.5, "top5": 99.0, "k": 20, "wall_time_s": 3.5}
+    assert list(headline(every, ("wall_time_s", "val_top1", "top1"))) == ["wall_time_s", "top1"]
+    assert headline(every, {"knn": "top1", "seconds": "wall_time_s"}) == {"knn": 81.5,
+                                                                         "seconds": 3.5}
+
+
+def test_write_tsv__missing_value_nan_not_an_empty_cell(tmp_path):
+    # `dvc plots show` draws an empty cell at 0; a NaN point is left out
+    from pipeline.atomic import write_tsv
+
+    write_tsv(tmp_path / "t.tsv", ["epoch", "acc"], [{"epoch": 1}, {"epoch": 2, "acc": 65.5}])
+    assert (tmp_path / "t.tsv").read_text() == "epoch\tacc\n1\tNaN\n2\t65.5\n"

@@ -173,13 +173,21 @@ def test_flatten__dotted_dvc_names():
     assert "moco" not in flat
 
 
-def test_check_params_cli__prints_config_or_error(tmp_path, capsys):
+def test_check_params_cli__one_ok_line__config_only_with_show(tmp_path, capsys):
     tree = to_dict(Params())
     tree["moco"]["K"] = 1024
     (good := tmp_path / "good.yaml").write_text(yaml.safe_dump(tree))  # every key: check-params
     assert cli_main(["check-params", "--params", str(good)]) == 0
     out = capsys.readouterr().out
+    leaves = sum(len(v) if isinstance(v, dict) else 1 for v in tree.values())  # 2 levels deep
+    assert leaves > 80 and not any(isinstance(x, dict) for v in tree.values()
+                                   if isinstance(v, dict) for x in v.values())
+    assert out.splitlines() == [f"ok  {good}: {leaves} params, every key present, typed and in "
+                                "range (--show prints them resolved)"]
+    assert cli_main(["check-params", "--params", str(good), "--show"]) == 0
+    out = capsys.readouterr().out
     assert "  K: 1024\n" in out and "  m: 0.99\n" in out  # the file's value and a default
+    assert yaml.safe_load(out.rsplit("\nok  ", 1)[0]) == tree  # the YAML, then the ok line
     bad = tmp_path / "p.yaml"
     bad.write_text("moco:\n  m: 2\n")
     assert cli_main(["check-params", "--params", str(bad)]) == 2

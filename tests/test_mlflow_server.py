@@ -10,6 +10,7 @@ installs it).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -25,9 +26,11 @@ import mlflow
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from registryhelpers import other_bytes, publish, score, train_tiny
+from registryhelpers import PARAMS, other_bytes, publish, score, train_tiny
 
-from pipeline.tracking import ui_url
+from pipeline.config import from_dict
+from pipeline.tracking import stage_run, ui_url
+from pipeline.tracking.ui import TABLE_LEADING_COLUMNS, headline_view_state
 
 pytestmark = pytest.mark.slow  # the server alone takes ~15 s to start on 2 cores
 
@@ -76,6 +79,8 @@ def server(tmp_path_factory):
             other_bytes()
             records.append(publish())
             score("linear", 85.0)
+            report_run({"knn.json": {"top1": 61.0}, "linear.json": {"top1": 85.0},
+                        "baselines.json": {"pixels_knn": 52.5}})
         finally:
             mp.undo()
             mlflow.set_tracking_uri(None)
@@ -83,6 +88,15 @@ def server(tmp_path_factory):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # the server and its uvicorn worker
         proc.wait(timeout=60)
+
+
+def report_run(metrics: dict[str, dict]) -> None:
+    """What the report stage logs, from these metrics files: every headline number."""
+    for name, values in metrics.items():
+        Path("metrics").mkdir(exist_ok=True)
+        Path("metrics", name).write_text(json.dumps(values))
+    with stage_run("report", from_dict(PARAMS)):
+        pass
 
 
 LOAD = """
@@ -144,9 +158,28 @@ def dump_dom(url: str, profile: Path) -> str:
 def test_ui__runs_table_and_models_view_in_headless_chromium(server, tmp_path):
     uri, _, records = server
     eid = records[0]["experiment_id"]
-    # the URL `make ui` prints and the report links: the model-training view's runs table
-    runs = dump_dom(ui_url(uri, eid), tmp_path / "profile")
-    assert 'col-id="attributes.`Run Name`"' in runs  # the runs table itself
+    # the URL `make ui` prints and the report links: the model-training view's runs table in
+    # the saved view of the headline numbers: the report run's row, the top1.* columns
+    view = dump_dom(ui_url(uri, eid), tmp_path / "view-profile")
+    assert 'col-id="attributes.`Run Name`"' in view  # the runs table itself
+    columns = re.findall(r'col-id="metrics\.`([^`]+)`"', view)  # the header, then each row
+    assert list(dict.fromkeys(columns)) == ["top1.knn", "top1.knn.pixels", "top1.linear"]
+    # after the table's own leading columns, each header as wide as the view asks
+    index = {}
+    for cell in re.findall(r'<div[^>]*role="columnheader"[^>]*>', view):
+        col, at = re.search(r'col-id="([^"]+)"', cell), re.search(r'aria-colindex="(\d+)"', cell)
+        if col and at:
+            index[col.group(1)] = int(at.group(1))
+    assert [index[c] for c in TABLE_LEADING_COLUMNS] == [2, 3, 4]  # after the checkbox
+    assert index["metrics.`top1.knn`"] == 5
+    widths = {col: int(w) for col, w in re.findall(
+        r'role="columnheader"[^>]*col-id="metrics\.`([^`]+)`"[^>]*width: (\d+)px', view)}
+    assert widths == {name: headline_view_state()["columnWidths"][f"metrics.`{name}`"]
+                      for name in ("top1.knn", "top1.knn.pixels", "top1.linear")}
+    assert "exp-srv:report" in view and "exp-srv:pretrain" not in view  # one row per pipeline run
+    assert "52.5" in text(view) and "85" in text(view).split()
+
+    runs = dump_dom(ui_url(uri, eid, view=None), tmp_path / "profile")  # the plain table
     for name in ("exp-srv:pretrain", "exp-srv:knn", "exp-srv:linear"):
         assert name in runs, f"run {name} missing from the runs table"
     # the Models column of the pretrain runs: their registered versions
@@ -160,5 +193,5 @@ def test_ui__runs_table_and_models_view_in_headless_chromium(server, tmp_path):
     for r in records:
         assert r["model_id"] in models, "a logged model is missing from the Models view"
     assert ">encoder<" in models
-    assert "linear.top1" in models and "knn.top1" in models  # the attached scores' columns
+    assert "top1.linear" in models and "top1.knn" in models  # the attached scores' columns
     assert f"{NAME}/versions/2" in models  # the registered version beside the model

@@ -139,7 +139,7 @@ def test_publish_encoder__logged_model_version_tags_alias(wd):
     assert v.tags["params.digest"] == params_digest(from_dict(PARAMS))
     assert v.tags["training.fingerprint"] == training_of(from_dict(PARAMS)).fingerprint
     assert v.tags["encoder.md5"] == hashlib.md5(Path("models/encoder.pt").read_bytes()).hexdigest()
-    assert v.tags["experiment_id"] == rec["experiment_id"] and "git.commit" in v.tags
+    assert "git.commit" in v.tags and "experiment_id" not in v.tags  # the source run has it
     run = c.get_run(rec["run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["registry.version"] == f"{NAME}/1"
     # encoder.json travels with the model
@@ -242,8 +242,10 @@ def test_scores_and_champion__moves_only_when_higher(wd):
     assert score("linear", 80.0) == 1
     model = c.get_logged_model(first["model_id"])
     linked = {m.key: (m.value, m.dataset_name) for m in model.metrics if "." in m.key}
-    assert linked["linear.top1"] == (80.0, "synthetic/test")
-    assert linked["knn.top1"] == (61.0, "synthetic/test") and "knn.k" not in linked
+    # the headline names, as in the runs table; only them (the stages' other numbers stay in
+    # their runs)
+    assert linked == {"top1.knn": (61.0, "synthetic/test"),
+                      "top1.linear": (80.0, "synthetic/test")}
     knn_run = c.get_run(json.loads(Path("runs/knn.json").read_text())["run_id"])
     assert [i.model_id for i in knn_run.inputs.model_inputs] == [first["model_id"]]
 
@@ -259,6 +261,24 @@ def test_scores_and_champion__moves_only_when_higher(wd):
     assert score("linear", 80.5) == 3  # higher: it moves
     assert int(c.get_model_version_by_alias(NAME, CHAMPION).version) == 3
     assert third["model_version"] == "3"
+
+
+def test_attach_scores__stale_tags_of_the_stage_removed_others_kept(wd):
+    publish()
+    c = MlflowClient()
+    # an earlier evaluation that chose k on a validation split left these (older code tagged
+    # every top-1/top-5 of the stage)
+    for k, v in {"knn.top1": "88", "knn.top5": "99.5", "knn.select_val_top1": "88.5",
+                 "knn.protocol_top1": "81"}.items():
+        c.set_model_version_tag(NAME, "1", k, v)
+    score("linear", 80.0)
+    score("knn", 61.0)  # this one: fixed k and T, no validation score
+    tags = c.get_model_version(NAME, "1").tags
+    assert {k: v for k, v in tags.items() if k.startswith("knn.")} == {"knn.top1": "61"}
+    assert tags["linear.top1"] == "80"  # another stage's score stays
+    # the version page's tags: where it comes from, what it is, its scores
+    assert sorted(tags) == ["dvc.exp_name", "encoder.md5", "git.commit", "git.dirty",
+                            "knn.top1", "linear.top1", "params.digest", "training.fingerprint"]
 
 
 def test_link_encoder_input__embed_run_lists_the_model(wd):
@@ -407,7 +427,7 @@ def test_trusted_encoder__registering_off__logged_model_by_md5(wd, monkeypatch, 
     assert _warnings(caplog) == []
     c = MlflowClient()
     assert {m.key: m.value for m in c.get_logged_model(rec["model_id"]).metrics
-            if m.key.startswith("knn.")} == {"knn.top1": 61.0, "knn.top5": 100.0}
+            if "knn" in m.key} == {"top1.knn": 61.0}
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{wd / 'empty.db'}")
     score("knn", 62.0, p)
     (line,) = _warnings(caplog)
@@ -419,7 +439,7 @@ def test_trusted_encoder__registering_off__logged_model_by_md5(wd, monkeypatch, 
     assert m, line
     again = MlflowClient().get_logged_model(m.group(1))
     assert again.tags["encoder.md5"] == md5
-    assert {x.key: x.value for x in again.metrics if x.key == "knn.top1"} == {"knn.top1": 62.0}
+    assert {x.key: x.value for x in again.metrics if "knn" in x.key} == {"top1.knn": 62.0}
 
 
 def test_update_champion__registry_wide__two_clones_share_one_database(wd, tmp_path,

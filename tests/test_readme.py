@@ -12,11 +12,24 @@ from helpers import build_tiny_shards, run_pretrain
 REPO = Path(__file__).resolve().parents[1]
 
 
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```$", flags=re.M | re.S)
+
+
+def readme_python_blocks() -> list[tuple[str, int, str]]:
+    """Every ```python block of the README: (its ``##`` section, index there, code)."""
+    text = (REPO / "README.md").read_text()
+    out = []
+    for section in text.split("\n## ")[1:]:
+        heading = section.split("\n", 1)[0]
+        out += [(heading, i, code) for i, code in enumerate(PYTHON_BLOCK.findall(section))]
+    return out
+
+
 def readme_block(heading: str, index: int = 0) -> str:
     """The ``index``-th ```python block of the README section ``## heading``."""
     text = (REPO / "README.md").read_text()
     section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"^```python\n(.*?)^```$", section, flags=re.M | re.S)
+    blocks = PYTHON_BLOCK.findall(section)
     assert len(blocks) > index, f"no python block {index} under '## {heading}'"
     return blocks[index]
 

@@ -10,7 +10,7 @@ import mlflow
 import pytest
 import torch
 from registryhelpers import other_bytes, publish, score, train_tiny
-from test_readme import readme_block
+from test_readme import readme_block, readme_python_blocks
 
 from pipeline.moco.backbones import build_backbone, export_state_dict
 from pipeline.train.export import save_safetensors
@@ -52,7 +52,7 @@ def test_readme__comparing_runs_snippet_lists_versions_and_aliases(registry):
     lines = out.strip().splitlines()
     eid = json.loads((registry / "runs/pretrain.json").read_text())["experiment_id"]
     assert lines[0] == (f"http://127.0.0.1:5000/#/experiments/{eid}/runs"
-                        "?workflowType=machine_learning")
+                        "?workflowType=machine_learning&viewStateShareKey=headline")
     assert lines[1] == "{'champion': 1, 'newest': 2}"  # 75 < 80: the champion stayed
     assert sorted(lines[2:]) == ["1 80 exp-a unknown", "2 75 exp-a unknown"]  # not a git repo
 
@@ -78,21 +78,60 @@ def test_export__safetensors_equals_encoder_pt_with_json_metadata(tmp_path):
     assert meta == json.loads((root / "models/encoder.json").read_text())
 
 
-def test_readme__timm_snippet_loads_a_standard_stem_encoder_strictly(tmp_path):
-    timm = pytest.importorskip("timm")  # the `dev` extra installs it
-    ours = build_backbone("resnet18", width=64, in_channels=3, small_stem=False).eval()
-    (tmp_path / "models").mkdir()
-    save_safetensors(export_state_dict(ours), tmp_path / "models/encoder.safetensors",
-                     {"backbone": "resnet18", "width": 64})
-    assert run_snippet(readme_block("Use the trained encoder", 2), tmp_path).strip() == "512"
-    # the same features as our backbone, bit for bit
-    from safetensors.torch import load_file
+@pytest.mark.parametrize("block", readme_python_blocks(), ids=lambda b: f"{b[0]}-{b[1]}")
+def test_readme__every_python_block_runs(registry, block):
+    # against the tiny trained, registered encoder: models/, data/shards/, mlflow.db
+    heading, _, code = block
+    if "timm" in code:
+        pytest.importorskip("timm")  # the `dev` extra installs it
+    out = run_snippet(code, registry, MLFLOW_TRACKING_URI=f"sqlite:///{registry / 'mlflow.db'}")
+    assert out.strip(), heading  # each block prints what it shows
 
-    model = timm.create_model("resnet18", num_classes=0)
-    model.load_state_dict(load_file(tmp_path / "models/encoder.safetensors"))
-    x = torch.randn(2, 3, 64, 64)
+
+def test_readme__python_blocks_are_the_ones_checked_here():
+    # a new block is run by test_readme__every_python_block_runs; this count makes its author
+    # look at what it prints (the tests above check each block's output)
+    assert [(h, i) for h, i, _ in readme_python_blocks()] == [
+        ("Compare runs", 0), ("Use the trained encoder", 0), ("Use the trained encoder", 1),
+        ("Use the trained encoder", 2)]
+
+
+def _timm_from_readme(root: Path, monkeypatch) -> torch.nn.Module:
+    """The README's timm block run in ``root``: its ``model``."""
+    monkeypatch.chdir(root)
+    scope: dict = {}
+    exec(readme_block("Use the trained encoder", 2), scope)  # noqa: S102 - the README's code
+    return scope["model"].eval()
+
+
+@pytest.mark.parametrize("arch", [
+    # the default params.yaml: width 32, grey, the 3x3 stride-2 stem without max-pool
+    {"backbone": "resnet18", "width": 32, "in_channels": 1, "small_stem": True,
+     "stem_stride": 2, "image_size": 28},
+    # torchvision's own shape: width 64, RGB, the ImageNet stem
+    {"backbone": "resnet18", "width": 64, "in_channels": 3, "small_stem": False,
+     "stem_stride": 1, "image_size": 224},
+    {"backbone": "resnet50", "width": 16, "in_channels": 3, "small_stem": True,
+     "stem_stride": 1, "image_size": 32},
+])
+def test_readme__timm_snippet_gives_our_features_bit_for_bit(tmp_path, monkeypatch, arch):
+    pytest.importorskip("timm")  # the `dev` extra installs it
+    torch.manual_seed(0)
+    ours = build_backbone(arch["backbone"], width=arch["width"], in_channels=arch["in_channels"],
+                          small_stem=arch["small_stem"], stem_stride=arch["stem_stride"])
+    for m in ours.modules():  # BN statistics other than the init's 0 / 1: they must load too
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+    ours.eval()
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models/encoder.json").write_text(json.dumps(arch))
+    save_safetensors(export_state_dict(ours), tmp_path / "models/encoder.safetensors", arch)
+    model = _timm_from_readme(tmp_path, monkeypatch)  # load_state_dict: strict
+    x = torch.randn(2, arch["in_channels"], 32, 32)
     with torch.no_grad():
-        assert torch.equal(model.eval()(x), ours(x))
+        assert torch.equal(model(x), ours(x))
+    assert model.num_features == ours.num_features  # 8 x width (x 4 for ResNet-50)
 
 
 def test_export__safetensors_bytes_depend_only_on_the_inputs(tmp_path):

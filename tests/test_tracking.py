@@ -6,7 +6,6 @@ import sys
 import time
 from pathlib import Path
 
-import mlflow
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
@@ -27,15 +26,7 @@ from pipeline.tracking import (
 from pipeline.tracking.provenance import pipeline_outputs, process_tags
 from pipeline.tracking.runs import mark_stale_runs
 from pipeline.tracking.store import check_reachable
-
-
-@pytest.fixture()
-def db(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.chdir(tmp_path)
-    yield uri
-    mlflow.set_tracking_uri(None)
+from pipeline.tracking.ui import ensure_headline_view
 
 
 def test_tracking_uri__env_then_dvc_root(monkeypatch, tmp_path):
@@ -350,10 +341,11 @@ def test_stage_run__record_fields_join_run_json(db, tmp_path):
 
 
 def test_ui_url__runs_table_of_the_model_training_view():
-    want = "http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning"
-    assert ui_url("sqlite:////x/mlflow.db", "3") == want
-    assert ui_url("https://bob:pw@mlflow.example.org:8443/", "3") == (
-        "https://mlflow.example.org:8443/#/experiments/3/runs?workflowType=machine_learning")
+    table = "#/experiments/3/runs?workflowType=machine_learning"
+    assert ui_url("sqlite:////x/mlflow.db", "3") == (
+        f"http://127.0.0.1:5000/{table}&viewStateShareKey=headline")
+    assert ui_url("https://bob:pw@mlflow.example.org:8443/", "3", view=None) == (
+        f"https://mlflow.example.org:8443/{table}")
     assert ui_url("sqlite:////x/mlflow.db", None) == "http://127.0.0.1:5000/#/experiments"
 
 
@@ -365,8 +357,57 @@ def test_experiment_ui_url__this_repos_experiment__nothing_created(db, tmp_path,
     (tmp_path / "params.yaml").write_text("mlflow:\n  experiment: mine\n")
     eid = open_experiment(db, "mine", tmp_path)
     assert find_experiment_id(db, "mine", tmp_path) == eid
+    table = f"http://127.0.0.1:5000/#/experiments/{eid}/runs?workflowType=machine_learning"
+    # no saved view yet (an experiment written by older code): the plain table, not an error
+    assert experiment_ui_url(db, tmp_path / "params.yaml") == table
+    ensure_headline_view(MlflowClient(db), eid)
     assert experiment_ui_url(db, tmp_path / "params.yaml") == (
-        f"http://127.0.0.1:5000/#/experiments/{eid}/runs?workflowType=machine_learning")
+        table + "&viewStateShareKey=headline")
+
+
+def test_ensure_headline_view__saved_view_tag_written_once_headline_columns(db):
+    c = MlflowClient(db)
+    p = from_dict({"mlflow": {"experiment": "v"}})
+    with stage_run("knn", p) as r:
+        eid = r.experiment_id
+    tag = "mlflow.sharedViewState.headline"
+    first = c.get_experiment(eid).tags[tag]
+    envelope = json.loads(first)  # MLflow 3.17's saved view: name, createdAt (ms), state (JSON)
+    assert envelope["name"] and isinstance(envelope["createdAt"], int)
+    state = json.loads(envelope["state"])
+    assert state["searchFilter"] == "tags.stage = 'report'"
+    columns = [
+        "metrics.`top1.knn`", "metrics.`top1.knn.labels_1`", "metrics.`top1.knn.labels_10`",
+        "metrics.`top1.knn.pixels`", "metrics.`top1.knn.random`", "metrics.`top1.linear`",
+        "metrics.`top1.linear.labels_1`", "metrics.`top1.linear.labels_10`",
+        "metrics.`top1.linear.pixels`"]
+    assert state["selectedColumns"] == columns
+    assert state["columnOrder"][-len(columns):] == columns  # after the run name
+    assert state["columnOrder"][0] == "attributes.`Run Name`"
+    # a header as wide as its name (7 px a character at the table's font, checked in Chromium)
+    assert state["columnWidths"]["metrics.`top1.linear.labels_10`"] >= 7 * 21
+    with stage_run("linear", p):
+        pass
+    assert c.get_experiment(eid).tags[tag] == first  # unchanged state: not rewritten
+    c.set_experiment_tag(eid, tag, "not json")
+    ensure_headline_view(c, eid)
+    assert json.loads(c.get_experiment(eid).tags[tag])["state"] == envelope["state"]
+
+
+def test_stage_run__run_named_after_the_dvc_experiment(db, monkeypatch):
+    c = MlflowClient(db)
+    p = from_dict({"mlflow": {"experiment": "n"}})
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    with stage_run("knn", p) as r:
+        pass
+    run = c.get_run(r.run_id)
+    assert (run.info.run_name, run.data.tags["dvc.exp_name"]) == ("workspace:knn", "workspace")
+    monkeypatch.setenv("DVC_EXP_NAME", "famed-yawn")
+    with stage_run("knn", p) as r:
+        pass
+    run = c.get_run(r.run_id)
+    assert (run.info.run_name, run.data.tags["dvc.exp_name"]) == ("famed-yawn:knn",
+                                                                  "famed-yawn")
 
 
 # --- git.dirty: edits count, the pipeline's own outputs do not (#47) -------------------------

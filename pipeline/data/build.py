@@ -5,6 +5,12 @@ options and no metadata, and kept JPEGs are the files' own bytes, so rebuilding 
 source, caps and seed gives byte-identical shards (and DVC sees no change downstream). The
 format itself (members, manifest fields) is :mod:`pipeline.data.shards`.
 
+The tars are written with the standard library's ``tarfile`` exactly as webdataset's
+``ShardWriter``/``TarWriter`` (1.0.2) writes them (a ``w|`` stream, members of a sample in
+sorted extension order, same headers: the golden manifests' sha256 pin the bytes). The build
+imports neither webdataset nor torchvision: importing torch alone takes ~500 MiB resident, more
+than a 60 MP photo's decoded pixels (``benchmarks/big_photo.py``).
+
 How each image is stored (``data.shard_format``: ``auto``, ``png``, ``jpeg``) is
 :mod:`pipeline.data.encode`; a split that holds a JPEG member records the choice in its
 manifest (``build.shard_format``, ``build.jpeg_quality`` and ``build.members``).
@@ -15,9 +21,11 @@ failure leaves the previous outputs untouched.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import shutil
+import tarfile
 import tempfile
 import time
 from collections import Counter
@@ -26,7 +34,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import webdataset as wds
 from tqdm import tqdm
 
 from pipeline.data.encode import (
@@ -42,6 +49,7 @@ from pipeline.data.manifest import (
     ShardEntry,
     ShardError,
     pixel_stats,
+    pixel_sums,
     round6,
     write_manifest,
 )
@@ -64,7 +72,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_TAR_OPTIONS = {"mtime": 0, "user": "moco", "group": "moco", "mode": 0o444}
+_TAR_OPTIONS = {"mtime": 0, "uname": "moco", "gname": "moco", "mode": 0o444}  # every member
+
+
+def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    """One member, its header fixed but for name and size (:data:`_TAR_OPTIONS`)."""
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    for field_name, value in _TAR_OPTIONS.items():
+        setattr(info, field_name, value)
+    tar.addfile(info, io.BytesIO(data))
+
 
 def _replace_dir(tmp: Path, out_dir: Path) -> None:
     """Swap a finished temp directory in for ``out_dir`` (two renames on one filesystem)."""
@@ -143,11 +161,13 @@ def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, 
     first = next(it, None)
     if first is None:
         raise ShardError(f"{out_dir}: no samples for split '{split}'; nothing written")
+    it = _prepend([first], it)
+    del first  # held until written, not for the whole split (a 60 MP photo is 229 MiB)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     tmp.chmod(0o755)  # mkdtemp makes 0700; shards are shared data
     try:
-        manifest = _write(first, it, tmp, split=split, source=source, class_names=class_names,
+        manifest = _write(it, tmp, split=split, source=source, class_names=class_names,
                           mode=mode, samples_per_shard=samples_per_shard, mean=mean, std=std,
                           expected_count=expected_count, build=build, progress=progress,
                           out_dir=out_dir, shard_format=shard_format)
@@ -158,10 +178,21 @@ def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, 
     return manifest
 
 
+def _prepend(head: list[Sample], rest: Iterator[Sample]) -> Iterator[Sample]:
+    """``head``'s one sample, then ``rest``; ``head`` is emptied, so nothing keeps the sample.
+
+    (``itertools.chain`` keeps its arguments, and a generator's local variable its value.)
+    """
+    yield head.pop()
+    yield from rest
+
+
 class _SplitStats:
     """Checks each sample as it is written and accumulates what the manifest reports.
 
-    Pixel sums are exact integers, so the statistics are reproducible bit for bit.
+    Pixel sums are exact integers, so the statistics are reproducible bit for bit; they come
+    from each image's histogram (:func:`~pipeline.data.manifest.pixel_sums`), without a copy of
+    its pixels.
     """
 
     def __init__(self, mode: str, num_classes: int, out_dir: Path) -> None:
@@ -190,10 +221,10 @@ class _SplitStats:
             raise ShardError(f"{where}: image mode {s.image.mode}, expected {self.mode}")
         if not -1 <= int(s.label) < self.num_classes:
             raise ShardError(f"{where}: label {s.label} outside -1..{self.num_classes - 1}")
-        arr = np.asarray(s.image).reshape(-1, self.channels)
-        self.pix_sum += arr.sum(axis=0, dtype=np.uint64)
-        self.pix_sq += np.square(arr, dtype=np.uint64).sum(axis=0, dtype=np.uint64)
-        self.n_pix += arr.shape[0]
+        sums, squares, pixels = pixel_sums(s.image)
+        self.pix_sum += sums
+        self.pix_sq += squares
+        self.n_pix += pixels
         self.sizes.add(s.image.size)
         self.label_counts[int(s.label)] += 1
 
@@ -215,23 +246,34 @@ def _write_tars(samples: Iterator[Sample], tmp: Path, *, stats: _SplitStats,
                 kinds: Counter[str]) -> list[int]:
     """Write the samples into ``tmp/shard-NNNNNN.tar``; returns the count per shard.
 
-    ``kinds`` counts how the images were stored (:data:`MEMBER_KINDS`).
+    ``kinds`` counts how the images were stored (:data:`MEMBER_KINDS`). A sample and its
+    encoded bytes are let go before the next one is read, so one image is decoded at a time.
     """
     counts: list[int] = []
-    with wds.ShardWriter(str(tmp / SHARD_PATTERN), maxcount=samples_per_shard,
-                         maxsize=float("inf"), verbose=0, encoder=False, **_TAR_OPTIONS) as writer:
-        for n, s in enumerate(samples):
+    tar: tarfile.TarFile | None = None
+    try:
+        n = 0  # not enumerate: its reused result tuple would hold the last sample
+        for s in samples:
             stats.add(n, s)
             if n % samples_per_shard == 0:
-                if counts:
+                if tar is not None:
+                    tar.close()
                     bar.shard_done(SHARD_PATTERN % (len(counts) - 1), n)
+                tar = tarfile.open(tmp / (SHARD_PATTERN % len(counts)), "w|")
                 counts.append(0)
+            assert tar is not None
             ext, data, kind = encode_member(s, shard_format)
             kinds[kind] += 1
-            writer.write({"__key__": s.key, ext: data,
-                          LABEL_EXT: str(int(s.label)).encode("ascii")})
+            members = {ext: data, LABEL_EXT: str(int(s.label)).encode("ascii")}
+            for member in sorted(members):
+                _add_member(tar, f"{s.key}.{member}", members[member])
             counts[-1] += 1
+            n += 1
             bar.update(1)
+            del s, data, members  # not held while the source decodes the next image
+    finally:
+        if tar is not None:
+            tar.close()
     bar.shard_done(SHARD_PATTERN % (len(counts) - 1), sum(counts))
     return counts
 
@@ -248,12 +290,12 @@ def _shard_table(tmp: Path, counts: list[int], out_dir: Path) -> tuple[ShardEntr
         shards.append(ShardEntry(name=path.name, num_samples=count,
                                  bytes=path.stat().st_size, sha256=sha256_file(path)))
     on_disk = sorted(p.name for p in tmp.glob("*.tar"))
-    if on_disk != [s.name for s in shards]:  # ShardWriter opened a shard it never filled
+    if on_disk != [s.name for s in shards]:  # a shard opened and never filled
         raise ShardError(f"{out_dir}: shard files {on_disk} differ from those written")
     return tuple(shards)
 
 
-def _write(first: Sample, rest: Iterator[Sample], tmp: Path, *, split: str, source: str,
+def _write(samples: Iterator[Sample], tmp: Path, *, split: str, source: str,
            class_names: Sequence[str], mode: str, samples_per_shard: int,
            mean: Sequence[float] | None, std: Sequence[float] | None,
            expected_count: int | None, build: dict[str, Any] | None, progress: bool,
@@ -262,7 +304,7 @@ def _write(first: Sample, rest: Iterator[Sample], tmp: Path, *, split: str, sour
     bar = _Progress(split, expected_count, progress)
     kinds: Counter[str] = Counter()
     try:
-        counts = _write_tars(_chain(first, rest), tmp, stats=stats,
+        counts = _write_tars(samples, tmp, stats=stats,
                              samples_per_shard=samples_per_shard, bar=bar,
                              shard_format=shard_format, kinds=kinds)
     finally:
@@ -281,11 +323,6 @@ def _write(first: Sample, rest: Iterator[Sample], tmp: Path, *, split: str, sour
                         shards=_shard_table(tmp, counts, out_dir))
     write_manifest(manifest, tmp)
     return manifest
-
-
-def _chain(first: Sample, rest: Iterator[Sample]) -> Iterator[Sample]:
-    yield first
-    yield from rest
 
 
 def empty_split(out_dir: Path, *, split: str, source: str, class_names: Sequence[str],

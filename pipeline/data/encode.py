@@ -3,9 +3,11 @@
 ``data.shard_format`` (:func:`encode_member`):
 
 * ``auto`` (default): a JPEG file (ImageFolder, unlabelled tree, webdataset source) whose pixels
-  need no change (no EXIF turn, no mode conversion but grey to RGB, no resize) keeps its bytes
-  as ``<key>.jpg``; a JPEG that was turned upright, converted or resized is encoded as JPEG at
-  quality :data:`JPEG_QUALITY`; every other image (PNG, TIFF, WebP, BMP files, Fashion-MNIST,
+  need no change (no mode conversion but grey to RGB, no resize) keeps its bytes as
+  ``<key>.jpg``, an EXIF orientation tag included: every reader turns the image upright when
+  decoding (:func:`pipeline.data.external.open_image`, :func:`pipeline.data.jpeg.upright`); a
+  JPEG that was converted or resized (after its turn) is encoded as JPEG at quality
+  :data:`JPEG_QUALITY`; every other image (PNG, TIFF, WebP, BMP files, Fashion-MNIST,
   CIFAR and STL-10 arrays) as lossless PNG. A photo's shards are then about the size of its
   JPEGs instead of ~5x (docs/performance.md, ``benchmarks/photo_loader.py``).
 * ``png``: every image as PNG: the stored pixels are exactly what the conversion and resize
@@ -30,7 +32,7 @@ from pipeline.data.sources import Sample
 from pipeline.errors import InputError
 
 _PNG_OPTIONS = {"format": "PNG", "compress_level": 6, "optimize": False}  # Pillow's default level
-# Quality of the JPEGs build_shards encodes (resized, turned or converted photos): 95, kept by
+# Quality of the JPEGs build_shards encodes (resized or converted photos): 95, kept by
 # measurement: 200 q90 500x375 photos resized to a 256 px short side take 0.66x their source
 # bytes at q95 4:2:0 and keep 39.3 dB PSNR of the resized pixels (q90: 0.47x, 36.6 dB; q95
 # 4:4:4: 0.84x, 42.8 dB); with tar headers the shards are 0.70x (benchmarks/photo_loader.py,
@@ -44,11 +46,14 @@ MEMBER_KINDS = ("jpg_copied", "jpg_encoded", "png")  # build.members: how each i
 
 
 def _encode(image: Image.Image, options: dict[str, Any]) -> bytes:
-    if image.info:  # ICC profiles, EXIF etc. would be copied into the file
-        image = image.copy()
-        image.info = {}
-    buf = io.BytesIO()
-    image.save(buf, **options)
+    # ICC profiles, EXIF etc. in ``info`` would be copied into the file: saved without them,
+    # and put back after (a copy of the image without them would double a 60 MP photo's memory)
+    info, image.info = image.info, {}
+    try:
+        buf = io.BytesIO()
+        image.save(buf, **options)
+    finally:
+        image.info = info
     return buf.getvalue()
 
 
@@ -113,44 +118,79 @@ def _resized(s: Sample, image: Image.Image) -> Sample:
     return Sample(s.key, image, s.label, file)
 
 
+def resize_short_side(image: Image.Image, side: int) -> Image.Image:
+    """The image with its shorter side resized to ``side`` px (bicubic, antialiased).
+
+    torchvision's ``Resize(side)`` on a PIL image (0.29, ``functional.resize``), which is PIL's
+    ``resize`` at ``side`` x ``int(side * long / short)`` px (the longer side truncated), and the
+    image itself when that is its size; here without importing torch (~500 MiB resident), which
+    the build needs nowhere else. ``tests/data/test_photo_shards.py`` checks the pixels are
+    torchvision's, bit for bit.
+
+    Args:
+        image: a PIL image.
+        side: the new shorter side in px (> 0).
+
+    Returns:
+        A new image, or ``image`` when its size would not change.
+    """
+    w, h = image.size
+    short, long = (w, h) if w <= h else (h, w)
+    new_long = int(side * long / short)
+    size = (side, new_long) if w <= h else (new_long, side)
+    return image if size == (w, h) else image.resize(size, Image.Resampling.BICUBIC)
+
+
+def center_square(image: Image.Image, side: int) -> Image.Image:
+    """The centred ``side x side`` crop of an image at least ``side`` px a side.
+
+    torchvision's ``CenterCrop(side)`` on a PIL image: the offsets are
+    ``int(round((W - side) / 2))`` and ``int(round((H - side) / 2))``.
+    """
+    w, h = image.size
+    top, left = int(round((h - side) / 2.0)), int(round((w - side) / 2.0))
+    return image.crop((left, top, left + side, top + side))
+
+
 def resize_samples(samples: Iterable[Sample], image_size: int) -> Iterator[Sample]:
     """Resize the shorter side to ``image_size`` (bicubic, antialiased), then center-crop square.
+
+    Lazily, one sample at a time, keeping no reference to a sample once it is handed on (a
+    ``map``: a generator's loop variable would hold the source image while the next decodes).
 
     Args:
         samples: source samples.
         image_size: output side in pixels (``data.image_size``); must be > 0.
 
-    Yields:
-        Samples with ``image_size`` x ``image_size`` images, same key, label and mode.
+    Returns:
+        An iterator of samples with ``image_size`` x ``image_size`` images, same key, label
+        and mode.
     """
-    from torchvision.transforms import InterpolationMode
-    from torchvision.transforms import functional as F
+    def one(s: Sample) -> Sample:
+        return _resized(s, center_square(resize_short_side(s.image, image_size), image_size))
 
-    for s in samples:
-        img = F.resize(s.image, image_size, interpolation=InterpolationMode.BICUBIC,
-                       antialias=True)
-        yield _resized(s, F.center_crop(img, [image_size, image_size]))
+    return map(one, samples)
 
 
 def limit_short_side(samples: Iterable[Sample], max_side: int) -> Iterator[Sample]:
     """Shrink images whose shorter side exceeds ``max_side`` so it equals it; no crop.
 
-    The aspect ratio is kept (the longer side is rounded as torchvision's ``Resize(int)`` does),
-    so RandomResizedCrop later samples from the whole photo as in the official MoCo code.
-    Images already within ``max_side`` are stored unchanged (never upsampled).
+    The aspect ratio is kept (the longer side is truncated as torchvision's ``Resize(int)``
+    does, :func:`resize_short_side`), so RandomResizedCrop later samples from the whole photo
+    as in the official MoCo code.
+    Images already within ``max_side`` are stored unchanged (never upsampled). Lazily, holding
+    no sample once it is handed on (as :func:`resize_samples`).
 
     Args:
         samples: source samples.
         max_side: the largest shorter side in pixels (``data.max_side``); must be > 0.
 
-    Yields:
-        Samples with ``min(W, H) <= max_side``, same key, label and mode.
+    Returns:
+        An iterator of samples with ``min(W, H) <= max_side``, same key, label and mode.
     """
-    from torchvision.transforms import InterpolationMode
-    from torchvision.transforms import functional as F
+    def one(s: Sample) -> Sample:
+        if min(s.image.size) <= max_side:
+            return s
+        return _resized(s, resize_short_side(s.image, max_side))
 
-    for s in samples:
-        img = s.image
-        if min(img.size) > max_side:
-            img = F.resize(img, max_side, interpolation=InterpolationMode.BICUBIC, antialias=True)
-        yield _resized(s, img)
+    return map(one, samples)

@@ -35,13 +35,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from pipeline.data import remote
 from pipeline.data.remote import RemoteError, is_transient, is_url, retry_transient
 from pipeline.errors import InputError
 
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
+EXIF_ORIENTATION = 0x0112  # the EXIF/TIFF Orientation tag
+SWAPS_SIDES = (5, 6, 7, 8)  # orientations that turn the image by 90 degrees (W and H swap)
 LABEL_MEMBER = "cls"
 _GLOB_CHARS = ("*", "?", "[")
 # info() keys that change with an object's content, in order of preference (fsspec's http
@@ -220,26 +222,55 @@ def sample_label(record: dict[str, Any], field: str) -> int | str | None:
     return value
 
 
+def orientation(image: Image.Image) -> int:
+    """The EXIF orientation (1..8) of an opened image, from its header; 1 when there is none.
+
+    Values outside 1..8 count as 1, as ``ImageOps.exif_transpose`` ignores them. A PNG's
+    ``eXIf`` chunk written after the pixels (the PNG spec puts it before) is read only once
+    the image is loaded: for PNG only the header's is used, since PIL's PNG ``getexif`` would
+    decode the pixels to find a late one.
+    """
+    exif = Image.Image.getexif(image) if image.format == "PNG" else image.getexif()
+    value = exif.get(EXIF_ORIENTATION, 1)
+    return value if value in range(1, 9) else 1
+
+
+def upright_size(image: Image.Image) -> tuple[int, int]:
+    """``(W, H)`` of an opened image as displayed, from its header (:func:`orientation`).
+
+    Swapped when the EXIF orientation turns the image by 90 degrees (tags 5-8).
+    """
+    w, h = image.size
+    return (h, w) if orientation(image) in SWAPS_SIDES else (w, h)
+
+
 def open_image(data: bytes, *, reduce: Callable[[Image.Image], int] | None = None
                ) -> Image.Image:
-    """Decode encoded image bytes with PIL: completely, or a JPEG at a reduced DCT scale.
+    """Decode encoded image bytes with PIL, upright: completely, or a JPEG at a reduced scale.
 
     Every PIL decode of the pipeline goes through here: image files (the folder sources), shard
-    members (the loaders, ``verify-shards``), shards read in place (the index, the
+    members (the loaders, ``verify-shards``, the report), shards read in place (the index, the
     ``webdataset`` source). The one other decoder is torchvision's, for JPEG members whose
-    views the loader cuts (:func:`pipeline.data.jpeg.decode_jpeg_bytes`).
+    views the loader cuts (:func:`pipeline.data.jpeg.decode_jpeg_bytes`), which turns them by
+    the same rule.
+
+    The image is turned as its EXIF ``Orientation`` says (``ImageOps.exif_transpose``, in
+    place, after the decode: a JPEG keeps its bytes, and its tag, in the shards), so every
+    reader sees what a viewer shows; tags 5-8 swap width and height (:func:`upright_size`).
+    Only a turned image costs a second copy of its pixels, for the moment of the turn.
 
     Args:
         data: the encoded image (a shard member, a file's bytes).
-        reduce: called with the opened, not yet decoded image (its header: size, mode,
+        reduce: called with the opened, not yet decoded image (its header: raw size, mode,
             format); returns ``k`` in 1, 2, 4, 8. A JPEG is then decoded at 1/k of its size
-            (PIL ``draft``, libjpeg's scaled inverse DCT: ``ceil(W / k) x ceil(H / k)`` px);
-            other formats always decode at full size. None = full size.
+            (PIL ``draft``, libjpeg's scaled inverse DCT: ``ceil(W / k) x ceil(H / k)`` px,
+            before the turn); other formats always decode at full size. None = full size.
 
     Raises:
         UnidentifiedImageError: no PIL decoder recognises the bytes (the message names no
             in-memory buffer, so it reads well after a shard and sample name).
         OSError: truncated or corrupt data (PIL's own message).
+        SyntaxError: an EXIF block that does not parse (PIL's own message).
     """
     try:
         im = Image.open(io.BytesIO(data))
@@ -252,4 +283,5 @@ def open_image(data: bytes, *, reduce: Callable[[Image.Image], int] | None = Non
             # are >= 1; an image under k px a side gets the largest reduction it allows
             im.draft(im.mode, (max(1, im.size[0] // k), max(1, im.size[1] // k)))
     im.load()
+    ImageOps.exif_transpose(im, in_place=True)
     return im

@@ -63,6 +63,7 @@ from pipeline.data.manifest import (
     ShardError,
     ShardStats,
     pixel_stats,
+    pixel_sums,
     read_manifest,
     round6,
 )
@@ -75,9 +76,6 @@ log = logging.getLogger(__name__)
 INDEX_DIR = Path("data/index")  # beside data/shards; the index_shards stage's outputs
 VALIDATORS = INDEX_DIR / "validators.json"
 SETS = ("pretrain", "labelled")
-_VALUES = np.arange(256, dtype=np.uint64)
-
-
 def empty_manifest(split: str) -> Manifest:
     """The manifest of a set with no shards (an empty spec)."""
     return Manifest(source="webdataset", split=split, num_samples=0, num_broken=0,
@@ -118,14 +116,14 @@ def _read_shard(url: str, label_field: str | None = None) -> ShardEntry:
             with open_image(data) as im:
                 grey = grey and image_kind(im) == "L"
                 sizes.add(im.size)
-                # (3, 256) pixel counts per channel value: exact sums, ~10x faster than numpy
-                hist = np.asarray(to_mode(im, "RGB").histogram(), np.uint64).reshape(3, 256)
+                # exact sums from the histogram: ~10x faster than numpy, no copy of the pixels
+                sums, squares, pixels = pixel_sums(to_mode(im, "RGB"))
         except Exception as e:  # noqa: BLE001 (PIL and the mode conversion raise many types)
             broken.append(BrokenSample(key, f"{type(e).__name__}: {str(e)[:120]}"))
             continue
-        pix_sum += hist @ _VALUES
-        pix_sq += hist @ _VALUES**2
-        n_pix += int(hist[0].sum())
+        pix_sum += sums
+        pix_sq += squares
+        n_pix += pixels
         good += 1
         if label_field is not None:
             try:

@@ -39,6 +39,7 @@ import webdataset as wds
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset
 
+from pipeline.data.external import orientation, upright_size
 from pipeline.data.jpeg import cut_views, decode_jpeg_bytes, is_jpeg, reduction
 from pipeline.data.manifest import CHANNELS, LAYOUT_OWN, Manifest, ShardError, read_manifest
 from pipeline.data.readers import (
@@ -224,42 +225,46 @@ class _TrainStream(IterableDataset):
     def _cut(self, record: dict[str, Any], seeds: list[int]) -> np.ndarray:
         """``(V, C, S, S)`` uint8: the views of one sample, decoded as little as they need.
 
-        The boxes come from the image's header. A JPEG whose boxes allow it is decoded by PIL
-        at a reduced DCT scale (``draft``,
+        The boxes come from a JPEG's header (its size as displayed: EXIF orientation applied,
+        as every decode here applies it). A JPEG whose boxes allow it is decoded by PIL at a
+        reduced DCT scale (``draft``,
         :meth:`pipeline.data.views.SeededRandomResizedCrop.draft_scale`); another JPEG by
         torchvision's ``decode_jpeg`` (faster per core than PIL, docs/performance.md); any
-        other format by PIL. The views are cut from the uint8 tensor
-        (:func:`pipeline.data.jpeg.cut_views`).
+        other format by PIL, whole, its boxes drawn from the decoded size (a PNG's ``eXIf``
+        chunk may follow its pixels, where a header read does not see it). The views are cut
+        from the uint8 tensor (:func:`pipeline.data.jpeg.cut_views`).
 
         Raises:
             ShardError: the image does not decode (names the shard and key).
         """
         assert self.crop is not None
         crop, data = self.crop, image_bytes(record)
+        if not is_jpeg(data):
+            decoded = decode_any(record, self.mode)
+            return cut_views(_tensor(decoded), crop.boxes(decoded.size, seeds), crop.size).numpy()
         with open_header(data, record) as header:
-            full, boxes = header.size, crop.boxes(header, seeds)
+            full, turn = upright_size(header), orientation(header)
+        boxes = crop.boxes(full, seeds)
         scale = crop.draft_scale(boxes) if self.draft else 1
-        channels = CHANNELS[self.mode]
-        if scale == 1 and is_jpeg(data):
+        if scale == 1:
             try:
                 image = decode_jpeg_bytes(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                                          channels)
+                                          CHANNELS[self.mode], orientation=turn)
                 return cut_views(image, boxes, crop.size).numpy()
             except RuntimeError:  # a JPEG torchvision refuses (CMYK...): PIL decides below
                 pass
         decoded = decode_any(record, self.mode, reduce=lambda _: scale)
-        a = np.array(decoded, dtype=np.uint8)  # writable: torch refuses read-only arrays
-        image = torch.from_numpy(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
-        return cut_views(image, boxes, crop.size, reduction(full, decoded.size)).numpy()
+        return cut_views(_tensor(decoded), boxes, crop.size,
+                         reduction(full, decoded.size)).numpy()
 
     def _encoded(self, record: dict[str, Any], seeds: list[int], key: str
-                 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None, str, str]:
+                 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None, int, str, str]:
         """A JPEG's bytes and boxes, its header alone read (``decode="device"``).
 
         Returns:
-            ``(jpeg, boxes, views, key, shard)``: the JPEG as uint8 bytes and its ``(V, 4)``
-            boxes with ``views`` None, or, for another format, ``jpeg`` None and the views
-            cut here (:meth:`_cut`).
+            ``(jpeg, boxes, views, orientation, key, shard)``: the JPEG as uint8 bytes, its
+            ``(V, 4)`` boxes in the upright image and its EXIF orientation, with ``views``
+            None; or, for another format, ``jpeg`` None and the views cut here (:meth:`_cut`).
 
         Raises:
             ShardError: the header does not parse (names the shard and key).
@@ -270,10 +275,11 @@ class _TrainStream(IterableDataset):
         if not is_jpeg(data):
             views = self._cut(record, seeds)
             boxes = np.zeros((self.views, 4), dtype=np.int64)
-            return None, boxes, views, key, where
+            return None, boxes, views, 1, key, where
         with open_header(data, record) as header:
-            boxes = np.asarray(self.crop.boxes(header, seeds), dtype=np.int64)
-        return np.frombuffer(data, dtype=np.uint8), boxes, None, key, where
+            full, turn = upright_size(header), orientation(header)
+        boxes = np.asarray(self.crop.boxes(full, seeds), dtype=np.int64)
+        return np.frombuffer(data, dtype=np.uint8), boxes, None, turn, key, where
 
 
 @dataclass
@@ -284,7 +290,9 @@ class EncodedBatch:
         jpegs: per sample, its JPEG bytes as a ``(n_bytes,)`` uint8 tensor, or an empty tensor
             when :attr:`done` already holds its views (a member that is not a JPEG).
         boxes: ``(B, V, 4)`` int64 crop boxes ``(top, left, height, width)`` in pixels of each
-            full image, one per view.
+            full image as displayed, one per view.
+        orientations: per sample, its JPEG's EXIF orientation (1..8; 1 for the others),
+            applied after the decode (:func:`pipeline.data.jpeg.upright`).
         done: ``(B, V, C, S, S)`` uint8: the views cut in the workers (zeros for JPEGs).
         keys: the ``B`` sample keys.
         where: the ``B`` shard locations, for messages.
@@ -292,6 +300,7 @@ class EncodedBatch:
 
     jpegs: list[torch.Tensor]
     boxes: torch.Tensor
+    orientations: list[int]
     done: torch.Tensor
     keys: list[str]
     where: list[str]
@@ -299,7 +308,7 @@ class EncodedBatch:
     def pin_memory(self) -> EncodedBatch:
         """The DataLoader's ``pin_memory`` hook: pins the tensors' pages."""
         return EncodedBatch([j.pin_memory() for j in self.jpegs], self.boxes.pin_memory(),
-                            self.done.pin_memory(), self.keys, self.where)
+                            self.orientations, self.done.pin_memory(), self.keys, self.where)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> torch.Tensor:
         """Decode the JPEGs on ``device`` and cut their views: the batch the step takes.
@@ -320,7 +329,8 @@ class EncodedBatch:
             return out
         _, _, channels, side, _ = out.shape
         try:
-            images = decode_jpeg_bytes([self.jpegs[i] for i in todo], channels, device)
+            images = decode_jpeg_bytes([self.jpegs[i] for i in todo], channels, device,
+                                       orientation=[self.orientations[i] for i in todo])
         except RuntimeError:  # decode one by one to name the sample
             images = [self._decode_one(i, channels, device) for i in todo]
         for i, image in zip(todo, images):
@@ -329,14 +339,15 @@ class EncodedBatch:
 
     def _decode_one(self, i: int, channels: int, device: torch.device | str) -> torch.Tensor:
         try:
-            return decode_jpeg_bytes(self.jpegs[i], channels, device)
+            return decode_jpeg_bytes(self.jpegs[i], channels, device,
+                                     orientation=self.orientations[i])
         except RuntimeError as e:
             raise ShardError(f"{self.where[i]}: sample '{self.keys[i]}' does not decode on "
                              f"{device} ({str(e).splitlines()[0]})") from None
 
 
-def _collate_encoded(items: list[tuple[np.ndarray | None, np.ndarray, np.ndarray | None, str,
-                                       str]], shape: tuple[int, int, int, int]
+def _collate_encoded(items: list[tuple[np.ndarray | None, np.ndarray, np.ndarray | None, int,
+                                       str, str]], shape: tuple[int, int, int, int]
                      ) -> tuple[EncodedBatch, list[str]]:
     """An :class:`EncodedBatch` of :meth:`_TrainStream._encoded`.
 
@@ -344,14 +355,22 @@ def _collate_encoded(items: list[tuple[np.ndarray | None, np.ndarray, np.ndarray
     """
     done = np.zeros((len(items), *shape), dtype=np.uint8)
     jpegs = []
-    for i, (jpeg, _, views, _, _) in enumerate(items):
+    for i, (jpeg, _, views, _, _, _) in enumerate(items):
         jpegs.append(torch.from_numpy(jpeg.copy()) if jpeg is not None
                      else torch.zeros(0, dtype=torch.uint8))
         if views is not None:
             done[i] = views
-    boxes = torch.from_numpy(np.stack([bx for _, bx, _, _, _ in items]))
+    boxes = torch.from_numpy(np.stack([bx for _, bx, *_ in items]))
+    turns = [int(o) for _, _, _, o, _, _ in items]
     keys = [k for *_, k, _ in items]
-    return EncodedBatch(jpegs, boxes, torch.from_numpy(done), keys, [w for *_, w in items]), keys
+    return EncodedBatch(jpegs, boxes, turns, torch.from_numpy(done), keys,
+                        [w for *_, w in items]), keys
+
+
+def _tensor(image: Image.Image) -> torch.Tensor:
+    """``(C, H, W)`` uint8 tensor of a decoded ``L`` or ``RGB`` image (its own, writable copy)."""
+    a = np.array(image, dtype=np.uint8)  # writable: torch refuses read-only arrays
+    return torch.from_numpy(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
 
 
 def _to_uint8(image: Image.Image) -> np.ndarray:

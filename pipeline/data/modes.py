@@ -28,7 +28,7 @@ PIL mode (from files)     8-bit value ``v8`` (per channel)
 
 Orientation (before any of the above, and before any resize or crop): ImageFolder turns each
 image upright as its EXIF ``Orientation`` tag says, with PIL's ``ImageOps.exif_transpose``, so
-a phone photo tagged 6 is stored rotated 90 degrees clockwise from its raw pixel layout, as
+a phone photo tagged 6 is read rotated 90 degrees clockwise from its raw pixel layout, as
 every viewer shows it (tags 5-8 swap width and height). Every manifest an ImageFolder builds
 records this under ``build.exif_orientation``.
 

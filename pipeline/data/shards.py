@@ -89,6 +89,24 @@ def require_images(manifest: Manifest, where: Path | ShardURL | str) -> None:
                          "with train and test images (docs/data.md, no labels at all)")
 
 
+def missing_labels(shards_dir: Path | ShardURL) -> str | None:
+    """Why there is nothing to evaluate with labels, or None: train and test hold images.
+
+    Returns:
+        ``"no labelled train or test images (data.source none)"`` (the empty splits and the
+        source named), or None.
+
+    Raises:
+        ShardError: a split's manifest is missing or invalid.
+    """
+    manifests = {s: read_manifest(shards_dir / s) for s in ("train", "test")}
+    empty = [s for s, m in manifests.items() if not m.num_samples]
+    if not empty:
+        return None
+    return (f"no labelled {' or '.join(empty)} images (data.source "
+            f"{manifests[empty[0]].source})")
+
+
 def image_spec(manifest: Manifest, where: Path | ShardURL | str) -> ImageSpec:
     """The :class:`ImageSpec` of a split, from its manifest (:func:`read_manifest`).
 

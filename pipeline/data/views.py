@@ -271,23 +271,26 @@ class SeededRandomResizedCrop:
         The loader cuts the same boxes from uint8 tensors instead
         (:func:`pipeline.data.jpeg.cut_views`: torchvision's resize, within 1 of this one).
         """
-        top, left, h, w = self.boxes(image, [seed])[0]
+        top, left, h, w = self.boxes(image.size, [seed])[0]
         return T.functional.resized_crop(image, top, left, h, w, [self.size, self.size],
                                          T.InterpolationMode.BILINEAR, antialias=True)
 
-    def boxes(self, image: Image.Image, seeds: Sequence[int]) -> list[Box]:
-        """The crop box of each seed, from the image's header alone (nothing is decoded).
+    def boxes(self, size: tuple[int, int], seeds: Sequence[int]) -> list[Box]:
+        """The crop box of each seed, from the image's size alone (nothing is decoded).
 
         The draws are torchvision's ``RandomResizedCrop.get_params``, under a forked torch RNG
         seeded with each seed, as :meth:`__call__` has always drawn them.
 
         Args:
-            image: an opened PIL image, loaded or not (only its size is read).
+            size: ``(W, H)`` of the image as displayed (a JPEG's header:
+                :func:`pipeline.data.external.upright_size`).
             seeds: one seed per view.
 
         Returns:
             ``(top, left, height, width)`` in pixels of the full image, one per seed.
         """
+        w, h = size
+        image = torch.empty(()).expand(1, h, w)  # get_params reads only its shape: no pixels
         out = []
         for seed in seeds:
             with torch.random.fork_rng(devices=[]):

@@ -61,6 +61,15 @@ def draw_per_class(labels: torch.Tensor, n: int, *, seed: int, draw: int) -> lis
     return sorted(picked)
 
 
+def held_per_class(labels: torch.Tensor, n: int) -> dict[int, int]:
+    """``{class: images}`` that :func:`draw_per_class` gives for ``n`` per class (every draw).
+
+    A class with fewer than ``n`` labelled rows gives all it has.
+    """
+    counts = torch.bincount(labels[labels >= 0])
+    return {c: min(n, int(k)) for c, k in enumerate(counts.tolist()) if k}
+
+
 def _summary(values: list[float]) -> dict[str, float]:
     return {"mean": round(statistics.fmean(values), 4),
             "std": round(statistics.pstdev(values), 4) if len(values) > 1 else 0.0,
@@ -106,11 +115,26 @@ def curve(kinds: Mapping[str, Callable[[list[int]], FeatureSet]],
         device: where the probes run.
 
     Returns:
-        ``{kind: {probe: {str(n): {"mean", "std", "min", "max"}}}}``, top-1 in percent.
+        ``{kind: {probe: {str(n): {"mean", "std", "min", "max", "labels", "per_class_min"}}}}``:
+        top-1 in percent, the labelled images the point used in all, and the fewest of one
+        class (below ``n`` where a class holds fewer). A count whose images are exactly an
+        earlier count's (every class already exhausted) is left out, with a warning.
     """
     out: dict[str, dict[str, dict[str, dict[str, float]]]] = {
         kind: {probe: {} for probe in PROBES} for kind in kinds}
+    seen: dict[tuple[tuple[int, int], ...], int] = {}
     for n in per_class:
+        held = held_per_class(labels, n)
+        same = seen.setdefault(tuple(sorted(held.items())), n)
+        if same != n:
+            log.warning("label efficiency: %d per class left out: every class holds at most "
+                        "%d labelled images, the %d-per-class point already uses them all",
+                        n, max(held.values()), same)
+            continue
+        if min(held.values()) < n:
+            log.warning("label efficiency: %d per class asked, the smallest class holds %d: "
+                        "the point uses %d labelled images", n, min(held.values()),
+                        sum(held.values()))
         runs: dict[tuple[str, str], list[float]] = {}
         for d in range(draws):
             rows = draw_per_class(labels, n, seed=seed, draw=d)
@@ -121,7 +145,8 @@ def curve(kinds: Mapping[str, Callable[[list[int]], FeatureSet]],
                         train, tests[kind], probe=probe, num_classes=num_classes,
                         linear=linear, seed=seed + d, device=device))
         for (kind, probe), values in runs.items():
-            out[kind][probe][str(n)] = _summary(values)
+            out[kind][probe][str(n)] = {**_summary(values), "labels": sum(held.values()),
+                                        "per_class_min": min(held.values())}
         log.info("label efficiency, %d per class (%d draws): %s", n, draws, ", ".join(
             f"{kind} {probe} {out[kind][probe][str(n)]['mean']:.2f}"
             for kind in kinds for probe in PROBES))

@@ -8,13 +8,15 @@
 
 The whole directory is rendered next to ``out_dir``, its HTML checked
 (:func:`pipeline.report.check.check_html`), and only then moved into place, so a failed,
-interrupted or broken report never replaces the previous one. The body holds no wall-clock
-date, so the same inputs give the same bytes.
+interrupted or broken report never replaces the previous one. The only wall-clock date in the
+body is when it was written (:func:`pipeline.report.provenance.report_time`): with
+``SOURCE_DATE_EPOCH`` set, the same inputs on the same machine give the same bytes.
 
 Modules of the package, in the order they run::
 
     inputs.py      read the pipeline's outputs into RunOutputs (dataclasses)
-    sections.py    build the Document (sections of tables, paragraphs, figures)
+    sections.py    build the Document (sections of tables, paragraphs, figures); results.py,
+                   quality.py, insights.py, provenance.py build some of the sections
     figures.py     draw each figure (matplotlib), called by sections.py
     references.py  published numbers to compare a run with
     render.py      Document -> HTML and Markdown (Jinja2 templates in templates/)
@@ -53,7 +55,8 @@ class Report:
 
 
 def build_report(
-    *, params: Params, root: Path, out_dir: Path, git_commit: str | None = None
+    *, params: Params, root: Path, out_dir: Path, git_commit: str | None = None,
+    git_dirty: str | None = None,
 ) -> Report:
     """Read the pipeline outputs below ``root`` and write the report to ``out_dir``.
 
@@ -62,7 +65,9 @@ def build_report(
             ``data.shards_dir``, published-reference lookup).
         root: the repo root every input path is relative to.
         out_dir: the report directory; replaced as a whole (rendered beside it, then renamed).
-        git_commit: shown in the header when given (no wall-clock time is written).
+        git_commit: shown in the header and the provenance when given.
+        git_dirty: ``"true"`` / ``"false"``: whether tracked files differ from ``git_commit``
+            (:func:`pipeline.tracking.git_state`).
 
     Returns:
         The :class:`Report`.
@@ -76,7 +81,7 @@ def build_report(
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a report is meant to be read
-        _write(params, root, tmp, git_commit)
+        _write(params, root, tmp, git_commit, git_dirty)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -84,12 +89,13 @@ def build_report(
     return Report(out_dir / "report.html", out_dir / "report.md", collect_final_metrics(root))
 
 
-def _write(params: Params, root: Path, out: Path, git_commit: str | None) -> None:
+def _write(params: Params, root: Path, out: Path, git_commit: str | None,
+           git_dirty: str | None) -> None:
     """Render the report into the empty directory ``out`` and check its HTML."""
     fig_dir = out / "figures"
     fig_dir.mkdir()
     outputs = read_outputs(root, params.data.shards_dir)
-    doc = build_document(params, outputs, fig_dir, git_commit)
+    doc = build_document(params, outputs, fig_dir, git_commit, git_dirty=git_dirty)
     html = out / "report.html"
     html.write_text(render_html(doc, fig_dir), encoding="utf-8")
     (out / "report.md").write_text(render_markdown(doc), encoding="utf-8")

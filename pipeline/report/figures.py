@@ -138,20 +138,26 @@ def plot_instance_accuracy(table: Columns, path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_knn_monitor(
-    table: Columns,
-    path: Path,
-    *,
-    random_encoder_top1: float | None = None,
-    raw_pixels_top1: float | None = None,
-) -> Path:
-    """kNN-monitor top-1 accuracy per epoch (epoch 0 = random init) with baseline lines.
+def epoch_zero(table: Columns, column: str) -> float | None:
+    """``column`` in the row of epoch 0 (the random init of a monitor TSV), or None."""
+    if not (_has(table, "epoch") and _has(table, column)):
+        return None
+    epochs, values = (np.asarray(table[c], dtype=float) for c in ("epoch", column))
+    hit = np.flatnonzero((epochs == 0) & np.isfinite(values))
+    return float(values[hit[0]]) if len(hit) else None
+
+
+def plot_knn_monitor(table: Columns, path: Path) -> Path:
+    """kNN-monitor top-1 per epoch, its epoch-0 value (the random init) drawn dashed.
+
+    Every point, the dashed line included, is measured on the same features and images: the
+    monitor's epoch-0 row is the untrained encoder scored exactly as the later epochs are
+    (:func:`epoch_zero`). Numbers measured on other features or images (the baselines stage)
+    are not drawn here.
 
     Args:
         table: columns of ``plots/knn_monitor.tsv``; uses ``epoch`` and ``knn_top1`` (percent).
         path: the PNG to write.
-        random_encoder_top1: kNN top-1 (percent) of the untrained encoder, drawn dashed.
-        raw_pixels_top1: kNN top-1 (percent) on raw pixels, drawn dashed.
 
     Returns:
         ``path``.
@@ -159,18 +165,11 @@ def plot_knn_monitor(
     fig, (ax,) = _figure(6.5, 3.6)
     x, xlabel = _xcol(table, "epoch")
     if _has(table, "knn_top1"):
-        ax.plot(x, table["knn_top1"], marker="o", color="C0", label="MoCo encoder (monitor)")
-    if raw_pixels_top1 is not None:
-        ax.axhline(
-            raw_pixels_top1, color="C3", linestyle="--", label=f"raw pixels ({raw_pixels_top1:.2f})"
-        )
-    if random_encoder_top1 is not None:
-        ax.axhline(
-            random_encoder_top1,
-            color="C7",
-            linestyle="--",
-            label=f"random encoder ({random_encoder_top1:.2f})",
-        )
+        ax.plot(x, table["knn_top1"], marker="o", color="C0", label="MoCo encoder")
+    init = epoch_zero(table, "knn_top1")
+    if init is not None:
+        ax.axhline(init, color="C7", linestyle="--",
+                   label=f"random init (epoch 0), same features and images: {init:.2f}")
     ax.set(xlabel=xlabel, ylabel="kNN top-1 (%)", title="kNN monitor during pretraining")
     _integer_ticks(ax)
     ax.grid(alpha=0.3)

@@ -8,10 +8,11 @@ except for the few shard images that the retrieval figure picks, which they load
 
 Inputs, all relative to the repo root::
 
-    metrics/{pretrain,data_insights,embed,baselines,knn,linear}.json   Metrics
-    metrics/label_efficiency.json                        the label-efficiency curve
+    eval/metrics/{pretrain,data_insights,embed,baselines,knn,linear}.json   Metrics
+    eval/metrics/label_efficiency.json                   the label-efficiency curve
     eval/data_insights.json                              near-duplicates and outliers
     plots/{pretrain,knn_monitor,labelfree,linear}.tsv    columns of floats
+    plots/linear_val.tsv                                 the probe's val_acc, if measured
     eval/{knn,linear}_details.json                       EvalDetails
     features/{train,test}.pt                             Embeddings
     runs/<stage>.json                                    RunRecord
@@ -22,12 +23,11 @@ Inputs, all relative to the repo root::
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import math
 import tarfile
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +35,8 @@ import numpy as np
 from torch import Tensor
 
 from pipeline.atomic import read_json
-from pipeline.data.external import IMAGE_MEMBERS
-from pipeline.data.manifest import ShardError, read_manifest
+from pipeline.data.external import IMAGE_MEMBERS, open_image
+from pipeline.data.manifest import Manifest, ShardError, read_manifest
 from pipeline.data.remote import is_url, shards_location
 from pipeline.data.shards import member_key
 
@@ -44,21 +44,23 @@ log = logging.getLogger(__name__)
 
 TRACKED_STAGES = ("build_shards", "pretrain", "data_insights", "embed", "baselines", "knn",
                   "linear", "label_efficiency")
+# Every number of each stage (eval/metrics/; metrics/<stage>.json holds only its headline)
 METRICS_FILES = {  # metric-name prefix -> metrics file (relative to the repo root)
-    "pretrain": "metrics/pretrain.json",
-    "data_insights": "metrics/data_insights.json",
-    "embed": "metrics/embed.json",
-    "baselines": "metrics/baselines.json",
-    "knn": "metrics/knn.json",
-    "linear": "metrics/linear.json",
+    "pretrain": "eval/metrics/pretrain.json",
+    "data_insights": "eval/metrics/data_insights.json",
+    "embed": "eval/metrics/embed.json",
+    "baselines": "eval/metrics/baselines.json",
+    "knn": "eval/metrics/knn.json",
+    "linear": "eval/metrics/linear.json",
 }
-LABEL_EFFICIENCY_FILE = "metrics/label_efficiency.json"  # nested: not among the final metrics
+LABEL_EFFICIENCY_FILE = "eval/metrics/label_efficiency.json"  # nested: not among the final metrics
 PLOT_FILES = {  # curve name -> TSV (relative to the repo root)
     "pretrain": "plots/pretrain.tsv",
     "knn_monitor": "plots/knn_monitor.tsv",
     "labelfree": "plots/labelfree.tsv",
     "linear": "plots/linear.tsv",
 }
+LINEAR_VAL_FILE = "plots/linear_val.tsv"  # its val_acc joins the "linear" columns
 EVALUATIONS = ("knn", "linear")  # eval/<name>_details.json
 
 Columns = Mapping[str, np.ndarray]  # TSV column name -> (R,) float64 values
@@ -124,11 +126,15 @@ class RunRecord:
         run_id: the MLflow run id, None when the stage ran with MLflow disabled.
         experiment_id: the MLflow experiment id ("" when not recorded).
         tracking_uri: where the run was logged (may hold credentials: redact before showing).
+        ran: how the stage's process ran, as recorded under ``ran`` (pretrain:
+            :func:`pipeline.train.engine.how_it_ran`: precision, threads, machine, versions);
+            empty when not recorded.
     """
 
     run_id: str | None
     experiment_id: str
     tracking_uri: str | None
+    ran: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -151,15 +157,19 @@ class RunOutputs:
         details: evaluation (:data:`EVALUATIONS`) -> its details.
         features: ``"train"`` / ``"test"`` -> embeddings.
         test_class_names: class names of the test-shard manifest.
+        split_sizes: ``"train"`` / ``"test"`` -> images in that split's manifest (None when
+            it cannot be read).
         runs: stage (:data:`TRACKED_STAGES`) -> its run record.
         dvc_lock: the outputs recorded in ``dvc.lock``, in file order.
         shards_are_url: ``data.shards_dir`` is a URL (retrieval, which reads local shards, is
             skipped).
         shards_dir: the shard directory (``<root>/<data.shards_dir>``); retrieval images are
             read from its ``train`` and ``test`` splits.
-        label_efficiency: ``metrics/label_efficiency.json`` (:func:`read_label_efficiency`).
+        label_efficiency: ``eval/metrics/label_efficiency.json`` (:func:`read_label_efficiency`).
         data_insights: ``eval/data_insights.json`` (:func:`read_data_insights`).
         root: the repo root (shard paths recorded relative to it are read from there).
+        no_labels: why the evaluation stages were skipped (``runs/check_eval.json``: no
+            labelled train or test images), else None.
     """
 
     metrics: Mapping[str, Metrics | None]
@@ -174,6 +184,8 @@ class RunOutputs:
     label_efficiency: Mapping[str, Any] | None = None
     data_insights: Mapping[str, Any] | None = None
     root: Path = Path(".")
+    split_sizes: Mapping[str, int | None] = field(default_factory=dict)
+    no_labels: str | None = None
 
 
 def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
@@ -187,17 +199,15 @@ def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
         The :class:`RunOutputs`; missing or unreadable files are None.
     """
     root = Path(root)
-    # published shards: class names from the URL manifest
-    test = (shards_location(shards_dir) / "test" if is_url(shards_dir)
-            else root / shards_dir / "test")
-    try:
-        names: list[str] | None = [str(n) for n in read_manifest(test).class_names]
-    except ShardError:  # no test split (yet) or an unreadable manifest: indices as names
-        names = None
+    # published shards: class names and sizes from the URL manifests
+    base = shards_location(shards_dir) if is_url(shards_dir) else root / shards_dir
+    manifests = {split: _manifest(base / split) for split in ("train", "test")}
+    test = manifests["test"]  # none: no test split (yet) or unreadable; indices as names
+    names = None if test is None else [str(n) for n in test.class_names]
     return RunOutputs(
         metrics={s: read_metrics(root / rel) for s, rel in
                  {**METRICS_FILES, "label_efficiency": LABEL_EFFICIENCY_FILE}.items()},
-        plots={name: read_tsv(root / rel) for name, rel in PLOT_FILES.items()},
+        plots=_with_val(root, {name: read_tsv(root / rel) for name, rel in PLOT_FILES.items()}),
         details={e: read_details(root / f"eval/{e}_details.json") for e in EVALUATIONS},
         features={s: load_features(root / f"features/{s}.pt") for s in ("train", "test")},
         test_class_names=names,
@@ -208,11 +218,21 @@ def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
         label_efficiency=read_label_efficiency(root / LABEL_EFFICIENCY_FILE),
         data_insights=read_data_insights(root / "eval/data_insights.json"),
         root=root,
+        split_sizes={s: None if m is None else m.num_samples for s, m in manifests.items()},
+        no_labels=(read_json(root / "runs/check_eval.json") or {}).get("skipped"),
     )
 
 
+def _manifest(split_dir: Any) -> Manifest | None:
+    """A split's manifest, or None when it is missing or unreadable."""
+    try:
+        return read_manifest(split_dir)
+    except ShardError:
+        return None
+
+
 def read_label_efficiency(path: Path) -> dict[str, Any] | None:
-    """``metrics/label_efficiency.json`` when its curve is whole, else None (with a log line).
+    """``eval/metrics/label_efficiency.json`` when its curve is whole, else None (with a log line).
 
     Whole: ``curve[kind][probe][n]`` holds finite ``mean`` and ``std`` for every kind, both
     probes and the same ``n`` everywhere. The points come back in increasing ``n`` (the file's
@@ -231,6 +251,18 @@ def read_label_efficiency(path: Path) -> dict[str, Any] | None:
     except (TypeError, KeyError, AttributeError, ValueError):
         ok = False
     return _if_whole(path, data, ok, "a whole label-efficiency curve")
+
+
+def _with_val(root: Path, plots: dict[str, Columns | None]) -> dict[str, Columns | None]:
+    """``plots`` with :data:`LINEAR_VAL_FILE`'s ``val_acc`` added to the ``linear`` columns.
+
+    Only when it holds one row per row of ``plots/linear.tsv`` (the same epochs).
+    """
+    lin, val = plots.get("linear"), read_tsv(root / LINEAR_VAL_FILE)
+    if lin is not None and val is not None and "val_acc" in val and "epoch" in lin \
+            and np.array_equal(val.get("epoch"), lin["epoch"]):
+        plots["linear"] = {**lin, "val_acc": val["val_acc"]}
+    return plots
 
 
 def _if_whole(path: Path, data: Any, ok: bool, what: str) -> Any:
@@ -297,11 +329,12 @@ def read_run(path: Path) -> RunRecord | None:
     run = read_json(path)
     if run is None:
         return None
-    rid, uri = run.get("run_id"), run.get("tracking_uri")
+    rid, uri, ran = run.get("run_id"), run.get("tracking_uri"), run.get("ran")
     return RunRecord(
         run_id=str(rid) if rid else None,
         experiment_id=str(run.get("experiment_id") or ""),
         tracking_uri=str(uri) if uri else None,
+        ran=ran if isinstance(ran, dict) else {},
     )
 
 
@@ -356,8 +389,9 @@ def _shard_paths(shard_dir: Path) -> list[Path]:
 def load_shard_images(shard_dir: Path, keys: Iterable[str]) -> dict[str, Any]:
     """Decode the image members of the requested keys from a split's tar shards.
 
-    Only image members (:data:`pipeline.data.external.IMAGE_MEMBERS`) are decoded (with PIL);
-    nothing is unpickled. Reading stops as soon as every key is found.
+    Only image members (:data:`pipeline.data.external.IMAGE_MEMBERS`) are decoded (with PIL,
+    upright: :func:`pipeline.data.external.open_image`); nothing is unpickled. Reading stops
+    as soon as every key is found.
 
     Args:
         shard_dir: a split directory (``data/shards/test``) holding ``*.tar`` shards.
@@ -389,8 +423,6 @@ def shard_images(shard: Path, wanted: set[str]) -> dict[str, Any]:
     Returns:
         key -> PIL image (mode ``L`` or ``RGB``).
     """
-    from PIL import Image
-
     found: dict[str, Any] = {}
     if not wanted or not Path(shard).is_file():
         return found
@@ -400,9 +432,8 @@ def shard_images(shard: Path, wanted: set[str]) -> dict[str, Any]:
             if not member.isfile() or (ext or "").lower() not in IMAGE_MEMBERS or key not in wanted:
                 continue
             try:
-                image = Image.open(io.BytesIO(tar.extractfile(member).read()))  # type: ignore[union-attr]
-                image.load()
-            except OSError as e:  # PIL's UnidentifiedImageError is an OSError
+                image = open_image(tar.extractfile(member).read())  # type: ignore[union-attr]
+            except (OSError, SyntaxError) as e:  # PIL's UnidentifiedImageError is an OSError
                 log.warning("report: %s: sample %r does not decode (%s)", shard, key, e)
                 continue
             found[key] = image if image.mode in ("L", "RGB") else image.convert("RGB")

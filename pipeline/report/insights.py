@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pipeline.data.remote import is_url
 from pipeline.report import figures as fg
 from pipeline.report.document import NOT_AVAILABLE, Block, FigureRef, Paragraph, Section, Table
@@ -118,6 +120,55 @@ def _summary(ins: Mapping[str, Any]) -> str:
             "used.")
 
 
+IDENTICAL = "identical"
+
+
+def pixel_difference(a: Any, b: Any) -> tuple[str, int | None]:
+    """How the pixels of two images differ, in words, and how many pixels differ.
+
+    Images of different modes are compared in RGB (a grey image as three equal channels); a
+    pixel differs when any channel does, by the largest channel difference.
+
+    Args:
+        a: a PIL image, or None (not read).
+        b: the other.
+
+    Returns:
+        (:data:`IDENTICAL` or ``"N of M pixels differ, by up to G grey levels"`` (``levels``
+        for colour images), the count N); (``"sizes differ (WxH, WxH)"``, None) or
+        (``"not available (...)"``, None) when the pixels cannot be compared.
+    """
+    if a is None or b is None:
+        return f"{NOT_AVAILABLE} (image not read from a local shard)", None
+    if a.size != b.size:
+        return f"sizes differ ({a.width}x{a.height}, {b.width}x{b.height})", None
+    if a.mode != b.mode:
+        a, b = a.convert("RGB"), b.convert("RGB")
+    diff = np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16))  # (H, W[, C])
+    per_pixel = diff.max(axis=2) if diff.ndim == 3 else diff  # (H, W)
+    n = int(np.count_nonzero(per_pixel))
+    if n == 0:
+        return IDENTICAL, 0
+    levels = "grey levels" if a.mode == "L" else "levels"
+    return (f"{n:,} of {per_pixel.size:,} pixels differ, by up to {int(per_pixel.max())} "
+            f"{levels}"), n
+
+
+def _pairs_caption(pairs: Sequence[Mapping[str, Any]], total: int, counts: list[int | None]
+                   ) -> str:
+    """The duplicates figure's caption: how many of the pairs shown have the same pixels."""
+    same = sum(c == 0 for c in counts)
+    differ = sum(c is not None and c > 0 for c in counts)
+    unknown = len(counts) - same - differ
+    pixels = (f"{same} of them with identical pixels, {differ} differing in some pixels"
+              + (f", {unknown} not compared" if unknown else "")
+              + " (the table: how many pixels, by how much)")
+    return (f"The {len(pairs)} most similar of the {total:,} near-duplicate pairs, side by side "
+            f"(same frame colour = one pair), with their cosine and keys: {pixels}. The "
+            "cosine is of the encoder's features: near 1 means the encoder cannot tell the two "
+            "apart, not that their pixels are equal.")
+
+
 def _pair_blocks(ins: Mapping[str, Any], shown: int, root: Path, fig_dir: Path) -> list[Block]:
     pairs = list(ins["pairs"])[:shown]
     if not pairs:
@@ -125,16 +176,16 @@ def _pair_blocks(ins: Mapping[str, Any], shown: int, root: Path, fig_dir: Path) 
                           f"{ins['duplicate_cosine']:g}.")]
     images = load_images(root, [p[s] for p in pairs for s in "ab"])
     plot_pairs(pairs, images, fig_dir / "duplicates.png")
-    rows = [[str(n + 1), f"{p['cosine']:.4f}", p["a"]["key"], p["b"]["key"],
+    diffs = [pixel_difference(*(images.get((p[s]["shard"], p[s]["key"])) for s in "ab"))
+             for p in pairs]
+    rows = [[str(n + 1), f"{p['cosine']:.4f}", p["a"]["key"], p["b"]["key"], diff,
              p["a"]["shard"] if p["a"]["shard"] == p["b"]["shard"]
-             else f"{p['a']['shard']} / {p['b']['shard']}"] for n, p in enumerate(pairs)]
+             else f"{p['a']['shard']} / {p['b']['shard']}"]
+            for n, (p, (diff, _)) in enumerate(zip(pairs, diffs))]
     return [
-        FigureRef("duplicates.png",
-                  f"The {len(pairs)} most similar of the {ins['duplicate_pairs']:,} near-duplicate "
-                  "pairs, side by side (same frame colour = one pair), with their cosine and "
-                  "keys. Cosine 1.0000: the same pixels; just below: the same picture resized, "
-                  "re-compressed or cropped a little; lower: similar-looking items."),
-        Table(["#", "cosine", "key", "key", "shard"], rows),
+        FigureRef("duplicates.png", _pairs_caption(pairs, ins["duplicate_pairs"],
+                                                   [c for _, c in diffs])),
+        Table(["#", "cosine", "key", "key", "pixels", "shard"], rows),
     ]
 
 

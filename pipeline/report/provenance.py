@@ -1,13 +1,18 @@
-"""The report's provenance sections: what each stage cost, its MLflow run, its DVC outputs."""
+"""The report's provenance: when, from which code, on which machines the numbers were made.
+
+Also what each stage cost, its MLflow run and its DVC outputs.
+"""
 
 from __future__ import annotations
 
+import os
 import urllib.parse
 from collections.abc import Mapping
 
 from pipeline.report.document import NOT_AVAILABLE, Block, Paragraph, Section, Table, fmt
 from pipeline.report.inputs import Metrics, RunOutputs, metric
 
+REPORT_STAGE = "report"  # the stage that writes this report (its dvc.lock entry is stale here)
 COST_STAGES = ("pretrain", "data_insights", "embed", "baselines", "knn", "linear",
                "label_efficiency")
 
@@ -91,13 +96,91 @@ def runs_section(outputs: RunOutputs) -> Section:
 
 
 def lock_section(outputs: RunOutputs) -> Section:
-    """The output hashes recorded in ``dvc.lock``."""
+    """The output hashes recorded in ``dvc.lock``, less the report stage's own.
+
+    Under ``dvc repro`` each upstream stage's entry is written when that stage finishes, so it
+    holds this run's hashes; the report stage's own entry is written after this page (while
+    it runs it is the previous run's), so its rows are left out and a note says so.
+    """
     if outputs.dvc_lock is None:
         return Section("DVC outputs", [Paragraph(f"dvc.lock: {NOT_AVAILABLE}.")])
-    return Section(
-        "DVC outputs",
-        [
-            Paragraph("Output hashes recorded in dvc.lock (md5; '.dir' = a directory listing)."),
-            Table(["stage", "output", "md5"], [[r.stage, r.path, r.md5] for r in outputs.dvc_lock]),
-        ],
-    )
+    own = [r.path for r in outputs.dvc_lock if r.stage == REPORT_STAGE]
+    rows = [[r.stage, r.path, r.md5] for r in outputs.dvc_lock if r.stage != REPORT_STAGE]
+    blocks: list[Block] = [
+        Paragraph("Output hashes recorded in dvc.lock as each stage finished (md5; '.dir' = a "
+                  "directory listing)."),
+        Table(["stage", "output", "md5"], rows),
+    ]
+    if own:
+        blocks.append(Paragraph(f"Left out: the {REPORT_STAGE} stage's own outputs "
+                                f"({', '.join(own)}), whose dvc.lock entry DVC writes after "
+                                "this page; until then it is the previous run's."))
+    return Section("DVC outputs", blocks)
+
+
+# --------------------------------------------------------------------------- provenance
+
+
+def report_time() -> str:
+    """When the report is written, ``YYYY-MM-DD HH:MM:SS UTC``.
+
+    ``SOURCE_DATE_EPOCH`` (seconds, the reproducible-builds convention) replaces the clock when
+    set, so the same inputs can give the same bytes.
+    """
+    from datetime import datetime, timezone
+
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    when = (datetime.fromtimestamp(int(epoch), timezone.utc) if epoch
+            else datetime.now(timezone.utc))
+    return when.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _code(git_commit: str | None, git_dirty: str | None) -> str:
+    """The code in words: commit and whether tracked files differ from it."""
+    dirty = {"true": "dirty: tracked files differ from it", "false": "clean"}.get(
+        git_dirty or "", f"dirty flag {NOT_AVAILABLE}")
+    return f"git commit {git_commit or NOT_AVAILABLE} ({dirty})"
+
+
+def provenance_section(outputs: RunOutputs, *, written: str, here: Mapping[str, str],
+                       git_commit: str | None, git_dirty: str | None) -> Section:
+    """When, from which code, on which machines and libraries the numbers were made.
+
+    Two columns: the pretraining (what ``runs/pretrain.json`` recorded under ``ran``:
+    :func:`pipeline.train.engine.how_it_ran`) and this report's own process.
+
+    Args:
+        outputs: the run's outputs (``runs["pretrain"].ran``).
+        written: when this report is written (:func:`report_time`).
+        here: this process's machine and libraries
+            (:func:`pipeline.train.runtime.describe_machine`).
+        git_commit: the code's commit (None: not known).
+        git_dirty: ``"true"`` / ``"false"`` (:func:`pipeline.tracking.git_state`), else unknown.
+
+    Returns:
+        The "Provenance" section.
+    """
+    from pipeline.train.runtime import LIBRARIES
+
+    record = outputs.runs.get("pretrain")
+    ran = dict(record.ran) if record is not None else {}
+    missing = (f"{NOT_AVAILABLE} (runs/pretrain.json records no 'ran')" if record is not None
+               else f"{NOT_AVAILABLE} (runs/pretrain.json)")
+
+    def got(key: str) -> str:
+        return str(ran[key]) if key in ran else missing
+
+    how = (f"{ran['device']}, {ran['precision']}, {ran['num_threads']} thread(s) x "
+           f"{ran['processes']} process(es)"
+           if all(k in ran for k in ("device", "precision", "num_threads", "processes"))
+           else missing)
+    rows = [["date", f"{got('finished_utc')} UTC" if "finished_utc" in ran else missing,
+             written],
+            ["ran as (device, precision, threads)", how, ""],
+            ["CPU", got("cpu"), here.get("cpu", NOT_AVAILABLE)],
+            ["GPU", got("gpu"), here.get("gpu", NOT_AVAILABLE)],
+            *[[lib, got(lib), here.get(lib, NOT_AVAILABLE)] for lib in LIBRARIES]]
+    return Section("Provenance", [
+        Paragraph(f"Code: {_code(git_commit, git_dirty)}."),
+        Table(["", "pretraining (ended)", "this report (written)"], rows),
+    ])

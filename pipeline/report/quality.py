@@ -47,6 +47,8 @@ ALL_LABELS = {
     ("raw_pixels", "linear"): ("baselines", "raw_pixels_linear_top1"),
     ("random_encoder", "knn"): ("baselines", "random_encoder_top1"),
 }
+STAR_SIZE_PT = 11  # the all-labels stars' marker size (points)
+STAR_GAP_PT = 13  # horizontal distance between the stars of one panel (points): > STAR_SIZE_PT
 MARGIN_AT = "10"  # labels per class at which the report states MoCo's margin over raw pixels
 
 
@@ -77,8 +79,9 @@ def labelfree_section(outputs: RunOutputs, fig_dir: Path) -> Section:
     pre = outputs.metrics.get("pretrain")
     sec = Section("Quality without labels")
     if pre is None or pre.get("rankme") is None:
-        sec.blocks.append(Paragraph(f"Label-free numbers: {NOT_AVAILABLE} (metrics/pretrain.json "
-                                    "has none: pretrain.labelfree_images 0, or an older run)."))
+        sec.blocks.append(Paragraph(f"Label-free numbers: {NOT_AVAILABLE} (eval/metrics/"
+                                    "pretrain.json has none: pretrain.labelfree_images 0, or an "
+                                    "older run)."))
         return sec
     rows = [[LABELS[k], fmt(pre.get(f"{k}_init"), ".3f"), fmt(pre.get(k), ".3f"),
              "quality signal" if is_signal(k) else "diagnostic"] for k in METRICS]
@@ -98,14 +101,22 @@ def plot_label_efficiency(curve: Mapping[str, Any], alls: Mapping[tuple[str, str
                           all_per_class: float, path: Path) -> Path:
     """Top-1 against labelled images per class (log x), mean +- std, one panel per probe.
 
+    The all-labels stars of one panel share one x; each is drawn :data:`STAR_GAP_PT` points
+    beside the previous one, so two stars of (nearly) the same top-1 both stay visible.
+
     Args:
         curve: ``{kind: {probe: {str(n): {"mean", "std", ...}}}}`` (top-1 in percent).
         alls: ``(kind, probe) -> top-1`` with every train label, drawn as a star.
         all_per_class: where the stars go: train images / classes.
         path: the PNG to write.
     """
+    from matplotlib.transforms import ScaledTranslation
+
     fig, axes = fg._figure(10.5, 3.8, ncols=2)
     for ax, probe in zip(axes, ("knn", "linear")):
+        ax.set_xscale("log")
+        ax.margins(x=0.1, y=0.08)  # room for the stars drawn beside their x (log: ~0.4 decade)
+        starred = [kind for kind in curve if (kind, probe) in alls]
         for i, (kind, probes) in enumerate(curve.items()):
             points = probes[probe]
             n = np.array([int(k) for k in points], dtype=float)
@@ -114,10 +125,14 @@ def plot_label_efficiency(curve: Mapping[str, Any], alls: Mapping[tuple[str, str
             colour = f"C{i}"
             ax.plot(n, mean, marker="o", color=colour, label=KIND_NAMES.get(kind, kind))
             ax.fill_between(n, mean - std, mean + std, color=colour, alpha=0.2)
-            if (kind, probe) in alls:
+            if kind in starred:  # side by side around x, so equal numbers cannot hide a star
+                shift = STAR_GAP_PT * (starred.index(kind) - (len(starred) - 1) / 2) / 72
+                # a line with an offset transform is left out of autoscaling: its point is not
+                ax.update_datalim([(all_per_class, alls[(kind, probe)])])
                 ax.plot([all_per_class], [alls[(kind, probe)]], marker="*",
-                        markersize=11, color=colour, linestyle="none")
-        ax.set_xscale("log")
+                        markersize=STAR_SIZE_PT, color=colour, linestyle="none",
+                        transform=ax.transData + ScaledTranslation(shift, 0, fig.dpi_scale_trans))
+        ax.autoscale_view()
         ax.set(xlabel="labelled images per class (star: all)", ylabel="top-1 (%)",
                title="kNN" if probe == "knn" else "linear probe")
         ax.grid(alpha=0.3)
@@ -132,6 +147,28 @@ def _alls(m: Mapping[str, Metrics | None]) -> dict[tuple[str, str], float]:
         if v is not None:
             out[key] = v
     return out
+
+
+def _knn_words(m: Metrics | None, k_key: str, t_key: str, chosen: bool) -> str:
+    k, t = m.get(k_key) if m else None, m.get(t_key) if m else None
+    if k is None or t is None:
+        return f"k, T {NOT_AVAILABLE}"
+    return f"k={k:.0f}, T={t:g}" + (" chosen on held-out train images" if chosen else "")
+
+
+def stars_caption(m: Mapping[str, Metrics | None]) -> str:
+    """What the all-labels stars of the label-efficiency figure are, protocol by protocol.
+
+    The stars are the pipeline's own numbers (:data:`ALL_LABELS`), whose kNN k and T differ
+    from the curve's and from one another: the sentence names each.
+    """
+    knn, base = m.get("knn"), m.get("baselines")
+    chosen = bool(knn and knn.get("select_val"))
+    return ("Stars, side by side at the train images per class: the pipeline's numbers with "
+            f"every train label; kNN: MoCo {_knn_words(knn, 'k', 'T', chosen)}, raw pixels "
+            f"{_knn_words(base, 'raw_pixels_knn_tuned_k', 'raw_pixels_knn_tuned_T', True)}, "
+            f"random encoder k={DEFAULT_K}, T={DEFAULT_T:g}; linear: the linear and baselines "
+            "stages' probes.")
 
 
 def margin_sentence(curve: Mapping[str, Any]) -> str:
@@ -162,24 +199,35 @@ def label_efficiency_section(outputs: RunOutputs, fig_dir: Path) -> Section:
     le = outputs.label_efficiency
     if le is None:
         sec.blocks.append(Paragraph(f"Label efficiency: {NOT_AVAILABLE} "
-                                    "(metrics/label_efficiency.json)."))
+                                    "(eval/metrics/label_efficiency.json)."))
         return sec
     curve = le["curve"]
-    classes = len(outputs.test_class_names or []) or 1
-    plot_label_efficiency(curve, _alls(outputs.metrics),
-                          float(le.get("train_images", 0)) / classes,
+    names = outputs.test_class_names or next(
+        (d.class_names for d in outputs.details.values() if d is not None), None)
+    known = bool(names) and bool(le.get("train_images"))  # where the stars go
+    plot_label_efficiency(curve, _alls(outputs.metrics) if known else {},
+                          float(le.get("train_images", 0)) / len(names or [1]),
                           fig_dir / "label_efficiency.png")
+    stars = (stars_caption(outputs.metrics) if known else
+             f"No stars: the train images per class are {NOT_AVAILABLE} (no class names).")
     sec.blocks.append(FigureRef(
         "label_efficiency.png",
         f"Top-1 on the whole test set from n labelled train images per class (mean and spread "
         f"over {le.get('draws')} seeded draws, the same draws for every kind; kNN k={DEFAULT_K} "
-        f"capped at the bank, T={DEFAULT_T:g}; the linear probe of the linear params). Stars: "
-        "the pipeline's numbers with every train label (kNN with k and T chosen on held-out "
-        "train images)."))
-    ns = list(next(iter(curve.values()))["knn"])
+        f"capped at the bank, T={DEFAULT_T:g}; the linear probe of the linear params). {stars}"))
+    points = next(iter(curve.values()))["knn"]
+    ns = list(points)
     rows = [[KIND_NAMES.get(kind, kind), probe] + [
         f"{probes[probe][n]['mean']:.2f} ± {probes[probe][n]['std']:.2f}" for n in ns]
         for kind, probes in curve.items() for probe in ("knn", "linear")]
-    sec.blocks.append(Table(["features", "probe"] + [f"{n}/class" for n in ns], rows))
+    short = {n: p for n, p in points.items() if p.get("per_class_min", int(n)) < int(n)}
+    sec.blocks.append(Table(["features", "probe"] + [
+        f"{n}/class" + (f" (≥ {short[n]['per_class_min']})" if n in short else "")
+        for n in ns], rows))
+    if short:  # a class held fewer than asked: the point says what it used
+        sec.blocks.append(Paragraph("Some classes hold fewer labelled train images than asked: "
+                                    + "; ".join(f"at {n}/class the smallest class gives "
+                                                f"{p['per_class_min']}, {p['labels']} labels in "
+                                                "all" for n, p in short.items()) + "."))
     sec.blocks.append(Paragraph(margin_sentence(curve)))
     return sec

@@ -1,9 +1,10 @@
 """Build the report's sections from :class:`~pipeline.report.inputs.RunOutputs`.
 
 A report is a :class:`~pipeline.report.document.Document` of sections
-(:mod:`pipeline.report.document`); the quality sections (no labels, few labels) are
-:mod:`pipeline.report.quality`'s, the near-duplicates and outliers
-:mod:`pipeline.report.insights`'. A number that is missing from the inputs is shown as
+(:mod:`pipeline.report.document`); the results table is :mod:`pipeline.report.results`', the
+quality sections (no labels, few labels) :mod:`pipeline.report.quality`'s, the near-duplicates
+and outliers :mod:`pipeline.report.insights`', the cost, runs, outputs and provenance
+:mod:`pipeline.report.provenance`'s. A number that is missing from the inputs is shown as
 :data:`~pipeline.report.document.NOT_AVAILABLE`.
 """
 
@@ -11,6 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from pipeline.config import Params
 from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, knn_neighbours
@@ -27,15 +31,21 @@ from pipeline.report.document import (
 )
 from pipeline.report.inputs import Embeddings, Metrics, RunOutputs, load_shard_images, metric
 from pipeline.report.insights import insights_section
-from pipeline.report.provenance import cost_section, lock_section, runs_section
+from pipeline.report.provenance import (
+    cost_section,
+    lock_section,
+    provenance_section,
+    report_time,
+    runs_section,
+)
 from pipeline.report.quality import label_efficiency_section, labelfree_section
-from pipeline.report.references import PROTOCOL_NAMES, published_reference, reference_note
-
-KNN_PROTOCOL = f"k={DEFAULT_K}, T={DEFAULT_T:g}"  # the InstDisc / MoCo CIFAR demo kNN
+from pipeline.report.results import pct, results_section
 
 
 def build_document(
-    params: Params, outputs: RunOutputs, fig_dir: Path, git_commit: str | None = None
+    params: Params, outputs: RunOutputs, fig_dir: Path, git_commit: str | None = None,
+    *, git_dirty: str | None = None, written: str | None = None,
+    here: Mapping[str, str] | None = None,
 ) -> Document:
     """Every section of the report; the figures are drawn into ``fig_dir`` on the way.
 
@@ -44,24 +54,36 @@ def build_document(
             reference lookup).
         outputs: the pipeline's outputs (:func:`pipeline.report.inputs.read_outputs`).
         fig_dir: an existing directory; each :class:`FigureRef` names a PNG written there.
-        git_commit: shown in the subtitle when given.
+        git_commit: shown in the subtitle and the provenance when given.
+        git_dirty: ``"true"`` / ``"false"``: whether tracked files differ from ``git_commit``.
+        written: when the report is written (default
+            :func:`pipeline.report.provenance.report_time`).
+        here: this process's machine and libraries (default
+            :func:`pipeline.train.runtime.describe_machine`).
 
     Returns:
         The :class:`Document`.
     """
+    from pipeline.train.runtime import describe_machine
+
     m = outputs.metrics
+    pretrain_run = outputs.runs.get("pretrain")
+    labelled = outputs.no_labels is None
     sections = [
-        settings_section(params),
-        results_section(params, m),
+        settings_section(params, pretrain_run.ran if pretrain_run is not None else None),
+        results_section(params, m) if labelled else no_labels_section(outputs.no_labels),
         pretrain_section(params, outputs, fig_dir),
         labelfree_section(outputs, fig_dir),
-        evaluation_section(outputs, fig_dir),
-        label_efficiency_section(outputs, fig_dir),
+        *([evaluation_section(outputs, fig_dir), label_efficiency_section(outputs, fig_dir)]
+          if labelled else []),
         insights_section(outputs, params.report.insight_images, fig_dir),
-        embedding_section(params, outputs, fig_dir),
+        *([embedding_section(params, outputs, fig_dir)] if labelled else []),
         cost_section(m),
         runs_section(outputs),
         lock_section(outputs),
+        provenance_section(outputs, written=written or report_time(),
+                           here=describe_machine() if here is None else here,
+                           git_commit=git_commit, git_dirty=git_dirty),
     ]
     title = f"MoCo report: {params.data.source} / {params.model.backbone}"
     subtitle = (
@@ -71,16 +93,29 @@ def build_document(
     return Document(title, subtitle, sections)
 
 
+def no_labels_section(why: str) -> Section:
+    """In place of the results: why nothing was evaluated with labels, and what follows."""
+    return Section("Results", [Paragraph(
+        f"Evaluation with labels skipped: {why}. kNN, the linear probe, the baselines and the "
+        "label-efficiency curve need labelled train and test images (a labelled data.source, "
+        "docs/data.md). What needs no labels follows: the pretraining, the label-free numbers, "
+        "the near-duplicates and the outliers.")])
+
+
 # --------------------------------------------------------------------------- formatting
 
 
-def _pct(m: Metrics | None, key: str) -> str:
-    """A percentage with two decimals (the unit is in the column header)."""
-    return fmt(metric(m, key))
+def settings_section(p: Params, ran: Mapping[str, Any] | None = None) -> Section:
+    """The params that define the run, one row per concern.
 
-
-def settings_section(p: Params) -> Section:
-    """The params that define the run, one row per concern."""
+    Args:
+        p: the params.
+        ran: how pretraining ran (``runs/pretrain.json``'s ``ran``): the precision that
+            ``pretrain.precision: auto`` resolved to is shown beside it.
+    """
+    precision = str(p.pretrain.precision)
+    if ran and ran.get("precision") and ran["precision"] != precision:
+        precision += f" (ran as {ran['precision']})"
     lr_eff = p.pretrain.lr * p.pretrain.batch_size / 256
     lin_eff = p.linear.lr * p.linear.batch_size / 256
     dataset = (
@@ -111,7 +146,7 @@ def settings_section(p: Params) -> Section:
             f"{p.pretrain.epochs} epochs, batch {p.pretrain.batch_size}, lr "
             f"{p.pretrain.lr:g} per 256 (effective {lr_eff:g}), "
             f"{p.pretrain.lr_schedule}, wd {p.pretrain.weight_decay:g}, "
-            f"precision {p.pretrain.precision}",
+            f"precision {precision}",
         ],
         ["augmentation", f"preset {p.augment.preset}, crop scale >= {p.augment.crop_min_scale:g}"],
         ["features", "after the projection head" if p.embed.use_head else
@@ -137,144 +172,30 @@ def _pooling(layer: int, grid: int) -> str:
     return f"{stage} average-pooled to {grid} x {grid} cells, flattened"
 
 
-def _results_rows(p: Params, m: Mapping[str, Metrics | None]) -> list[list[str]]:
-    knn, lin, base = m["knn"], m["linear"], m["baselines"]
-    k = int(metric(knn, "k") or p.knn.k)
-    temp = metric(knn, "T") or p.knn.T
-    augment = metric(lin, "mode_augment")  # what the probe actually ran, else the params
-    lin_mode = p.linear.mode if augment is None else ("augment" if augment else "features")
-    lin_epochs = int(metric(lin, "epochs") or p.linear.epochs)
-    chosen = " (chosen on a validation split of train)" if metric(knn, "select_val") else ""
-    rows = [
-        ["MoCo encoder + kNN", f"k={k}, T={temp:g}{chosen}", _pct(knn, "top1"),
-         _pct(knn, "top5")],
-        [
-            "MoCo encoder + linear probe",
-            f"{lin_mode}, {lin_epochs} epochs",
-            _pct(lin, "top1"),
-            _pct(lin, "top5"),
-        ],
-        ["raw pixels (baseline)", f"kNN, {KNN_PROTOCOL}", _pct(base, "raw_pixels_top1"),
-         _pct(base, "raw_pixels_top5")],
-    ]
-    if metric(knn, "protocol_top1") is not None:  # the published protocol, beside ours
-        rows.insert(1, ["MoCo encoder + kNN, MoCo protocol",
-                        f"global pool, {KNN_PROTOCOL}", _pct(knn, "protocol_top1"),
-                        _pct(knn, "protocol_top5")])
-    if metric(lin, "protocol_top1") is not None:
-        rows.insert(len(rows) - 1, ["MoCo encoder + linear probe, MoCo protocol",
-                                    "global pool, raw features, lr 30, 100 epochs",
-                                    _pct(lin, "protocol_top1"), _pct(lin, "protocol_top5")])
-    tk, tt = metric(base, "raw_pixels_knn_tuned_k"), metric(base, "raw_pixels_knn_tuned_T")
-    if tk is not None and tt is not None:
-        rows.append(["raw pixels (baseline)",
-                     f"kNN, k={int(tk)}, T={tt:g} (chosen on a validation split of train)",
-                     _pct(base, "raw_pixels_knn_tuned_top1"),
-                     _pct(base, "raw_pixels_knn_tuned_top5")])
-    if metric(base, "raw_pixels_linear_top1") is not None:
-        rows.append(["raw pixels (baseline)", f"linear probe, features, {lin_epochs} epochs",
-                     _pct(base, "raw_pixels_linear_top1"), _pct(base, "raw_pixels_linear_top5")])
-    rows.append(["random-init encoder (baseline)", f"kNN, {KNN_PROTOCOL}",
-                 _pct(base, "random_encoder_top1"), _pct(base, "random_encoder_top5")])
-    ref = published_reference(p)
-    if ref is not None:
-        rows.append([f"published ({ref.epochs} epochs)", PROTOCOL_NAMES[ref.protocol],
-                     f"{ref.top1:.2f}", NOT_AVAILABLE])
-    return rows
-
-
-def best_pixel_baselines(base: Metrics | None) -> dict[str, float | None]:
-    """The best raw-pixel top-1 (%) per protocol: ``{"kNN": ..., "linear": ...}``.
-
-    kNN: the better of the reference protocol (:data:`KNN_PROTOCOL`) and the validation-tuned kNN;
-    linear: the raw-pixel linear probe. ``None`` where the baselines stage did not report it.
-    """
-    knn = [v for v in (metric(base, "raw_pixels_top1"), metric(base, "raw_pixels_knn_tuned_top1"))
-           if v is not None]
-    return {"kNN": max(knn) if knn else None, "linear": metric(base, "raw_pixels_linear_top1")}
-
-
-# top-1 points between two seeds of one recipe on Fashion-MNIST: 0.3-0.5
-# (results/sweep-2026-12-02-width-multicrop.md); a smaller gap of one run decides nothing
-SEED_NOISE_POINTS = 0.3
-
-
-def headline(m: Mapping[str, Metrics | None]) -> str | None:
-    """One sentence: MoCo against the best raw-pixel baseline on each protocol, or None.
-
-    A gap under :data:`SEED_NOISE_POINTS` either way reads "is level with ... (within seed
-    noise)": one run cannot tell it from the seed's effect.
-    """
-    best = best_pixel_baselines(m["baselines"])
-    parts = []
-    for name, res in (("kNN", m["knn"]), ("linear", m["linear"])):
-        ours, px = metric(res, "top1"), best[name]
-        if ours is not None and px is not None:
-            gap = round(ours - px, 2)  # as printed: 78.5 vs 78.8 is 0.30, not 0.2999...
-            if abs(gap) < SEED_NOISE_POINTS:
-                parts.append(f"{name}: MoCo {ours:.2f} % is level with the best raw-pixel "
-                             f"{name} {px:.2f} % ({gap:+.2f} points, within seed noise "
-                             f"of {SEED_NOISE_POINTS:g})")
-                continue
-            verdict = "beats" if ours > px else "does not beat"
-            parts.append(f"{name}: MoCo {ours:.2f} % {verdict} the best raw-pixel {name} "
-                         f"{px:.2f} % ({ours - px:+.2f} points)")
-    return ("Headline — " + "; ".join(parts) + ".") if parts else None
-
-
-def _results_notes(p: Params, m: Mapping[str, Metrics | None]) -> list[Paragraph]:
-    knn, lin, base = m["knn"], m["linear"], m["baselines"]
-    notes = []
-    if metric(knn, "val_top1") is not None:
-        notes.append(Paragraph(f"kNN validation top-1 (held out of the train set): "
-                               f"{_pct(knn, 'val_top1')} %."))
-    if metric(lin, "val_top1") is not None:
-        notes.append(Paragraph(f"Linear probe validation top-1 (held out of the train set): "
-                               f"{_pct(lin, 'val_top1')} %."))
-    gains = []
-    best = best_pixel_baselines(base)
-    for name, res in (("kNN", knn), ("linear", lin)):
-        top1 = metric(res, "top1")
-        against = [(f"the best raw-pixel {name}", best[name])]
-        if name == "kNN":  # the random encoder is only kNN-scored: same protocol only
-            against.append(("the random encoder's kNN", metric(base, "random_encoder_top1")))
-        for bname, b in against:
-            if top1 is not None and b is not None:
-                gains.append(f"{name} {top1 - b:+.2f} points vs {bname}")
-    if gains:
-        notes.append(Paragraph("Top-1 gains: " + "; ".join(gains) + "."))
-    notes.append(Paragraph(reference_note(p)))
-    ref = published_reference(p)
-    ours = None if ref is None else metric(knn if ref.protocol == "knn" else lin, "top1")
-    if ref is not None and ours is not None:
-        notes.append(Paragraph(f"This run's {PROTOCOL_NAMES[ref.protocol]} top-1 is "
-                               f"{ours - ref.top1:+.2f} points from the published number."))
-    return notes
-
-
-def results_section(p: Params, m: Mapping[str, Metrics | None]) -> Section:
-    """The results table (MoCo kNN / linear, baselines, published number) and the gains."""
-    table = Table(["method", "protocol", "top-1 (%)", "top-5 (%)"], _results_rows(p, m))
-    head = headline(m)
-    return Section("Results", [*([Paragraph(head)] if head else []), table,
-                               *_results_notes(p, m)])
-
-
 # --------------------------------------------------------------------------- pretraining
 
 
-def _pretrain_table(pre: Metrics | None) -> Table:
+def _monitor_ends(monitor: fg.Columns | None) -> tuple[float | None, float | None]:
+    """kNN-monitor top-1 at the random init (epoch 0) and at the last monitor point."""
+    if monitor is None or not fg._has(monitor, "knn_top1"):
+        return None, None
+    values = np.asarray(monitor["knn_top1"], dtype=float)
+    finite = values[np.isfinite(values)]
+    return fg.epoch_zero(monitor, "knn_top1"), float(finite[-1])
+
+
+def _pretrain_table(pre: Metrics | None, monitor: fg.Columns | None) -> Table:
     steps = fmt(metric(pre, "steps"), ".0f")
     epochs = fmt(metric(pre, "epochs"), ".0f")
+    init, end = _monitor_ends(monitor)
     return Table(
         ["metric", "value"],
         [
             ["final InfoNCE loss", fmt(metric(pre, "loss"), ".4f")],
             ["instance discrimination top-1 / top-5 (%)",
-             f"{_pct(pre, 'inst_top1')} / {_pct(pre, 'inst_top5')}"],
+             f"{pct(pre, 'inst_top1')} / {pct(pre, 'inst_top5')}"],
             ["steps / epochs", f"{steps} / {epochs}"],
-            ["kNN monitor top-1 at init -> end (%)",
-             f"{_pct(pre, 'knn_top1_init')} -> {_pct(pre, 'knn_top1')}"],
+            ["kNN monitor top-1 at init -> end (%)", f"{fmt(init)} -> {fmt(end)}"],
         ],
     )
 
@@ -306,21 +227,39 @@ def _training_curves(p: Params, table: fg.Columns | None, fig_dir: Path) -> list
     ]
 
 
-def _knn_monitor(monitor: fg.Columns | None, base: Metrics | None, fig_dir: Path) -> Block:
+def _monitor_setup(p: Params, outputs: RunOutputs) -> str:
+    """The monitor's kNN and images in words: k (capped at the bank), T, the first N / M images."""
+    sizes = {}
+    for split, cap in (("train", p.pretrain.knn_monitor_train_images),
+                       ("test", p.pretrain.knn_monitor_test_images)):
+        size = outputs.split_sizes.get(split)
+        n = cap if size is None else min(cap, size)
+        sizes[split] = (f"the first {n:,} " + ("labelled train" if split == "train" else "test")
+                        + " images" + (" (at most)" if size is None else ""),
+                        None if size is None else n)
+    bank = sizes["train"][1]
+    k = (f"k={DEFAULT_K}" if bank is not None and bank >= DEFAULT_K else
+         f"k={DEFAULT_K} capped at the bank" if bank is None else
+         f"k={bank} ({DEFAULT_K} capped at the bank)")
+    return (f"{k}, T={DEFAULT_T:g}, global average pool of the last stage; bank = "
+            f"{sizes['train'][0]}, queries = {sizes['test'][0]}")
+
+
+def _knn_monitor(p: Params, outputs: RunOutputs, fig_dir: Path) -> Block:
+    monitor = outputs.plots["knn_monitor"]
     if monitor is None:
         return Paragraph(f"kNN monitor: {NOT_AVAILABLE} (plots/knn_monitor.tsv).")
-    fg.plot_knn_monitor(
-        monitor,
-        fig_dir / "knn_monitor.png",
-        random_encoder_top1=metric(base, "random_encoder_top1"),
-        raw_pixels_top1=metric(base, "raw_pixels_top1"),
-    )
+    fg.plot_knn_monitor(monitor, fig_dir / "knn_monitor.png")
+    init, end = _monitor_ends(monitor)
+    versus = ("No epoch-0 row (the random init): nothing on the same features to compare."
+              if init is None or end is None else
+              f"Dashed: epoch 0, the random init, measured the same way; the last point is "
+              f"{end - init:+.2f} points from it.")
     return FigureRef(
         "knn_monitor.png",
-        "kNN top-1 of the monitor (on pretrain.knn_monitor_* images) per epoch, epoch 0 = "
-        "random init; dashed: kNN top-1 of the baselines stage (whole train/test sets; the "
-        "random encoder pooled as embed.layer and embed.pool_grid, while the monitor pools the "
-        "last stage globally).",
+        f"kNN top-1 of the monitor per epoch ({_monitor_setup(p, outputs)}; "
+        f"pretrain.knn_monitor_*). {versus} The baselines stage's numbers are on other features "
+        "and all images: see Results.",
     )
 
 
@@ -330,9 +269,9 @@ def pretrain_section(p: Params, outputs: RunOutputs, fig_dir: Path) -> Section:
     return Section(
         "Pretraining",
         [
-            _pretrain_table(m["pretrain"]),
+            _pretrain_table(m["pretrain"], outputs.plots["knn_monitor"]),
             *_training_curves(p, outputs.plots["pretrain"], fig_dir),
-            _knn_monitor(outputs.plots["knn_monitor"], m["baselines"], fig_dir),
+            _knn_monitor(p, outputs, fig_dir),
         ],
     )
 

@@ -5,7 +5,11 @@
   resumed runs, ``runs/<stage>.json``.
 * :mod:`~pipeline.tracking.provenance`: git state, DVC's experiment, the owning process, params.
 * :mod:`~pipeline.tracking.datasets`: shard splits as MLflow dataset inputs.
-* :mod:`~pipeline.tracking.ui`: the MLflow UI page of this repo's experiment.
+* :mod:`~pipeline.tracking.ui`: the MLflow UI page of this repo's experiment, its saved view of
+  the headline numbers.
+* :mod:`~pipeline.tracking.headline`: the numbers compared between runs (``top1.*``), and the
+  lines ``dvc repro`` ends with.
+* :mod:`~pipeline.tracking.curves`: curves as run artifacts (a table and a figure).
 * :mod:`~pipeline.tracking.model`: the encoder as an MLflow logged model.
 * :mod:`~pipeline.tracking.registry`: its registry versions, trust by md5, scores, champion.
 * :mod:`~pipeline.tracking.relocate`: repointing a moved repo's database.

@@ -112,11 +112,19 @@ def pipeline_outputs(cwd: str, git_top: str) -> tuple[str, ...]:
                         if Path(os.path.abspath(p)).is_relative_to(top)))
 
 
+WORKSPACE = "workspace"  # the experiment name of `dvc repro` (DVC's own name for it)
+
+
+def exp_name() -> str:
+    """DVC's experiment name (``DVC_EXP_NAME``, set by ``dvc exp run``), else ``workspace``."""
+    return os.environ.get("DVC_EXP_NAME") or WORKSPACE
+
+
 def dvc_tags() -> dict[str, str]:
-    """DVC's environment (experiment name, baseline rev, stage) as tags."""
-    names = {"DVC_EXP_NAME": "dvc.exp_name", "DVC_EXP_BASELINE_REV": "dvc.baseline_rev",
-             "DVC_STAGE": "dvc.stage"}
-    return {tag: os.environ[env] for env, tag in names.items() if os.environ.get(env)}
+    """DVC's experiment name (:func:`exp_name`), baseline rev and stage as tags."""
+    names = {"DVC_EXP_BASELINE_REV": "dvc.baseline_rev", "DVC_STAGE": "dvc.stage"}
+    return {"dvc.exp_name": exp_name(),
+            **{tag: os.environ[env] for env, tag in names.items() if os.environ.get(env)}}
 
 
 def loggable_params(params: Params) -> dict[str, str]:

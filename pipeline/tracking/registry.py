@@ -3,17 +3,19 @@
 * **Logged model**: :mod:`pipeline.tracking.model` (an ordinary ``nn.Module``, no project code
   needed to load it).
 * **Registry.** Every pretraining registers a new version of ``mlflow.registered_model``,
-  tagged with the git commit, the DVC experiment name, the params digest, the experiment id and
-  the md5 of ``encoder.pt`` (the hash ``dvc.lock`` records); alias :data:`NEWEST` moves to it.
+  tagged with the git commit, the DVC experiment name, the params digest, the training
+  fingerprint and the md5 of ``encoder.pt`` (the hash ``dvc.lock`` records); alias
+  :data:`NEWEST` moves to it.
   (MLflow reserves the alias ``latest``: ``models:/<name>/latest`` already names the newest
   version.)
 * **Trust.** The evaluation stages use the version whose ``encoder.md5`` tag is the workspace
   encoder's (:func:`trusted_encoder`): ``runs/pretrain.json`` may come from DVC's run cache
   and name a version of a database that is gone. No such version: the stage registers the
   encoder again and says so in one line.
-* **Scores.** knn and linear link their top-1/top-5 to the logged model (``knn.top1``,
-  ``linear.top1``, ...: columns of the experiment's Models view) and tag the version with them;
-  embed and knn/linear list the model among their runs' inputs.
+* **Scores.** knn and linear link their headline top-1 to the logged model (``top1.knn``,
+  ``top1.linear``: columns of the experiment's Models view) and tag the version with it
+  (``knn.top1``, ``linear.top1``), removing their older tags: a version's tags are its current
+  ones. embed and knn/linear list the model among their runs' inputs.
 * **Champion.** After the linear probe, alias :data:`CHAMPION` points at the version with the
   best ``linear.top1`` among ALL versions of the registered model (the alias is registry-wide,
   so is the election); a tie keeps the current champion.
@@ -38,8 +40,9 @@ from typing import Any
 from pipeline.config import Params
 from pipeline.data.remote import ShardURL
 from pipeline.errors import InputError
+from pipeline.tracking.headline import headline_from
 from pipeline.tracking.model import log_encoder
-from pipeline.tracking.provenance import git_state
+from pipeline.tracking.provenance import exp_name, git_state
 from pipeline.tracking.runs import StageRun, read_run_record
 from pipeline.tracking.store import TrackingError, error_summary, init_lock, tracking_uri
 from pipeline.train.training_input import TrainingInput, params_digest
@@ -54,9 +57,6 @@ NEWEST = "newest"
 
 
 SCORE = "linear.top1"  # the version tag (and model metric) that ranks versions
-
-
-EXPERIMENT_TAG = "experiment_id"
 
 
 MD5_TAG = "encoder.md5"
@@ -140,21 +140,21 @@ def _warn(run: StageRun, what: str, message: str) -> None:
         log.debug("could not tag the run: %s", error_summary(e))
 
 
-def _version_tags(params: Params, run: StageRun, encoder_path: Path,
+def _version_tags(params: Params, encoder_path: Path,
                   training: TrainingInput | None = None) -> dict[str, str]:
-    """A version's tags.
+    """A version's tags from its registration: where it comes from and what it is.
 
-    ``training.fingerprint`` only where the training input is known: the pretrain stage, not
-    an evaluation stage that registers an encoder no version holds.
+    The git commit and dirty flag, the DVC experiment, the recipe (``params.digest``), the
+    encoder's bytes (``encoder.md5``), the whole training input (``training.fingerprint``);
+    the scores join later (:func:`attach_scores`). ``training.fingerprint`` only where the
+    training input is known: the pretrain stage, not an evaluation stage that registers an
+    encoder no version holds.
     """
-    import os
-
     git = git_state(Path.cwd())
     known = {FINGERPRINT_TAG: training.fingerprint} if training is not None else {}
     return {"git.commit": git["git.commit"], "git.dirty": git["git.dirty"],
-            "dvc.exp_name": os.environ.get("DVC_EXP_NAME", "workspace"),
-            "params.digest": params_digest(params), EXPERIMENT_TAG: str(run.experiment_id),
-            MD5_TAG: file_md5(encoder_path), **known}
+            "dvc.exp_name": exp_name(),
+            "params.digest": params_digest(params), MD5_TAG: file_md5(encoder_path), **known}
 
 
 def _log_and_register(run: StageRun, *, params: Params, encoder_path: Path,
@@ -167,7 +167,7 @@ def _log_and_register(run: StageRun, *, params: Params, encoder_path: Path,
     nothing, such as ``pretrain.log_every_steps``) is not registered twice: that version is
     returned and :data:`NEWEST` moves to it.
     """
-    tags = _version_tags(params, run, encoder_path, training)
+    tags = _version_tags(params, encoder_path, training)
     same = _registered_with_md5(run, params.mlflow.registered_model, tags[MD5_TAG])
     if same is not None:
         return same
@@ -309,7 +309,7 @@ def trusted_encoder(run: StageRun, *, params: Params, encoder_path: Path,
 
 def _logged_tags(client: Any, model_id: str) -> dict[str, str]:
     """The version tags a logged model was given when logged (see :func:`_version_tags`)."""
-    keys = ("git.commit", "git.dirty", "dvc.exp_name", "params.digest", EXPERIMENT_TAG, MD5_TAG)
+    keys = ("git.commit", "git.dirty", "dvc.exp_name", "params.digest", MD5_TAG)
     tags = client.get_logged_model(model_id).tags
     return {k: tags[k] for k in keys if k in tags}
 
@@ -398,37 +398,66 @@ def link_encoder_input(run: StageRun, encoder: EncoderVersion | None) -> None:
                             f"{error_summary(e)}")
 
 
+def score_tags(stage: str, metrics: dict[str, Any]) -> dict[str, str]:
+    """The version tags a stage's scores give: ``<stage>.top1`` (``knn.top1``, ``linear.top1``).
+
+    Only the top-1 of the stage's own protocol: the version page shows a handful of tags, and
+    the stage's other numbers are in its run (linked from the version's source run).
+    """
+    top1 = metrics.get("top1")
+    if isinstance(top1, bool) or not isinstance(top1, (int, float)):
+        return {}
+    return {f"{stage}.top1": f"{float(top1):g}"}
+
+
 def attach_scores(run: StageRun, stage: str, metrics: dict[str, Any], *,
                   encoder: EncoderVersion | None, dataset: Any | None = None) -> dict[str, float]:
-    """Link a stage's accuracies to the encoder's logged model and tag its version.
+    """Log a stage's headline numbers linked to the encoder's model; tag its version.
+
+    The headline numbers of the stage's metrics file (``top1.knn``, ``top1.linear``:
+    :mod:`pipeline.tracking.headline`) are logged with ``model_id`` (columns of the Models
+    view) and ``dataset``; without an encoder model, plainly. The version's tags of this stage
+    become exactly :func:`score_tags`: any other tag named ``<stage>.*`` (left by an earlier
+    evaluation, e.g. ``knn.select_val_top1`` from a run that chose k on a validation split, or
+    by older code) is deleted, so every tag of a version is its current evaluation's.
 
     Args:
         run: the active knn/linear run.
-        stage: ``knn`` or ``linear``: the metric prefix (``knn.top1``).
-        metrics: the stage's metrics; those whose name has ``top1``/``top5`` are linked.
+        stage: ``knn`` or ``linear``: its metrics file is ``metrics/<stage>.json``.
+        metrics: the stage's metrics, as written to that file.
         encoder: the workspace encoder's model (:func:`trusted_encoder`).
         dataset: the test split's ``mlflow.data`` dataset (from ``log_shards``).
 
     Returns:
-        The linked metrics (``{}`` when nothing was linked).
+        The headline numbers logged (``{}`` for an inactive run or when the tracking side
+        failed: one warning line).
     """
-    if not run.active or encoder is None:
+    if not run.active:
         return {}
-    scores = {f"{stage}.{k}": float(v) for k, v in metrics.items()
-              if ("top1" in k or "top5" in k) and isinstance(v, (int, float))}
+    scores = headline_from(f"metrics/{stage}.json", metrics)
+    linked = encoder.model_id if encoder is not None else None
     try:
-        run.log_metrics(scores, model_id=encoder.model_id, dataset=dataset)
-        if encoder.version is not None:
-            from mlflow.tracking import MlflowClient
-
-            client = MlflowClient()
-            for k, v in scores.items():
-                client.set_model_version_tag(encoder.name, encoder.version, k, f"{v:g}")
+        run.log_metrics(scores, model_id=linked, dataset=dataset)
+        if encoder is not None and encoder.version is not None:
+            _retag_version(encoder, stage, score_tags(stage, metrics))
     except optional_failures() as e:  # the stage's own metrics are already logged
         _warn(run, "model", f"could not attach {stage} metrics to logged model "
-                            f"{encoder.model_id}: {error_summary(e)}")
+                            f"{linked or '(none)'}: {error_summary(e)}")
         return {}
     return scores
+
+
+def _retag_version(encoder: EncoderVersion, stage: str, tags: dict[str, str]) -> None:
+    """Set ``tags`` on the version; delete its other ``<stage>.*`` tags."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    old = client.get_model_version(encoder.name, encoder.version).tags
+    for k in sorted(old):
+        if k.startswith(f"{stage}.") and k not in tags:
+            client.delete_model_version_tag(encoder.name, encoder.version, k)
+    for k, v in tags.items():
+        client.set_model_version_tag(encoder.name, encoder.version, k, v)
 
 
 def update_champion(run: StageRun, encoder: EncoderVersion | None) -> int | None:

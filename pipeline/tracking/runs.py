@@ -6,10 +6,12 @@
 * Each run is tagged with the stage, git commit, dirty flag, DVC experiment name and baseline
   rev, the run ids of the upstream stages (read from their ``runs/<stage>.json``), the repo root
   and the process that owns it (:mod:`pipeline.tracking.provenance`).
+* The run is named ``<DVC experiment>:<stage>`` (``workspace:knn`` for ``dvc repro``).
 * Params are flattened with dots (the names DVC uses) and the resolved config is logged as an
-  artifact. SIGTERM/SIGINT end the run as KILLED (tag ``killed.reason``); any other exception
-  as FAILED (``failed.reason``); a run is FINISHED only if the process then exits 0 (see
-  :mod:`pipeline.signals`).
+  artifact. When the stage's block completes, its headline numbers and curves are logged
+  (:func:`log_stage_outputs`). SIGTERM/SIGINT end the run as KILLED (tag
+  ``killed.reason``); any other exception as FAILED (``failed.reason``); a run is FINISHED only
+  if the process then exits 0 (see :mod:`pipeline.signals`).
 * A pretraining resumed from its checkpoint continues the interrupted run (same run id, status
   RUNNING again, then FINISHED; tags ``interrupted.count`` and ``interrupted.<n>`` record each
   interruption): one training = one run.
@@ -22,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from pipeline.signals import Terminated
 from pipeline.tracking.datasets import shard_dataset
 from pipeline.tracking.provenance import (
     dvc_tags,
+    exp_name,
     git_state,
     loggable_params,
     owner_dead,
@@ -47,6 +49,7 @@ from pipeline.tracking.store import (
     repo_root,
     tracking_uri,
 )
+from pipeline.tracking.ui import ensure_headline_view
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,7 @@ class StageRun:
         self.resumed = resumed  # an interrupted run continued (see stage_run's resume_run_id)
         # more fields for runs/<stage>.json (e.g. the logged model's id), written at the end
         self.record: dict[str, Any] = {}
+        self.logged: set[str] = set()  # the metric names logged so far by this process
 
     @property
     def active(self) -> bool:
@@ -109,6 +113,7 @@ class StageRun:
                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if clean:
             mlflow.log_metrics(clean, step=step, model_id=model_id, dataset=dataset)
+            self.logged.update(clean)
 
     def log_params(self, params: dict[str, Any]) -> None:
         """Log extra params (strings)."""
@@ -154,6 +159,22 @@ class StageRun:
             import mlflow
 
             mlflow.set_tags(tags)
+
+
+def log_stage_outputs(run: StageRun, stage: str, root: Path) -> None:
+    """What every stage's run holds once its block completed: headline numbers and curves.
+
+    The headline numbers of the stage's metrics file (all of them for the report stage:
+    :func:`~pipeline.tracking.headline.stage_headline`) not logged yet (knn and linear log
+    theirs linked to the encoder's model), and the stage's curves as a table and a figure
+    (:data:`~pipeline.tracking.curves.STAGE_CURVES`).
+    """
+    from pipeline.tracking.curves import log_stage_curves
+    from pipeline.tracking.headline import stage_headline
+
+    run.log_metrics({k: v for k, v in stage_headline(stage, root).items()
+                     if k not in run.logged})
+    log_stage_curves(run, stage, root)
 
 
 def mark_stale_runs(uri: str, experiment_id: str, stage: str, root: Path) -> list[str]:
@@ -231,25 +252,29 @@ def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), ran
     root = Path.cwd()
     if not enabled:
         with signals.handled():
-            yield StageRun(None)
-        if rank == 0:
-            write_json(root / RUNS_DIR / f"{stage}.json", {"stage": stage, "run_id": None})
+            off = StageRun(None)
+            yield off
+        if rank == 0:  # the record too: what a stage records of its process is no MLflow data
+            write_json(root / RUNS_DIR / f"{stage}.json",
+                       {**off.record, "stage": stage, "run_id": None})
         return
 
     with signals.handled():
         import mlflow
+        from mlflow.tracking import MlflowClient
 
         uri = tracking_uri()
         check_reachable(uri)
         repo = repo_root()
         exp_id = open_experiment(uri, params.mlflow.experiment, repo)
+        ensure_headline_view(MlflowClient(tracking_uri=uri), exp_id)  # the UI's default view
         mark_stale_runs(uri, exp_id, stage, repo)
         mlflow.set_tracking_uri(uri)
         tags = {"stage": stage, **git_state(root), **dvc_tags(), "repo.root": str(repo),
                 **process_tags(), **(extra_tags or {})}
         for up in upstream:
             tags[f"upstream.{up}"] = read_run_id(up, root) or "unknown"
-        run_name = f"{os.environ.get('DVC_EXP_NAME', 'workspace')}:{stage}"
+        run_name = f"{exp_name()}:{stage}"  # the runs table's first column
         old = _reopenable(uri, resume_run_id, exp_id, stage) if resume_run_id else None
         run = None
         try:
@@ -262,6 +287,7 @@ def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), ran
             mlflow.log_dict(to_dict(params), "config/params.resolved.json")
             handle = StageRun(run, resumed=old is not None)
             yield handle
+            log_stage_outputs(handle, stage, root)
             write_json(root / RUNS_DIR / f"{stage}.json", {
                 **handle.record, "stage": stage, "run_id": run.info.run_id,
                 "experiment_id": run.info.experiment_id, "tracking_uri": uri})

@@ -30,6 +30,7 @@ from pipeline.config import (
 from pipeline.data.loader import train_loader
 from pipeline.data.manifest import Manifest, read_manifest
 from pipeline.data.remote import ShardURL
+from pipeline.data.shards import missing_labels
 from pipeline.data.views import (
     BatchTwoCrop,
     SeededRandomResizedCrop,
@@ -57,6 +58,7 @@ from pipeline.train.runtime import (
     Precision,
     Runtime,
     configure_determinism,
+    describe_machine,
     kept_threads,
     resolve_compile,
     resolve_num_workers,
@@ -285,7 +287,7 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
              seed: int, shards_dir: Path | ShardURL, encoder_path: Path,
              checkpoint_dir: Path, metrics_path: Path,
              plots_path: Path, knn_plots_path: Path, run: StageRun | None = None,
-             max_steps: int | None = None,
+             max_steps: int | None = None, details_path: Path | None = None,
              pretrain_set: Manifest | None = None,
              resume_key: TrainingInput | None = None,
              abandoned: Callable[[], bool] | None = None) -> dict[str, float]:
@@ -303,11 +305,13 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
             the query projection head.
         checkpoint_dir: ``last.pt`` lives here (resume state, outside DVC's outputs; the
             stage's resume store entry, :func:`pipeline.train.resume_store.open_entry`).
-        metrics_path: final metrics JSON (``metrics/pretrain.json``).
+        metrics_path: the headline of the final metrics (``metrics/pretrain.json``:
+            :data:`pipeline.train.export.HEADLINE`).
         plots_path: per-logged-step TSV (``plots/pretrain.tsv``).
         knn_plots_path: kNN-monitor TSV per epoch (``plots/knn_monitor.tsv``).
         run: MLflow handle (rank 0) or None.
         max_steps: stop after this global step (tests simulate an interruption with it).
+        details_path: every final metric (``eval/metrics/pretrain.json``); None = not written.
         pretrain_set: the pretraining set's manifest when it is more than
             ``shards_dir/pretrain`` (:func:`pipeline.data.index.pretrain_manifest`); None =
             that split alone.
@@ -320,7 +324,7 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
             (:meth:`pipeline.train.resume_store.WorkspaceWatch.abandoned`). None = never.
 
     Returns:
-        The final metrics (also written to ``metrics_path``).
+        The final metrics (all of them; ``details_path`` holds them too).
 
     Raises:
         PlanError: sizes that do not fit the data or the processes (names the param).
@@ -354,7 +358,8 @@ def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augme
                                  f"{r.state.step} to {r.ckpt.path}") from None
         if r.state.step < r.plan.total_steps:  # stopped early by max_steps (tests)
             return {"step": float(r.state.step)}
-        return _finish(r, model, encoder_path, metrics_path, plots_path, knn_plots_path)
+        return _finish(r, model, encoder_path, (metrics_path, details_path), plots_path,
+                       knn_plots_path)
 
 
 def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
@@ -436,8 +441,9 @@ def _restore(ckpt: Checkpointer, net: MoCo, optimizer: torch.optim.Optimizer,
     return state
 
 
-def _finish(r: Run, model: ModelParams, encoder_path: Path, metrics_path: Path,
-            plots_path: Path, knn_plots_path: Path) -> dict[str, float]:
+def _finish(r: Run, model: ModelParams, encoder_path: Path,
+            metrics_paths: tuple[Path, Path | None], plots_path: Path,
+            knn_plots_path: Path) -> dict[str, float]:
     """Final metrics; rank 0 exports; all ranks compare their queues (several processes).
 
     ``queue_ranks_identical`` (several processes only: one has nothing to compare) is 1 when
@@ -452,19 +458,38 @@ def _finish(r: Run, model: ModelParams, encoder_path: Path, metrics_path: Path,
         metrics["queue_ranks_identical"] = int(same)
         if not same and r.rt.is_main:
             log.warning("pretrain: the key queues differ across the %d ranks after training "
-                        "(metrics/pretrain.json queue_ranks_identical 0)", r.rt.world_size)
+                        "(eval/metrics/pretrain.json queue_ranks_identical 0)",
+                        r.rt.world_size)
     metrics["pretrain_images"] = r.pretrain_set.num_samples
     metrics["broken_images_skipped"] = r.pretrain_set.num_broken or 0
     if r.rt.is_main:
         export_outputs(r.net, model, in_channels=r.plan.spec.channels,
                        image_size=r.plan.spec.size, state=r.state, metrics=metrics,
-                       encoder_path=encoder_path, metrics_path=metrics_path,
-                       plots_path=plots_path, knn_plots_path=knn_plots_path)
+                       encoder_path=encoder_path, metrics_path=metrics_paths[0],
+                       details_path=metrics_paths[1], plots_path=plots_path,
+                       knn_plots_path=knn_plots_path)
         if r.tracking is not None:
             r.tracking.log_metrics({f"final_{k}": v for k, v in metrics.items()})
+            r.tracking.record["ran"] = how_it_ran(r)  # runs/pretrain.json: the report reads it
     if r.rt.world_size > 1:
         dist.barrier()
     return metrics
+
+
+def how_it_ran(r: Run) -> dict[str, Any]:
+    """How this training ran, as ``runs/pretrain.json`` records it under ``ran``.
+
+    Returns:
+        ``precision`` (``fp32`` / ``bf16`` / ``fp16``: what autocast ran, not the param),
+        ``num_threads``, ``processes`` (world size), ``device`` (``cpu`` / ``cuda``),
+        ``finished_utc`` (``YYYY-MM-DD HH:MM:SS``) and :func:`describe_machine`'s fields.
+    """
+    from datetime import datetime, timezone
+
+    return {"precision": r.precision.name, "num_threads": r.state.num_threads,
+            "processes": r.rt.world_size, "device": r.rt.device.type,
+            "finished_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+            **describe_machine()}
 
 
 def _build_monitor(shards_dir: Path | ShardURL, *, spec: Any, augment: AugmentParams,
@@ -496,10 +521,10 @@ def _build_monitor(shards_dir: Path | ShardURL, *, spec: Any, augment: AugmentPa
 
 def _labelled(shards_dir: Path | ShardURL) -> bool:
     """Whether the train and test splits hold images (the kNN monitor needs both)."""
-    empty = [s for s in ("train", "test") if not read_manifest(shards_dir / s).num_samples]
-    if empty:
-        log.info("kNN monitor off: no labelled %s images (data.source none)", " or ".join(empty))
-    return not empty
+    why = missing_labels(shards_dir)
+    if why is not None:
+        log.info("kNN monitor off: %s", why)
+    return why is None
 
 
 __all__ = ["NonFiniteLossError", "Run", "pretrain", "train_one_epoch", "train_step"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pipeline.atomic import save_torch, write_atomic, write_json, write_metrics, write_tsv
+from pipeline.atomic import headline, save_torch, write_atomic, write_json, write_metrics, write_tsv
 from pipeline.config import ModelParams
 from pipeline.evaluate.labelfree import METRICS as LABELFREE_METRICS
 from pipeline.moco.backbones import resolve_small_stem, resolve_stem_stride
@@ -24,6 +24,9 @@ from pipeline.train.checkpoint import TrainState
 from pipeline.train.logging import PLOT_COLUMNS
 
 LABELFREE_PLOT = "labelfree.tsv"  # beside plots/knn_monitor.tsv
+# metrics/pretrain.json (pipeline.atomic.headline): the label-free end values, throughput and
+# cost; the loss, the kNN monitor and the rest are curves (plots/) and eval/metrics/pretrain.json
+HEADLINE = (*LABELFREE_METRICS, "images_per_s", "wall_time_s")
 
 
 def encoder_meta(model: ModelParams, *, in_channels: int, image_size: int,
@@ -89,7 +92,11 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def final_metrics(state: TrainState, *, total_steps: int, epochs: int, wall_s: float,
                   device: torch.device, world_size: int) -> dict[str, float]:
-    """``metrics/pretrain.json``: last window's loss/accuracy, mean throughput, cost, kNN."""
+    """Every final number: last window's loss/accuracy, mean throughput, cost, kNN, label-free.
+
+    Written whole to ``eval/metrics/pretrain.json``, :data:`HEADLINE` of it to
+    ``metrics/pretrain.json`` (:func:`export_outputs`).
+    """
     rows = state.rows
     last = rows[-1] if rows else {}
 
@@ -113,12 +120,14 @@ def final_metrics(state: TrainState, *, total_steps: int, epochs: int, wall_s: f
 
 def export_outputs(net: MoCo, model: ModelParams, *, in_channels: int, image_size: int,
                    state: TrainState, metrics: dict[str, float], encoder_path: Path,
-                   metrics_path: Path, plots_path: Path, knn_plots_path: Path) -> None:
+                   metrics_path: Path, plots_path: Path, knn_plots_path: Path,
+                   details_path: Path | None = None) -> None:
     """Write the encoder (plain BN, no ``fc``; ``.pt`` and ``.safetensors``), head, metrics.
 
     Also ``head.pt``, ``encoder.json`` and the curves: ``plots_path``, ``knn_plots_path`` and,
-    beside it, :data:`LABELFREE_PLOT` (the label-free monitor rows). Every file is written
-    atomically (temp file + rename).
+    beside it, :data:`LABELFREE_PLOT` (the label-free monitor rows). ``metrics_path`` gets the
+    :data:`HEADLINE` numbers, ``details_path`` (None: not written) all of ``metrics``. Every
+    file is written atomically (temp file + rename).
     """
     backbone = net.export_backbone()
     meta = encoder_meta(model, in_channels=in_channels, image_size=image_size,
@@ -132,7 +141,9 @@ def export_outputs(net: MoCo, model: ModelParams, *, in_channels: int, image_siz
                  "state_dict": {k: v.detach().cpu() for k, v in head.state_dict().items()}},
                 encoder_path.with_name("head.pt"))
     write_json(encoder_path.with_suffix(".json"), meta)
-    write_metrics(metrics_path, metrics)
+    if details_path is not None:
+        write_metrics(details_path, metrics)
+    write_metrics(metrics_path, headline(metrics, HEADLINE))
     write_tsv(plots_path, PLOT_COLUMNS, state.rows)
     write_tsv(knn_plots_path, ("epoch", "step", "knn_top1", "knn_top5"), state.knn_rows)
     write_tsv(knn_plots_path.with_name(LABELFREE_PLOT), ("epoch", "step", *LABELFREE_METRICS),

@@ -305,7 +305,7 @@ def setup_threads(*, requested: int | str, resumed: int, num_workers: int,
     times one training-sized forward+backward of a copy of ``probe_model`` for each of
     :func:`thread_candidates` and keeps the fastest (:func:`choose_threads`): faster on a busy
     machine, but a busy and a quiet machine may then train different weights. The count used
-    is in ``metrics/pretrain.json`` (``num_threads``) either way.
+    is in ``eval/metrics/pretrain.json`` (``num_threads``) either way.
 
     Args:
         requested: ``pretrain.num_threads``: ``auto``, ``probe`` or a count >= 1.
@@ -385,3 +385,48 @@ def configure_determinism(enabled: bool, device: torch.device) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     elif device.type == "cuda":
         torch.backends.cudnn.benchmark = True
+
+
+LIBRARIES = ("torch", "torchvision", "dvc", "mlflow")  # versions in describe_machine()
+
+
+def cpu_model() -> str:
+    """The CPU's model name: ``/proc/cpuinfo``, else :func:`platform.processor`, else unknown."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def describe_machine() -> dict[str, str]:
+    """The machine and the libraries of this process, in words, for run provenance.
+
+    Returns:
+        ``cpu`` (model and usable / all cores, e.g. ``"AMD EPYC, 2 of 2 cores"``), ``gpu``
+        (``"1 x NVIDIA H100 80GB HBM3"``; ``"none"`` without CUDA) and the version of each of
+        :data:`LIBRARIES` (torch's and torchvision's with their build tag, e.g. ``+cu130``;
+        ``"not installed"`` when absent).
+    """
+    from collections import Counter
+    from importlib import metadata
+
+    out = {"cpu": f"{cpu_model()}, {usable_cores()} of {os.cpu_count() or '?'} cores",
+           "gpu": "none"}
+    if torch.cuda.is_available():
+        names = Counter(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        out["gpu"] = ", ".join(f"{n} x {name}" for name, n in sorted(names.items()))
+    import torchvision
+
+    out |= {"torch": torch.__version__, "torchvision": torchvision.__version__}  # +cuXYZ builds
+    for lib in ("dvc", "mlflow"):  # not imported here: their installed metadata
+        try:
+            out[lib] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            out[lib] = "not installed"
+    return out

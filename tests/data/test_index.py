@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import build_tiny_shards, img2dataset_shards, says
+from helpers import build_tiny_shards, img2dataset_shards, says, upright_reference
 from PIL import Image
 
 import pipeline.data.index as index_mod
@@ -21,7 +21,7 @@ from pipeline.data.build import empty_split
 from pipeline.data.index import check_broken_budget, index_shards, pretrain_manifest
 from pipeline.data.loader import train_loader
 from pipeline.data.manifest import BrokenSample, ShardEntry, write_manifest
-from pipeline.data.shards import ShardError, read_manifest, verify_shards
+from pipeline.data.shards import ShardError, iter_shard, read_manifest, verify_shards
 
 
 def write_index(directory, manifest):
@@ -77,6 +77,51 @@ def test_index__grey_set_is_one_channel(tmp_path):
     m, _ = index_shards(str(tmp_path / "ext"), split="pretrain", key="k",
                         max_broken_fraction=0.0)
     assert m.mode == "L" and len(m.mean) == 1 and m.image_shape == (1, 16, 16)
+
+
+def test_index__exif_tagged_photos_in_place_are_read_upright(tmp_path):
+    # img2dataset shards of 24 x 16 px photos; one is stored as a phone stores a portrait
+    # turned on its side: 16 x 24 px and EXIF orientation 8 (turn 90 degrees counter-clockwise
+    # to display). Read in place it is decoded upright, like every image: the index records one
+    # size, (3, 16, 24), and the loaders get its upright pixels.
+    from pipeline.data.readers import decode_any
+
+    (path,) = img2dataset_shards(tmp_path / "ext", shards=1, per_shard=4, size=24)
+    with tarfile.open(path) as t:
+        members = [(m, t.extractfile(m).read()) for m in t.getmembers()]
+    key = members[0][0].name.split(".")[0]
+    y, x = np.mgrid[0:16, 0:24]  # ramps: red grows to the right, green downwards
+    upright = np.stack([x * 10, y * 15, np.full_like(x, 128)], axis=-1).astype(np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = 8
+    buf = io.BytesIO()  # stored turned clockwise, so that turning it back shows `upright`
+    Image.fromarray(np.rot90(upright, k=-1).copy()).save(buf, format="JPEG", quality=95,
+                                                          exif=exif.tobytes())
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as t:
+        for m, data in members:
+            if m.name == f"{key}.jpg":
+                data = buf.getvalue()
+            else:  # the other photos: 24 x 16 too (img2dataset wrote them square)
+                data = _landscape(data) if m.name.endswith(".jpg") else data
+            m.size = len(data)
+            t.addfile(m, io.BytesIO(data))
+    m, _ = index_shards(str(tmp_path / "ext"), split="pretrain", key="data.pretrain_shards",
+                        max_broken_fraction=0.0)
+    assert m.image_shape == (3, 16, 24) and m.num_broken == 0
+    record = next(r for r in iter_shard(path) if r["__key__"] == key)
+    got = np.asarray(decode_any({**record, "__layout__": "webdataset"}, "RGB"), dtype=int)
+    assert got.shape == (16, 24, 3)
+    assert np.array_equal(got, upright_reference(buf.getvalue()))  # exif_transpose of PIL's
+    assert np.abs(got - upright).mean() < 3  # and the ramps by hand, through q95 JPEG
+    assert got[0, 0, 0] < 20 and got[0, -1, 0] > 210 and got[-1, 0, 1] > 200
+
+
+def _landscape(jpg: bytes) -> bytes:
+    """A square JPEG cropped to 24 x 16 px (quality 90)."""
+    with Image.open(io.BytesIO(jpg)) as im:
+        buf = io.BytesIO()
+        im.crop((0, 0, 24, 16)).save(buf, format="JPEG", quality=90)
+        return buf.getvalue()
 
 
 def test_broken_budget__at_the_budget_accepted_above_refused_one_line(tmp_path):

@@ -1,8 +1,10 @@
 """The loader decodes only what the crop needs: draft scale, tensor views, device batches.
 
 Real photos (crops of scikit-learn's sample photos, ``benchmarks/sample_photos.py``) in shards
-built by ``build_all``. References are computed independently: boxes and reductions by hand,
-views against a full PIL decode cropped by torchvision's own PIL ``resized_crop``.
+built by ``build_all``, 7 of them stored as cameras store them with EXIF orientation 2..8
+(``helpers.tag_photos``). References are computed independently: boxes and reductions by hand,
+views against a full PIL decode turned by ``ImageOps.exif_transpose`` and cropped by
+torchvision's own PIL ``resized_crop``.
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import write_photos
+from helpers import tag_photos, upright_reference, write_photos
 from PIL import Image
 
 from pipeline.config import DataParams
 from pipeline.data.build import build_all
 from pipeline.data.external import open_image
-from pipeline.data.jpeg import cut_views, reduction
+from pipeline.data.jpeg import cut_views, decode_jpeg_bytes, reduction, upright
 from pipeline.data.loader import EncodedBatch, train_loader
 from pipeline.data.views import SeededRandomResizedCrop
 from pipeline.seeds import derive_seed
@@ -28,17 +30,23 @@ from pipeline.seeds import derive_seed
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    """Shards of 40 real 320 x 240 photos kept as they are (JPEG bytes), RGB."""
+    """Shards of 40 real 320 x 240 photos kept as they are (JPEG bytes), RGB; 7 carry an EXIF
+    orientation (2..8), their files' bytes kept with the tag."""
     base = tmp_path_factory.mktemp("photo-shards")
     write_photos(base / "photos", count=40, width=320, height=240)
+    tagged = tag_photos(base / "photos")
     cwd = Path.cwd()
     os.chdir(base)
     try:
-        build_all(DataParams(source="imagefolder", root=str(base / "photos"), image_size=32,
-                             max_side=1024, test_fraction=0.2, shards_dir=str(base / "shards"),
-                             samples_per_shard=8), seed=0, progress=False)
+        ms = build_all(DataParams(source="imagefolder", root=str(base / "photos"), image_size=32,
+                                  max_side=1024, test_fraction=0.2, samples_per_shard=8,
+                                  shards_dir=str(base / "shards")), seed=0, progress=False)
     finally:
         os.chdir(cwd)
+    kept = ms["pretrain"].build["members"]["jpg_copied"] + ms["test"].build["members"][
+        "jpg_copied"]
+    assert kept == 40 and len(tagged) == 7  # the tagged ones too: their bytes, not re-encoded
+    assert ms["pretrain"].image_shape == (3, 240, 320)  # upright, for every tag
     return base / "shards"
 
 
@@ -80,6 +88,36 @@ def test_open_image__draft_decodes_at_the_scale_asked(tmp_path):
     png = io.BytesIO()
     Image.open(path).save(png, format="PNG")  # another format: always full size
     assert open_image(png.getvalue(), reduce=lambda _: 4).size == (320, 240)
+
+
+@pytest.mark.filterwarnings("ignore:.*capabilities of TorchVision:DeprecationWarning")
+def test_decode_jpeg_bytes__turned_as_exif_transpose(tmp_path):
+    # torchvision's decode turned by the header's EXIF orientation (upright), on any device.
+    # References: torchvision's own CPU-only apply_exif_orientation (same decoder: equal), and
+    # PIL's decode turned by ImageOps.exif_transpose (the build's upright pixels before JPEG
+    # members kept their bytes). PIL and torchvision each bundle a libjpeg-turbo; both use its
+    # default islow IDCT and fancy upsampling, and here they agree exactly. A wheel with another
+    # libjpeg release may round the chroma upsampling differently: 1 grey level is allowed.
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from pipeline.errors import InputError
+
+    paths = write_photos(tmp_path, count=16, width=160, height=120)
+    tags = {p: 1 for p in paths} | tag_photos(tmp_path)
+    blobs = [torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.uint8) for p in paths]
+    batch = decode_jpeg_bytes(blobs, 3, orientation=[tags[p] for p in paths])
+    for path, blob, from_batch in zip(paths, blobs, batch, strict=True):
+        got = decode_jpeg_bytes(blob, 3, orientation=tags[path])
+        assert got.shape == (3, 120, 160) and torch.equal(got, from_batch)
+        assert torch.equal(got, decode_jpeg(blob, mode=ImageReadMode.RGB,
+                                            apply_exif_orientation=True))
+        ref = upright_reference(path.read_bytes())
+        assert np.abs(got.permute(1, 2, 0).numpy().astype(int) - ref).max() <= 1
+    assert sorted(set(tags.values())) == list(range(1, 9))
+    with pytest.raises(InputError, match="2 orientation"):
+        decode_jpeg_bytes(blobs[:3], 3, orientation=[1, 6])
+    with pytest.raises(InputError, match="1..8, got 9"):
+        upright(torch.zeros(3, 2, 4, dtype=torch.uint8), 9)
 
 
 def test_cut_views__reduced_box_by_hand():
@@ -128,19 +166,24 @@ def test_train_loader__views_against_pil_reference(shards):
     from pipeline.data.shards import iter_shard, read_manifest
 
     crop = SeededRandomResizedCrop(32, scale=(0.2, 1.0))
-    batches = list(train_loader(shards / "pretrain", batch_size=8, steps=1, epoch=2, seed=7,
-                                crop=crop, draft=False))
-    (views, keys), = batches
     m = read_manifest(shards / "pretrain")
+    batches = list(train_loader(shards / "pretrain", batch_size=8, epoch=2, seed=7,
+                                steps=m.num_samples // 8, crop=crop, draft=False))
     data = {r["__key__"]: r["jpg"] for s in m.shards
             for r in iter_shard(shards / "pretrain" / s.name)}
     order = _positions(shards, seed=7, epoch=2)
-    for i, key in enumerate(keys):
-        image = Image.open(io.BytesIO(data[key])).convert("RGB")
-        for v in range(2):
-            ref = crop(image, derive_seed("crop", 7, 2, order[key], v))
-            got = views[i, v].permute(1, 2, 0).numpy()
-            assert np.abs(got.astype(int) - np.asarray(ref, dtype=int)).max() <= 2
+    tags = []
+    for views, keys in batches:
+        for i, key in enumerate(keys):
+            # the reference: PIL's decode turned by exif_transpose, cut at the same boxes
+            image = Image.fromarray(upright_reference(data[key]))
+            with Image.open(io.BytesIO(data[key])) as header:
+                tags.append(header.getexif().get(0x0112, 1))
+            for v in range(2):
+                ref = crop(image, derive_seed("crop", 7, 2, order[key], v))
+                got = views[i, v].permute(1, 2, 0).numpy()
+                assert np.abs(got.astype(int) - np.asarray(ref, dtype=int)).max() <= 2
+    assert len(tags) == 32 and len(set(tags)) >= 5  # tagged photos among them, most tags
 
 
 def _positions(shards, *, seed, epoch):
@@ -174,7 +217,7 @@ def test_encoded_batch__bad_jpeg_names_the_sample():
     from pipeline.data.shards import ShardError
 
     bad = torch.frombuffer(bytearray(b"\xff\xd8\xff\xe0" + b"\0" * 60), dtype=torch.uint8)
-    batch = EncodedBatch([bad], torch.zeros(1, 2, 4, dtype=torch.int64),
+    batch = EncodedBatch([bad], torch.zeros(1, 2, 4, dtype=torch.int64), [1],
                          torch.zeros(1, 2, 3, 8, 8, dtype=torch.uint8), ["k1"], ["s.tar"])
     with pytest.raises(ShardError, match=r"s\.tar: sample 'k1' does not decode on cpu"):
         batch.to(torch.device("cpu"))

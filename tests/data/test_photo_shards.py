@@ -14,14 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import make_samples, write_photos
+import torch
+from helpers import make_samples, tag_photos, upright_reference, write_photos
 from PIL import Image
 
 from pipeline.config import DataParams
 from pipeline.data.build import build_all, write_shards
 from pipeline.data.shards import verify_shards
-
-EXIF_ORIENTATION = 0x0112
 
 
 def members(split_dir: Path) -> dict[str, bytes]:
@@ -96,29 +95,91 @@ def test_build__resized_jpegs_are_jpeg_q95_of_the_resized_pixels(photos, tmp_pat
         assert psnr(got, np.asarray(ref)) > 35  # q95 of the resized pixels, not of the source
 
 
-def test_build__exif_turned_jpeg_is_stored_upright_as_new_jpeg(tmp_path, monkeypatch):
+@pytest.mark.parametrize("side", [64, 128, 239, 240, 500])
+def test_resize_short_side_and_center_square__torchvision_bit_for_bit(photos, side):
+    # the build resizes with PIL directly (no torch import); torchvision's Resize and
+    # CenterCrop on the same PIL images are the reference: landscape, portrait, odd sizes,
+    # grey, shrinking, the identity (240) and enlarging (500)
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as F
+
+    from pipeline.data.encode import center_square, resize_short_side
+
+    paths = sorted(photos.rglob("*.jpg"))[:3]
+    for path in paths:
+        with Image.open(path) as im:
+            photo = im.convert("RGB")
+        for image in (photo, photo.rotate(90, expand=True), photo.crop((3, 5, 300, 202)),
+                      photo.convert("L")):
+            ref = F.resize(image, side, interpolation=InterpolationMode.BICUBIC, antialias=True)
+            got = resize_short_side(image, side)
+            assert got.size == ref.size and got.mode == ref.mode
+            assert got.tobytes() == ref.tobytes()
+            if min(image.size) == side:
+                assert got is image  # torchvision gives the image itself back too
+            crop = center_square(got, side)
+            assert crop.tobytes() == F.center_crop(ref, [side, side]).tobytes()
+
+
+def test_build__exif_tagged_jpegs_keep_their_bytes_and_decode_upright(tmp_path, monkeypatch):
+    # Orientations 2..8 (flips, 180, the four that swap W and H). Every JPEG's bytes are kept,
+    # tag included, and each reader turns it when decoding. PIL's readers decode with the
+    # same libjpeg as the reference (exif_transpose of PIL's decode): equal, bit for bit.
+    from pipeline.data.eval_loader import eval_loader
+    from pipeline.data.external import open_image
+    from pipeline.data.shards import decode_record, iter_shard
+    from pipeline.report.inputs import load_shard_images
+
     root = tmp_path / "folder"
-    write_photos(root, count=8, width=160, height=120)
-    turned = sorted(root.rglob("*.jpg"))[0]
-    with Image.open(turned) as im:
-        raw = np.asarray(im.convert("RGB"))
-        exif = im.getexif()
-        exif[EXIF_ORIENTATION] = 6  # shown rotated 90 degrees clockwise
-        buf = io.BytesIO()
-        im.save(buf, format="JPEG", quality=90, exif=exif.tobytes())
-    turned.write_bytes(buf.getvalue())
+    write_photos(root, count=16, width=160, height=120)
+    tagged = tag_photos(root)
+    assert {Image.open(p).size for p in tagged} == {(160, 120), (120, 160)}  # as stored
     manifests = build(root, tmp_path / "shards", monkeypatch=monkeypatch)
-    stored = {**members(tmp_path / "shards" / "pretrain"), **members(tmp_path / "shards/test")}
-    (name,) = [n for n in stored if turned.stem in n]
-    assert stored[name] != turned.read_bytes()
-    upright = np.rot90(raw, k=-1)  # clockwise, by hand: 160 x 120 becomes 120 x 160
-    got = decode(stored[name])
-    assert got.shape == upright.shape == (160, 120, 3)
-    assert psnr(got, upright) > 33
-    members_count = (manifests["pretrain"].build["members"],
-                     manifests["test"].build["members"])
-    assert sum(c["jpg_encoded"] for c in members_count) == 1
-    assert sum(c["jpg_copied"] for c in members_count) == 7
+    files = {p.read_bytes(): tagged.get(p, 1) for p in root.rglob("*.jpg")}
+    for split in ("pretrain", "test"):
+        m = manifests[split]
+        assert m.build["members"] == {"jpg_copied": m.num_samples, "jpg_encoded": 0, "png": 0}
+        assert m.image_shape == (3, 120, 160)  # the upright size: tags 5-8 swap W and H
+        stored = members(tmp_path / "shards" / split)
+        assert set(stored.values()) <= set(files)  # every member is a file, byte for byte
+        records = [r for s in m.shards
+                   for r in iter_shard(tmp_path / "shards" / split / s.name)]
+        loader = eval_loader(tmp_path / "shards" / split, batch_size=4,
+                             transform=lambda im: torch.from_numpy(np.array(im)))
+        evaluated = {k: x.numpy() for xs, _, ks in loader for x, k in zip(xs, ks, strict=True)}
+        thumbs = load_shard_images(tmp_path / "shards" / split, [r["__key__"] for r in records])
+        for r in records:
+            ref = upright_reference(r["jpg"])
+            assert ref.shape == (120, 160, 3)
+            assert np.array_equal(np.asarray(decode_record(r, "RGB")[1]), ref)  # verify, eval
+            assert np.array_equal(evaluated[r["__key__"]], ref)  # eval_loader, data_insights
+            assert np.array_equal(np.asarray(thumbs[r["__key__"]]), ref)  # report thumbnails
+            half = open_image(r["jpg"], reduce=lambda _: 2)  # draft: 1/2 DCT scale, then turned
+            assert np.array_equal(np.asarray(half), upright_reference(r["jpg"], reduce=2))
+    assert sum(m.num_samples for m in (manifests["pretrain"], manifests["test"])) == 16
+    # by hand, for tag 6 ("rotate 90 degrees clockwise to display"): the file's pixels turned
+    # clockwise with numpy are the upright picture
+    six = next(p for p, o in tagged.items() if o == 6)
+    with Image.open(six) as im:
+        raw = np.asarray(im.convert("RGB"))
+    assert np.array_equal(np.asarray(open_image(six.read_bytes())), np.rot90(raw, k=-1))
+
+
+def test_open_image__exif_orientation_turns_the_pixels(tmp_path):
+    # one decode function for every PIL reader: tagged bytes come out upright (old code: as
+    # stored), the header's upright size says so before any decode
+    from pipeline.data.external import open_image, orientation, upright_size
+
+    root = tmp_path / "folder"
+    write_photos(root, count=16, width=160, height=120)
+    for path, tag in tag_photos(root).items():
+        data = path.read_bytes()
+        with Image.open(io.BytesIO(data)) as header:
+            assert orientation(header) == tag
+            assert upright_size(header) == (160, 120)
+        got = open_image(data)
+        assert got.size == (160, 120)
+        assert np.array_equal(np.asarray(got.convert("RGB")), upright_reference(data))
 
 
 def test_build__png_stays_png_and_png_format_is_lossless(photos, tmp_path, monkeypatch):

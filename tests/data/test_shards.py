@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import tarfile
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from pipeline.data.shards import ShardError, read_manifest, verify_shards
 from pipeline.data.sources import Sample
 
 FASHION_REAL = Path("/usr/share/datasets/fashion-mnist")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def samples(n: int, mode: str = "L", seed: int = 0) -> list[Sample]:
@@ -87,6 +89,63 @@ def test_write_shards__pixel_stats_by_hand(tmp_path: Path):
     assert m.mean == m.pixel_mean  # none given: the split's own statistics
     m2 = write(tmp_path / "t", [black, white], mode="RGB", mean=[0.4, 0.4, 0.4], std=[0.2] * 3)
     assert (m2.mean, m2.std) == ((0.4,) * 3, (0.2,) * 3)
+
+
+def test_write_shards__stats_of_a_large_image_take_no_copy_of_its_pixels(tmp_path: Path):
+    # A 1.2 MP RGB image kept as its file's bytes (nothing encoded): its statistics must not
+    # copy the pixels (squaring them as uint64 allocated 8 bytes per value, 29 MB here; at
+    # 60 MP 1.4 GB). numpy's buffers are traced by tracemalloc, PIL's are not: the peak is what
+    # the statistics and the tar writing allocate.
+    import tracemalloc
+
+    from pipeline.data.sources.base import SourceFile
+
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (1000, 1200, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels)
+    s = Sample("big", image, 0, SourceFile("JPEG", b"\xff\xd8\xff-the-file-bytes"))
+    write(tmp_path / "warm", [Sample("small", Image.new("RGB", (2, 2)), 0)], mode="RGB")
+    tracemalloc.start()
+    try:
+        m = write(tmp_path / "s", [s], mode="RGB")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < pixels.size // 2  # half a byte per value: 1.8 MB (the histogram is 6 KiB)
+    values = pixels.reshape(-1, 3).astype(np.float64) / 255  # numpy's mean / std, by hand
+    assert m.pixel_mean == pytest.approx(values.mean(axis=0), abs=1e-6)
+    assert m.pixel_std == pytest.approx(values.std(axis=0), abs=1e-6)
+    assert m.image_shape == (3, 1000, 1200)
+
+
+@pytest.mark.parametrize("max_side", [8, 0, 100])
+def test_write_shards__one_image_at_a_time(tmp_path: Path, max_side: int):
+    # While the source decodes image n, nothing holds image n - 1 any more: neither the
+    # writer (the first sample was held for the whole split), nor the resize (shrunk: 8;
+    # data.image_size: 0; kept as it is: 100). A folder of 60 MP photos then peaks at one
+    # photo, not two or three.
+    import weakref
+
+    from pipeline.data.encode import limit_short_side, resize_samples
+
+    alive: list[str] = []
+
+    refs: list[weakref.ref] = []
+
+    def load(i: int) -> Sample:  # as Source._load: nothing of it stays in the source
+        image = Image.new("L", (16, 12), 40 * i)
+        refs.append(weakref.ref(image))
+        return Sample(f"k{i}", image, 0)
+
+    def source():
+        for i in range(5):
+            alive.extend(f"{i}: image {j} alive" for j, r in enumerate(refs) if r() is not None)
+            yield load(i)
+
+    samples = (limit_short_side(source(), max_side) if max_side
+               else resize_samples(source(), 6))
+    m = write(tmp_path / "s", samples)
+    assert m.num_samples == 5 and alive == []
 
 
 def test_write_shards__nothing_to_write(tmp_path: Path):
@@ -265,6 +324,33 @@ def test_build_all__imagefolder_stats_and_resize(tmp_path: Path):
     build_all(params, seed=3, progress=False)
     assert {p.name: p.read_bytes() for p in (tmp_path / "sh" / "train").iterdir()} == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["raw", "sh"]
+
+
+def test_build_all__imports_no_torch(tmp_path: Path):
+    # importing torch alone takes ~500 MiB resident (benchmarks/big_photo.py: the build of one
+    # 60 MP photo peaked at 652 MiB before any pixel); the build needs it nowhere
+    import subprocess
+    import sys
+
+    raw = tmp_path / "raw"
+    for c in ("a", "b"):
+        (raw / c).mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (40, 30), (60 * i, 90, 30)).save(raw / c / f"{i}.jpg")
+    code = (
+        "import sys\n"
+        "from pipeline.config import DataParams\n"
+        "from pipeline.data.build import build_all\n"
+        "for kw in ({'image_size': 8}, {'max_side': 16}):\n"
+        f"    build_all(DataParams(source='imagefolder', root={str(raw)!r}, test_fraction=0.5,\n"
+        f"                         shards_dir={str(tmp_path / 'sh')!r}, **kw), seed=0,\n"
+        "              progress=False)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision',\n"
+        "                                                            'webdataset')))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.skipif(not FASHION_REAL.is_dir(), reason="dataset-fashion-mnist not installed")

@@ -204,6 +204,26 @@ def test_queue__three_parallel_from_no_db__all_finish_pretrain_not_rerun(repo):
     assert listed == [3, 5, 7], shown
 
 
+def test_compare__workspace_and_three_experiments_within_160_columns(repo):
+    dst, env, _ = repo  # after the three queued knn.k experiments above
+    shown = json.loads(out(sh(["dvc", "exp", "show", "--json"], dst, env)))
+    top1 = {rev["data"]["params"]["params.yaml"]["data"]["knn"]["k"]:
+            rev["data"]["metrics"]["metrics/knn.json"]["data"]["top1"]
+            for row in shown for exp in row.get("experiments") or [] for rev in exp["revs"]}
+    assert sorted(top1) == [3, 5, 7]
+    # not a terminal: 160 columns, as README.md and docs/tracking.md say
+    text = sh([sys.executable, "-m", "pipeline", "compare"], dst,
+              {k: v for k, v in env.items() if k != "COLUMNS"}).stdout
+    lines = text.splitlines()
+    assert max(len(ln) for ln in lines) <= 160, text
+    header = lines[0].split()
+    assert header[:3] == ["knn.k", "knn.top1", "linear.top1"], text  # the one changed param
+    rows = {cells[0]: cells[1:] for cells in (ln.split() for ln in lines[2:7])}
+    assert len(rows) == 5, text  # the workspace, the commit, three experiments
+    by_k = {int(v[0]): float(v[1]) for v in rows.values() if v[0] in ("3", "5", "7")}
+    assert by_k == top1, text
+
+
 def test_temp__knn_param__pretrain_not_rerun(repo):
     dst, env, _ = repo
     db = dst / "mlflow.db"

@@ -66,11 +66,11 @@ def repo(tmp_path_factory, tree):
         preset[sec].update(vals)
     dst = tmp_path_factory.mktemp("fmnist-repo") / "repo"
     env = make_repo(dst, preset)
-    return dst, out(sh(["dvc", "repro"], dst, env))
+    return dst, out(sh(["dvc", "repro"], dst, env)), env
 
 
 def test_fmnist_preset__repro_end_to_end_on_the_tree(repo):
-    dst, text = repo
+    dst, text, _ = repo
     assert ran(text) == ["check_params", "index_shards", "build_shards", "check_data", "pretrain",
                          "data_insights", "check_eval", "embed", "baselines", "knn", "linear",
                          "label_efficiency", "report"]
@@ -80,6 +80,26 @@ def test_fmnist_preset__repro_end_to_end_on_the_tree(repo):
     assert pre.image_shape == (1, 28, 28) and pre.mode == "L"
     assert pre.mean == train.mean == (0.286,)  # the source's published statistics
     assert pre.build["unlabelled"]["images"] == 600
-    embed = json.loads((dst / "metrics/embed.json").read_text())
+    embed = json.loads((dst / "eval/metrics/embed.json").read_text())
     assert (embed["train_images"], embed["test_images"]) == (300, 200)
-    assert json.loads((dst / "metrics/pretrain.json").read_text())["pretrain_images"] == 600
+    assert json.loads((dst / "eval/metrics/pretrain.json").read_text())["pretrain_images"] == 600
+
+
+def test_no_labels_preset__repro_exits_0_and_reports_without_labels(repo):
+    # configs/fashion-mnist-no-labels.yaml (shrunk alike) on the same tree: no labelled split;
+    # the stages that need labels are skipped, the report shows what needs none
+    dst, _, env = repo
+    preset = yaml.safe_load((ROOT / "configs/fashion-mnist-no-labels.yaml").read_text())
+    kept = yaml.safe_load((dst / "params.yaml").read_text())
+    for sec in ("model", "moco", "pretrain", "linear", "report", "knn"):
+        preset[sec] = kept[sec]
+    preset["data"].update(unlabelled_root=kept["data"]["unlabelled_root"],
+                          samples_per_shard=kept["data"]["samples_per_shard"])
+    (dst / "params.yaml").write_text(yaml.safe_dump(preset, sort_keys=False))
+    text = out(sh(["dvc", "repro"], dst, env))
+    assert "error:" not in text and "Traceback" not in text, text[-3000:]
+    assert read_manifest(dst / "data/shards/train").num_samples == 0
+    assert json.loads((dst / "runs/check_eval.json").read_text())["labelled"] is False
+    html = (dst / "reports/report.html").read_text()
+    assert "Evaluation with labels skipped: no labelled train or test images" in html
+    assert "What the embeddings say about the data" in html

@@ -67,8 +67,8 @@ def test_photos__shards_keep_every_jpeg_byte_for_byte(repo):
 
 def test_photos__metrics_are_numbers(repo):
     _, dst, _, _ = repo
-    pre = json.loads((dst / "metrics/pretrain.json").read_text())
-    knn = json.loads((dst / "metrics/knn.json").read_text())
+    pre = json.loads((dst / "eval/metrics/pretrain.json").read_text())
+    knn = json.loads((dst / "eval/metrics/knn.json").read_text())
     assert pre["pretrain_images"] == 120 + 192  # 240 labelled, 48 held out for test (0.2)
     assert all(math.isfinite(v) for v in pre.values())
     top1 = next(v for k, v in knn.items() if "top1" in k)

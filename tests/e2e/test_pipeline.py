@@ -51,15 +51,19 @@ def test_pipeline__all_stages_run_with_sane_metrics(repo):
     dst, _, out = repo
     # params validated before any output is touched
     assert ran(out) == ["check_params", INDEX, *STAGES]
-    m = {n: json.loads((dst / f"metrics/{n}.json").read_text())
+    m = {n: json.loads((dst / f"eval/metrics/{n}.json").read_text())
          for n in ("pretrain", "embed", "baselines", "knn", "linear")}
     for name, metrics in m.items():
         for k, v in metrics.items():
-            assert isinstance(v, (int, float)), f"metrics/{name}.json: {k} is not numeric"
+            assert isinstance(v, (int, float)), f"eval/metrics/{name}.json: {k} is not numeric"
+    # metrics/<stage>.json: a few of those numbers, the same values (baselines' renamed)
+    head = {n: json.loads((dst / f"metrics/{n}.json").read_text()) for n in m}
+    assert head["knn"]["top1"] == m["knn"]["top1"] and "top5" not in head["knn"]
+    assert head["baselines"]["pixels_linear"] == m["baselines"]["raw_pixels_linear_top1"]
     assert m["embed"]["train_images"] == 2000 and m["embed"]["test_images"] == 500
     # the report's throughput table reads wall_time_s of every evaluated stage
     for name in ("pretrain", "embed", "baselines", "knn", "linear"):
-        assert m[name]["wall_time_s"] > 0, f"metrics/{name}.json has no wall time"
+        assert head[name]["wall_time_s"] > 0, f"metrics/{name}.json has no wall time"
     # both splits' images over both extraction times: between the two per-split rates
     rates = (m["embed"]["train_images_per_s"], m["embed"]["test_images_per_s"])
     assert min(rates) <= m["embed"]["images_per_s"] <= max(rates)
@@ -70,8 +74,17 @@ def test_pipeline__all_stages_run_with_sane_metrics(repo):
     # recipe measures kNN 55.2, linear 66.8, raw pixels 71.8, random encoder 58.4 (2026-12-01).
     for name, key in (("knn", "top1"), ("linear", "top1"), ("baselines", "raw_pixels_top1"),
                       ("baselines", "random_encoder_top1")):
-        assert 25 < m[name][key] <= 100, f"metrics/{name}.json: {key} = {m[name][key]}"
+        assert 25 < m[name][key] <= 100, f"eval/metrics/{name}.json: {key} = {m[name][key]}"
     assert m["pretrain"]["steps"] == 2 * (2048 // 64)
+    # `dvc repro` ends with the headline numbers and where the report is (the report stage);
+    # index_shards says it has nothing to index instead of counting 0 images; the raw-pixel kNN
+    # beside MoCo's is the tuned one (k and T chosen on held-out train images), as top1.knn.pixels
+    lines = out.splitlines()
+    for want in (f"kNN top-1 {m['knn']['top1']:.2f} % (raw pixels "
+                 f"{m['baselines']['raw_pixels_knn_tuned_top1']:.2f} %",
+                 f"linear top-1 {m['linear']['top1']:.2f} %", "report: reports/report.html"):
+        assert any(ln.startswith(want) for ln in lines), want
+    assert "index_shards: nothing to index" in out and '"images": 0' not in out
     assert (dst / "reports/report.html").stat().st_size > 10_000
     from pipeline.report.check import check_html
     from pipeline.report.document import NOT_AVAILABLE
@@ -120,8 +133,8 @@ def test_pipeline__registry_version_aliases_and_champion_features_bit_identical(
     assert versions[1].run_id == rec["run_id"] and rec["model_version"] == "1"
     assert float(versions[1].tags["linear.top1"]) == linear["top1"]
     linked = {m.key: m.value for m in client.get_logged_model(rec["model_id"]).metrics}
-    assert linked["linear.top1"] == linear["top1"]
-    assert linked["knn.top1"] == json.loads((dst / "metrics/knn.json").read_text())["top1"]
+    assert linked["top1.linear"] == linear["top1"]
+    assert linked["top1.knn"] == json.loads((dst / "metrics/knn.json").read_text())["top1"]
 
     out = tmp_path / "champion.pt"
     proc = subprocess.run([sys.executable, "-c", LOAD_CHAMPION, str(out)], cwd=dst,
@@ -182,8 +195,8 @@ def test_pipeline__knn_numbers_equal_a_numpy_reference(repo):
         assert np.array_equal(saved["labels"].numpy(), y)
     assert np.bincount(labels["test"]).tolist() == [50] * 10  # stratified: chance is 10 %
     assert np.bincount(labels["train"]).tolist() == [200] * 10
-    baselines = json.loads((dst / "metrics/baselines.json").read_text())
-    knn = json.loads((dst / "metrics/knn.json").read_text())
+    baselines = json.loads((dst / "eval/metrics/baselines.json").read_text())
+    knn = json.loads((dst / "eval/metrics/knn.json").read_text())
     # float32 (the stages) vs float64 (here): a near-tie may flip at most 2 of the 500 queries
     ref_pixels = _knn_top1(pixels["train"], labels["train"], pixels["test"], labels["test"])
     assert baselines["raw_pixels_top1"] == pytest.approx(ref_pixels, abs=0.41)
@@ -204,7 +217,7 @@ def test_pipeline__knn_param_reruns_only_knn_and_report(repo):
     dst, env, _ = repo
     out = text_of(sh(["dvc", "exp", "run", "-S", "knn.k=20"], dst, env))
     assert ran(out) == ["check_params", INDEX, "knn", "report"]  # both outputs content-stable
-    assert json.loads((dst / "metrics/knn.json").read_text())["k"] == 20
+    assert json.loads((dst / "eval/metrics/knn.json").read_text())["k"] == 20
 
 
 def test_pipeline__pretrain_param_reruns_pretrain_and_after(repo):
@@ -241,6 +254,19 @@ def test_pipeline__mlflow_has_finished_runs_per_stage(repo):
     assert all(s == "FINISHED" for statuses in by_stage.values() for s in statuses)
     report = [r for r in runs if r.data.tags["stage"] == "report"]
     assert all("knn.top1" in r.data.metrics and "moco.K" in r.data.params for r in report)
+    # the headline numbers, one row per pipeline run; the run named after its DVC experiment
+    knn = json.loads((dst / "metrics/knn.json").read_text())["top1"]  # the last experiment's
+    assert all({"top1.knn", "top1.linear", "top1.knn.pixels"} <= set(r.data.metrics)
+               for r in report)
+    assert knn in {r.data.metrics["top1.knn"] for r in report}
+    first = min(report, key=lambda r: r.info.start_time)
+    assert first.info.run_name == "workspace:report"
+    assert {r.info.run_name for r in report} - {"workspace:report"}  # dvc exp run's names
+    pretrain = min((r for r in runs if r.data.tags["stage"] == "pretrain"),
+                   key=lambda r: r.info.start_time)
+    assert {a.path for a in client.list_artifacts(pretrain.info.run_id, "curves")} == {
+        "curves/knn_monitor.tsv", "curves/knn_monitor.png", "curves/labelfree.tsv",
+        "curves/labelfree.png"}
     # lineage: the report run names the runs of every upstream stage
     assert all(r.data.tags.get("upstream.pretrain", "unknown") != "unknown" for r in report)
 

@@ -55,7 +55,7 @@ def repo(tmp_path_factory):
     env = make_repo(dst, tree)
     first = out(sh(["dvc", "repro", "embed"], dst, env))
     assert "embed" in ran(first), first[-3000:]
-    assert json.loads((dst / "metrics/pretrain.json").read_text())["pretrain_images"] == (
+    assert json.loads((dst / "eval/metrics/pretrain.json").read_text())["pretrain_images"] == (
         N_PRETRAIN)
     return dst, env, base
 

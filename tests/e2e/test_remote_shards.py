@@ -80,7 +80,8 @@ def repo(tmp_path_factory, server):
 
 
 def metrics(dst, name):
-    return json.loads((dst / f"metrics/{name}.json").read_text())
+    """Every number of a stage (``metrics/<name>.json`` holds only its headline)."""
+    return json.loads((dst / f"eval/metrics/{name}.json").read_text())
 
 
 def latest_run(env, stage):

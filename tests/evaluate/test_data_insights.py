@@ -179,9 +179,9 @@ def test_stages__data_insights_then_embed_reuse_its_features(encoder, tmp_path):
         r = subprocess.run([sys.executable, str(ROOT / f"stages/{stage}.py")], cwd=tmp_path,
                            env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
-    insights = json.loads((tmp_path / "metrics/data_insights.json").read_text())
+    insights = json.loads((tmp_path / "eval/metrics/data_insights.json").read_text())
     assert insights["images"] == 64 and insights["features_for_embed"] == 1
-    assert json.loads((tmp_path / "metrics/embed.json").read_text())["train_reused"] == 1
+    assert json.loads((tmp_path / "eval/metrics/embed.json").read_text())["train_reused"] == 1
     assert json.loads((tmp_path / "runs/data_insights.json").read_text())["run_id"] is None
     # another threshold, another process: the same feature bytes, so DVC reruns no embed
     before = (tmp_path / "features/pretrain.pt").read_bytes()
@@ -191,5 +191,5 @@ def test_stages__data_insights_then_embed_reuse_its_features(encoder, tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "features/pretrain.pt").read_bytes() == before
-    assert json.loads((tmp_path / "metrics/data_insights.json").read_text())[
+    assert json.loads((tmp_path / "eval/metrics/data_insights.json").read_text())[
         "duplicate_cosine"] == 0.9

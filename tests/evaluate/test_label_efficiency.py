@@ -63,6 +63,23 @@ def test_curve__knn_points_against_a_double_loop_reference():
         assert 0 <= out["x"]["linear"][str(n)]["mean"] <= 100
 
 
+def test_curve__points_say_what_they_used_and_a_repeat_is_left_out(caplog):
+    # classes of 10, 10 and 3 labelled images: 2/class uses 6; 5/class asks 15 but class 2
+    # gives its 3 (13 in all); 10/class uses 23; 20/class would be 10/class's images again
+    labels = torch.tensor([0] * 10 + [1] * 10 + [2] * 3 + [-1] * 5)
+    feats = FeatureSet(torch.randn(28, 4, generator=torch.Generator().manual_seed(0)), labels,
+                       [f"k{i}" for i in range(28)])
+    test = FeatureSet(feats.features[:23], labels[:23], [f"q{i}" for i in range(23)])
+    out = curve({"x": lambda idx: feats.subset(idx)}, {"x": test}, labels,
+                per_class=[2, 5, 10, 20], draws=1, seed=0, num_classes=3,
+                linear=LinearParams(epochs=1, lr_milestones=[1]), device=torch.device("cpu"))
+    knn = out["x"]["knn"]
+    assert list(knn) == ["2", "5", "10"]  # 20 left out: the same 23 images as 10
+    assert [(knn[n]["labels"], knn[n]["per_class_min"]) for n in knn] == [(6, 2), (13, 3),
+                                                                            (23, 3)]
+    assert "20 per class left out" in caplog.text and "5 per class asked" in caplog.text
+
+
 def test_label_efficiency_stage__three_kinds_same_draws(tmp_path):
     from pipeline.evaluate.run.embed import embed
     from pipeline.evaluate.run.label_efficiency import label_efficiency
@@ -89,3 +106,37 @@ def test_label_efficiency_stage__three_kinds_same_draws(tmp_path):
     # the synthetic classes differ by a bright quadrant: raw pixels with 5 labels per class
     # (20 images) separate them almost perfectly
     assert m["curve"]["raw_pixels"]["knn"]["5"]["mean"] > 90
+
+
+def test_write_label_efficiency__headline_points_curve_rows_in_numeric_order(tmp_path):
+    import csv
+    import json
+
+    from pipeline.evaluate.run.label_efficiency import write_label_efficiency
+
+    def pt(mean, n):  # 10 classes, each holding every label asked
+        return {"mean": mean, "std": 1.5, "min": mean - 2, "max": mean + 2,
+                "labels": 10 * int(n), "per_class_min": int(n)}
+
+    ns = ["1", "10", "100", "2"]  # the text order json.dumps(sort_keys=True) writes them in
+    curve = {kind: {probe: {n: pt(base + int(n) / 4 + (probe == "linear"), n) for n in ns}
+                    for probe in ("knn", "linear")}
+             for kind, base in (("moco", 50), ("raw_pixels", 40), ("random_encoder", 30))}
+    result = {"draws": 3, "train_images": 600, "curve": curve, "wall_time_s": 12.5}
+    paths = {k: tmp_path / f for k, f in (("metrics_path", "m.json"),
+                                          ("details_path", "d.json"), ("plots_path", "p.tsv"))}
+    write_label_efficiency(result, **paths)
+    # MoCo's means at 1 and 10 labels per class (50 + n/4, +1 for linear), nothing else
+    assert json.loads(paths["metrics_path"].read_text()) == {
+        "knn": {"1": 50.25, "10": 52.5}, "linear": {"1": 51.25, "10": 53.5},
+        "wall_time_s": 12.5}
+    assert json.loads(paths["details_path"].read_text()) == result
+    with open(paths["plots_path"]) as fh:
+        rows = list(csv.DictReader(fh, delimiter="\t"))
+    assert list(rows[0]) == ["per_class", "features", "probe", "top1", "top1_min", "top1_max",
+                             "labels"]
+    assert [int(r["per_class"]) for r in rows] == [1] * 6 + [2] * 6 + [10] * 6 + [100] * 6
+    at100 = {(r["features"], r["probe"]): (r["top1"], r["top1_min"], r["top1_max"])
+             for r in rows if r["per_class"] == "100"}
+    assert at100[("raw_pixels", "linear")] == ("66", "64", "68")  # 40 + 25 + 1, -2, +2
+    assert {r["labels"] for r in rows if r["per_class"] == "100"} == {"1000"}

@@ -48,6 +48,34 @@ def test_split_bn__running_stats_average_of_group_stats():
     assert int(bn.num_batches_tracked) == 1
 
 
+@pytest.mark.parametrize(("momentum", "dtype", "tol"), [(0.1, torch.float32, 1e-5),
+                                                     (None, torch.float32, 1e-5),
+                                                     (0.1, torch.bfloat16, 2e-2)])
+def test_split_bn__compiled_form_equals_eager_form(monkeypatch, momentum, dtype, tol):
+    # Under torch.compile the layer normalises through _grouped_stats (var_mean over a split
+    # batch) instead of F.batch_norm over merged groups; both run here eagerly, the compiled
+    # form by making the layer believe it is being compiled. Two steps: the second starts from
+    # running statistics the first moved (momentum None: the cumulative average).
+    x = (torch.randn(8, 3, 5, 5) * 2 + 1).to(dtype)
+    weights = torch.randn(8, 3, 5, 5)  # a loss that weighs each output differently
+
+    def two_steps(compiling: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+        bn = _split_bn(S=4)
+        bn.momentum = momentum
+        xi = x.clone().requires_grad_()
+        bn.train()(xi)
+        y = bn(xi)
+        (y.float() * weights).sum().backward()
+        return [y, xi.grad, bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var,
+                bn.num_batches_tracked]
+
+    eager, compiled = two_steps(False), two_steps(True)
+    assert compiled[0].dtype == dtype
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+
+
 def test_split_bn__eval_equals_plain_bn_with_averaged_stats():
     bn = _split_bn().train()
     bn(torch.randn(8, 3, 5, 5) + 3)

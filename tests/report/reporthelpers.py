@@ -84,7 +84,21 @@ stages:
     - path: models/encoder.pt
       hash: md5
       md5: 99998888777766665555444433332222
+  report:
+    cmd: python stages/report.py
+    outs:
+    - path: reports
+      hash: md5
+      md5: 0000111122223333444455556666777f.dir
+    - path: runs/report.json
+      hash: md5
+      md5: 0000111122223333444455556666777e
 """
+# what the tiny run's pretraining recorded of its process (runs/pretrain.json "ran")
+RAN = {"precision": "bf16", "num_threads": 3, "processes": 2, "device": "cuda",
+       "finished_utc": "2026-12-01 08:09:10", "cpu": "Test CPU 9000, 3 of 8 cores",
+       "gpu": "2 x Test GPU", "torch": "9.1.0", "torchvision": "0.99.0", "dvc": "3.0.0",
+       "mlflow": "3.1.0"}
 PARAMS = {
     "seed": 3,
     "knn": {"k": 20},
@@ -188,7 +202,7 @@ def make_run(root):
         ("embed", EMBED),
         ("data_insights", DATA_INSIGHTS_METRICS),
     ):
-        write_json(root / f"metrics/{name}.json", obj)
+        write_json(root / f"eval/metrics/{name}.json", obj)
     (root / "plots").mkdir()
     rows = [
         "step\tepoch\tloss\tlr\tm\tinst_top1\tinst_top5\tqueue_mean_age\t"
@@ -207,10 +221,13 @@ def make_run(root):
         "epoch\tstep\trankme\talignment\tuniformity\n0\t0\t12.5\t0.125\t-0.25\n"
         "1\t10\t30\t0.25\t-2\n2\t20\t41.25\t0.375\t-2.5\n"
     )
-    write_json(root / "metrics/label_efficiency.json", LABEL_EFFICIENCY)
+    write_json(root / "eval/metrics/label_efficiency.json", LABEL_EFFICIENCY)
     (root / "plots/linear.tsv").write_text(
-        "epoch\tloss\ttrain_acc\tlr\tval_acc\n"
-        + "".join(f"{e}\t{2 - e * 0.3}\t{50 + 5 * e}\t3.75\t{48 + 5 * e}\n" for e in range(1, 6))
+        "epoch\tloss\ttrain_acc\tlr\n"
+        + "".join(f"{e}\t{2 - e * 0.3}\t{50 + 5 * e}\t3.75\n" for e in range(1, 6))
+    )
+    (root / "plots/linear_val.tsv").write_text(
+        "epoch\tval_acc\n" + "".join(f"{e}\t{48 + 5 * e}\n" for e in range(1, 6))
     )
     for stem, acc in (("knn", [70.0, 80.0, 63.7]), ("linear", [75.0, 77.5, 69.1])):
         write_json(
@@ -244,6 +261,7 @@ def make_run(root):
                 "run_id": None if stage == "embed" else f"run{i:02d}abc",
                 "tracking_uri": "https://alice:s3cret@mlflow.example.org",
                 "experiment_id": "7",
+                **({"ran": RAN} if stage == "pretrain" else {}),
             },
         )
     return root

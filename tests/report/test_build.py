@@ -1,10 +1,11 @@
 """build_report end to end: the files it writes and what they say (HTML + its Markdown twin)."""
 
 import json
+import os
 import re
 
 import pytest
-from reporthelpers import KNN, make_run, md_row, md_section, write_json
+from reporthelpers import KNN, make_run, md_row, md_section, write_json, write_shards
 
 from pipeline.config import from_dict
 from pipeline.report.build import build_report
@@ -55,7 +56,7 @@ def test_build_report__html_and_markdown_are_twins(full_report):
     assert titles == ["Settings", "Results", "Pretraining", "Quality without labels",
                       "Evaluation", "Label efficiency",
                       "What the embeddings say about the data", "Embeddings",
-                      "Throughput and wall time", "MLflow runs", "DVC outputs"]
+                      "Throughput and wall time", "MLflow runs", "DVC outputs", "Provenance"]
     md_rows = [ln for ln in md.splitlines() if ln.startswith("| ")]  # header rows included
     assert html.count("<tr>") == len(md_rows)
     assert md.count("\n|---") == html.count("<table>")
@@ -70,24 +71,45 @@ def test_build_report__final_metrics(full_report):
 def test_build_report__results_table_has_exact_numbers(full_report):
     root, report = full_report
     md = report.markdown.read_text()
-    assert md_row(md, "MoCo encoder + kNN")[2:] == ["71.23", "99.50"]
-    assert md_row(md, "MoCo encoder + linear probe")[2:] == ["73.87", "100.00"]
-    assert md_row(md, "raw pixels (baseline)", "kNN, k=200")[2:] == ["62.41", "97.00"]
-    tuned = md_row(md, "raw pixels (baseline)", "kNN, k=5, T=0.05 (chosen on a validation")
-    assert tuned[2:] == ["66.10", "97.50"]
-    assert md_row(md, "raw pixels (baseline)", "linear probe")[2:] == ["70.02", "99.00"]
-    assert md_row(md, "random-init encoder (baseline)")[2:] == ["48.09", "90.50"]
-    assert "k=20, T=0.1" in md_row(md, "MoCo encoder + kNN")[1]
+    # PARAMS keep embed's defaults: layer3 pooled to 4 x 4 cells, for MoCo and the random encoder
+    assert md_row(md, "MoCo encoder + kNN")[1:] == ["layer3, 4 x 4 cells", "k=20, T=0.1",
+                                                    "71.23", "99.50"]
+    assert md_row(md, "MoCo encoder + linear probe")[3:] == ["73.87", "100.00"]
+    assert md_row(md, "raw pixels (baseline)", "pixels | kNN, k=200")[3:] == ["62.41", "97.00"]
+    tuned = md_row(md, "raw pixels (baseline)", "pixels | kNN, k=5, T=0.05 (chosen on a valid")
+    assert tuned[3:] == ["66.10", "97.50"]
+    assert md_row(md, "raw pixels (baseline)", "pixels | linear probe")[3:] == ["70.02", "99.00"]
+    assert md_row(md, "random-init encoder (baseline)")[1:] == [
+        "layer3, 4 x 4 cells", "kNN, k=200, T=0.1", "48.09", "90.50"]
     # headline against the BEST raw-pixel baseline of each protocol: kNN max(62.41, 66.10)
     assert ("kNN: MoCo 71.23 % beats the best raw-pixel kNN 66.10 % (+5.13 points)"  # 71.23-66.10
             in md)
     assert "linear: MoCo 73.87 % beats the best raw-pixel linear 70.02 % (+3.85 points)" in md
     assert "kNN +5.13 points vs the best raw-pixel kNN" in md
+    # 71.23 - 48.09: same features, but MoCo's kNN ran at k=20 (KNN), the random one at k=200
+    assert ("kNN +23.14 points vs the random encoder's kNN (same features; k=200, T=0.1 "
+            "against MoCo's k=20, T=0.1)") in md
     assert md.index("Headline") < md.index("| MoCo encoder + kNN")  # above the table
     assert "Fashion-MNIST" in md
     html = report.html.read_text()
     for v in ("71.23", "73.87", "62.41", "48.09"):
         assert f'<td class="num">{v}</td>' in html
+
+
+def test_build_report__knn_monitor_against_its_own_epoch_zero(full_report):
+    root, report = full_report
+    md = report.markdown.read_text()
+    pre = md_section(md, "Pretraining")
+    # plots/knn_monitor.tsv of the tiny run: epoch 0 40.25, last 66.5 (metrics say the same)
+    assert md_row(pre, "kNN monitor top-1 at init -> end (%)")[1] == "40.25 -> 66.50"
+    caption = next(ln for ln in pre.splitlines() if ln.startswith("*kNN top-1 of the monitor"))
+    # 10,000 / 2,000 monitor images asked for; the train shards have no manifest (size not
+    # known), the test split has 24 images
+    assert ("(k=200 capped at the bank, T=0.1, global average pool of the last stage; bank = "
+            "the first 10,000 labelled train images (at most), queries = the first 24 test "
+            "images;") in caption
+    assert "the last point is +26.25 points from it" in caption  # 66.5 - 40.25
+    assert "48.09" not in pre and "62.41" not in pre  # the baselines: other features, all images
 
 
 def test_build_report__provenance_sections(full_report):
@@ -101,6 +123,9 @@ def test_build_report__provenance_sections(full_report):
     lock = md_section(md, "DVC outputs")
     assert "| build_shards | data/shards | aaaabbbbccccddddeeeeffff00001111.dir |" in lock
     assert "| pretrain | models/encoder.pt | 99998888777766665555444433332222 |" in lock
+    # the report stage's own entry is the previous run's while it runs: left out, said so
+    assert "0000111122223333444455556666777" not in lock and "| report |" not in lock
+    assert "Left out: the report stage's own outputs (reports, runs/report.json)" in lock
     assert "git commit abc1234" in md
     cost = md_section(md, "Throughput and wall time")
     assert md_row(cost, "pretrain")[1:3] == ["31.5", "812.5"]
@@ -110,13 +135,56 @@ def test_build_report__provenance_sections(full_report):
     assert md_row(cost, "total (available)")[1] == "40.0"
 
 
+def test_build_report__provenance_says_when_what_code_which_machine(tmp_path, monkeypatch):
+    import platform
+
+    import torch
+    import torchvision
+
+    root = make_run(tmp_path / "run")
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", str(365 * 86400 + 3661))  # 1971-01-01 01:01:01
+    report = build_report(params=from_dict({"report": {"tsne_points": 0}}), root=root,
+                          out_dir=root / "reports", git_commit="abc1234", git_dirty="true")
+    md = report.markdown.read_text()
+    prov = md_section(md, "Provenance")
+    assert "Code: git commit abc1234 (dirty: tracked files differ from it)." in prov
+    # RAN of reporthelpers: what the tiny run's pretraining recorded of its process
+    assert md_row(prov, "date") == ["date", "2026-12-01 08:09:10 UTC", "1971-01-01 01:01:01 UTC"]
+    assert md_row(prov, "ran as (device, precision, threads)")[1] == (
+        "cuda, bf16, 3 thread(s) x 2 process(es)")
+    assert md_row(prov, "GPU")[1] == "2 x Test GPU"
+    assert md_row(prov, "torch") == ["torch", "9.1.0", torch.__version__]
+    assert md_row(prov, "torchvision")[2] == torchvision.__version__
+    with open("/proc/cpuinfo") as f:  # this machine's CPU model, read here independently
+        model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                     platform.processor())
+    assert md_row(prov, "CPU")[1:] == ["Test CPU 9000, 3 of 8 cores",
+                                       f"{model}, {len(os.sched_getaffinity(0))} of "
+                                       f"{os.cpu_count()} cores"]
+    gpu = md_row(prov, "GPU")[2]
+    assert (torch.cuda.get_device_name(0) in gpu if torch.cuda.is_available() else gpu == "none")
+    # the setting and what ran: auto resolved to bf16 on that machine
+    assert "precision auto (ran as bf16)" in md_section(md, "Settings")
+
+
+def test_build_report__provenance_without_a_recorded_process(tmp_path):
+    root = make_run(tmp_path / "run")
+    write_json(root / "runs/pretrain.json", {"stage": "pretrain", "run_id": None})  # older run
+    report = build_report(params=from_dict({"report": {"tsne_points": 0}}), root=root,
+                          out_dir=root / "reports")
+    prov = md_section(report.markdown.read_text(), "Provenance")
+    assert "Code: git commit not available (dirty flag not available)." in prov
+    assert md_row(prov, "torch")[1] == "not available (runs/pretrain.json records no 'ran')"
+    assert "precision auto |" in report.markdown.read_text()  # nothing claimed about what ran
+
+
 def test_build_report__missing_inputs_say_not_available(tmp_path):
     root = tmp_path / "empty"
     root.mkdir()
     report = build_report(params=from_dict({}), root=root, out_dir=tmp_path / "out")
     md = report.markdown.read_text()
-    assert md_row(md, "MoCo encoder + kNN")[2:] == [NOT_AVAILABLE, NOT_AVAILABLE]
-    assert md_row(md, "raw pixels (baseline)")[2:] == [NOT_AVAILABLE, NOT_AVAILABLE]
+    assert md_row(md, "MoCo encoder + kNN")[3:] == [NOT_AVAILABLE, NOT_AVAILABLE]
+    assert md_row(md, "raw pixels (baseline)")[3:] == [NOT_AVAILABLE, NOT_AVAILABLE]
     assert "dvc.lock: not available." in md
     assert "t-SNE: not available" in md
     assert check_html(report.html) == []
@@ -127,13 +195,13 @@ def test_build_report__missing_inputs_say_not_available(tmp_path):
 
 def test_build_report__one_metrics_file_missing(tmp_path):
     root = make_run(tmp_path / "run")
-    (root / "metrics/knn.json").unlink()
+    (root / "eval/metrics/knn.json").unlink()
     (root / "eval/knn_details.json").unlink()
     params = from_dict({"report": {"tsne_points": 0, "retrieval_queries": 0}})
     report = build_report(params=params, root=root, out_dir=root / "reports")
     md = report.markdown.read_text()
-    assert md_row(md, "MoCo encoder + kNN")[2:] == [NOT_AVAILABLE, NOT_AVAILABLE]
-    assert md_row(md, "MoCo encoder + linear probe")[2:] == ["73.87", "100.00"]
+    assert md_row(md, "MoCo encoder + kNN")[3:] == [NOT_AVAILABLE, NOT_AVAILABLE]
+    assert md_row(md, "MoCo encoder + linear probe")[3:] == ["73.87", "100.00"]
     assert "kNN confusion matrix: not available" in md
     assert (root / "reports/figures/confusion_linear.png").is_file()
     assert "t-SNE: skipped (report.tsne_points = 0" in md
@@ -169,11 +237,12 @@ def test_build_report__broken_figure_keeps_previous_report(tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "reports"]
 
 
-def test_build_report__same_inputs_same_bytes(tmp_path):
+def test_build_report__same_inputs_same_bytes(tmp_path, monkeypatch):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")  # the date written: fixed
     root = tmp_path / "empty"
     root.mkdir()
-    (root / "metrics").mkdir()
-    (root / "metrics/knn.json").write_text(json.dumps(KNN))
+    (root / "eval/metrics").mkdir(parents=True)
+    (root / "eval/metrics/knn.json").write_text(json.dumps(KNN))
     a = build_report(params=from_dict({}), root=root, out_dir=tmp_path / "a")
     b = build_report(params=from_dict({}), root=root, out_dir=tmp_path / "b")
     assert a.html.read_bytes() == b.html.read_bytes()
@@ -199,3 +268,16 @@ def test_build_report__hostile_inputs_shown_as_text(tmp_path):
     runs = md_section(md, "MLflow runs")
     assert '| knn | &lt;img src=x onerror="alert(1)"> | &lt;b>7&lt;/b>\\|x |' in runs
     assert "<script" not in md and "<img" not in md
+
+
+def test_build_report__knn_monitor_k_capped_at_a_small_bank(tmp_path):
+    # a 60-image train split under a 10,000-image monitor cap: the bank is 60, so k = 60
+    root = make_run(tmp_path / "run")
+    keys = [f"train{i:05d}" for i in range(60)]
+    write_shards(root / "data/shards/train", keys, [i % 3 for i in range(60)], 30, manifest=True)
+    report = build_report(params=from_dict({"report": {"tsne_points": 0}}), root=root,
+                          out_dir=root / "reports")
+    pre = md_section(report.markdown.read_text(), "Pretraining")
+    assert ("(k=60 (200 capped at the bank), T=0.1, global average pool of the last stage; "
+            "bank = the first 60 labelled train images, queries = the first 24 test images;"
+            ) in pre

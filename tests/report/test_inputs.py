@@ -11,6 +11,7 @@ from reporthelpers import (
     KNN,
     LINEAR,
     PRETRAIN,
+    RAN,
     image,
     make_run,
     write_json,
@@ -50,6 +51,8 @@ def test_read_outputs__complete_run_typed(tmp_path):
     assert out.data_insights == DATA_INSIGHTS and out.root == root
     assert out.runs["embed"] == RunRecord(None, "7", "https://alice:s3cret@mlflow.example.org")
     assert out.runs["knn"].run_id == "run04abc"
+    assert out.runs["pretrain"].ran == RAN and out.runs["knn"].ran == {}
+    assert out.split_sizes == {"train": None, "test": 24}  # the train shards have no manifest
     md5 = "99998888777766665555444433332222"
     assert out.dvc_lock[1] == LockRow("pretrain", "models/encoder.pt", md5)
     assert out.shards_dir == root / "data/shards"
@@ -141,6 +144,8 @@ def test_read_dvc_lock__rows(tmp_path):
     assert read_dvc_lock(tmp_path / "dvc.lock") == [
         LockRow("build_shards", "data/shards", "aaaabbbbccccddddeeeeffff00001111.dir"),
         LockRow("pretrain", "models/encoder.pt", "99998888777766665555444433332222"),
+        LockRow("report", "reports", "0000111122223333444455556666777f.dir"),
+        LockRow("report", "runs/report.json", "0000111122223333444455556666777e"),
     ]
     assert read_dvc_lock(tmp_path / "absent.lock") is None
     (tmp_path / "list.lock").write_text("- 1\n")
@@ -149,10 +154,9 @@ def test_read_dvc_lock__rows(tmp_path):
 
 def test_collect_final_metrics__union_with_prefixes(tmp_path):
     root = make_run(tmp_path / "run")
-    (root / "metrics/embed.json").unlink()
-    write_json(
-        root / "metrics/linear.json", {**LINEAR, "note": "text", "flag": True, "nested": {"a": 2}}
-    )
+    (root / "eval/metrics/embed.json").unlink()
+    write_json(root / "eval/metrics/linear.json",
+               {**LINEAR, "note": "text", "flag": True, "nested": {"a": 2}})
     expected = {f"pretrain.{k}": float(v) for k, v in PRETRAIN.items()}
     expected |= {f"knn.{k}": float(v) for k, v in KNN.items()}
     expected |= {f"linear.{k}": float(v) for k, v in LINEAR.items()}

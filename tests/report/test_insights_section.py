@@ -8,7 +8,13 @@ from reporthelpers import DATA_INSIGHTS, IN_PLACE_SHARD, PRETRAIN_SHARD, image, 
 
 from pipeline.report.document import FigureRef, Paragraph, Table
 from pipeline.report.inputs import read_outputs
-from pipeline.report.insights import TITLE, insights_section, load_images
+from pipeline.report.insights import (
+    IDENTICAL,
+    TITLE,
+    insights_section,
+    load_images,
+    pixel_difference,
+)
 
 
 def _section(root, tmp_path, shown=12):
@@ -27,11 +33,22 @@ def test_insights_section__summary_pairs_table_and_figures(tmp_path):
         "compared with its 5 most cosine-similar others. 3 pairs reach cosine >= 0.98 "
         "(insights.duplicate_cosine), involving 6 images. No labels are used.")
     table = next(b for b in sec.blocks if isinstance(b, Table))
+    # image(i): background 3i, an 8 x 8 square 255 - 3i: every one of the 28 x 28 pixels of
+    # image(0) and image(7) differ, by 21 (= 3 x 7); of image(12) and image(21), by 27
+    assert table.headers == ["#", "cosine", "key", "key", "pixels", "shard"]
     assert table.rows == [
-        ["1", "1.0000", "pre00000", "pre00007", PRETRAIN_SHARD],
-        ["2", "0.9912", "pre00003", "000000123", f"{PRETRAIN_SHARD} / {IN_PLACE_SHARD}"],
-        ["3", "0.9875", "pre00012", "pre00021", PRETRAIN_SHARD],
+        ["1", "1.0000", "pre00000", "pre00007",
+         "784 of 784 pixels differ, by up to 21 grey levels", PRETRAIN_SHARD],
+        ["2", "0.9912", "pre00003", "000000123",
+         "not available (image not read from a local shard)",
+         f"{PRETRAIN_SHARD} / {IN_PLACE_SHARD}"],
+        ["3", "0.9875", "pre00012", "pre00021",
+         "784 of 784 pixels differ, by up to 27 grey levels", PRETRAIN_SHARD],
     ]
+    caption = next(b for b in sec.blocks if isinstance(b, FigureRef)).caption
+    assert ("0 of them with identical pixels, 2 differing in some pixels, 1 not compared"
+            in caption)
+    assert "the same pixels" not in caption  # cosine 1.0000 here, yet every pixel differs
     refs = [b.name for b in sec.blocks if isinstance(b, FigureRef)]
     assert refs == ["duplicates.png", "outliers.png"]
     for name in refs:
@@ -75,3 +92,23 @@ def test_insights_section__no_pairs_and_missing_file(tmp_path):
     sec, _ = _section(root, tmp_path / "none")
     assert sec.blocks == [Paragraph(
         "Near-duplicates and outliers: not available (eval/data_insights.json).")]
+
+
+def test_pixel_difference__counts_pixels_and_levels():
+    a = np.zeros((4, 4), dtype=np.uint8)
+    b = a.copy()
+    b[0, 0], b[1, 2], b[3, 3] = 5, 10, 2  # 3 of 16 pixels, the largest step 10
+    grey = Image.fromarray(a, mode="L")
+    assert pixel_difference(grey, Image.fromarray(b, mode="L")) == (
+        "3 of 16 pixels differ, by up to 10 grey levels", 3)
+    assert pixel_difference(grey, grey.copy()) == (IDENTICAL, 0)
+    # a grey image and its RGB copy hold the same pixels
+    assert pixel_difference(grey, grey.convert("RGB")) == (IDENTICAL, 0)
+    rgb = np.zeros((2, 3, 3), dtype=np.uint8)
+    other = rgb.copy()
+    other[0, 1] = (0, 7, 3)  # one pixel, two channels: counted once, by its largest step
+    other[1, 2, 2] = 200
+    assert pixel_difference(Image.fromarray(rgb), Image.fromarray(other)) == (
+        "2 of 6 pixels differ, by up to 200 levels", 2)
+    assert pixel_difference(grey, Image.new("L", (5, 4))) == ("sizes differ (4x4, 5x4)", None)
+    assert pixel_difference(None, grey)[1] is None

@@ -60,12 +60,50 @@ def test_label_efficiency__points_read_in_increasing_n_not_as_sorted_text(tmp_pa
     point = {"mean": 50.0, "std": 1.0, "min": 49.0, "max": 51.0}
     curve = {kind: {probe: {str(n): dict(point) for n in ns} for probe in ("knn", "linear")}
              for kind in ("moco", "raw_pixels", "random_encoder")}
-    write_json(root / "metrics/label_efficiency.json",
+    write_json(root / "eval/metrics/label_efficiency.json",
                {"draws": 2, "train_images": 60, "curve": curve})
-    assert '"10"' in (root / "metrics/label_efficiency.json").read_text().split('"2"')[0]
+    assert '"10"' in (root / "eval/metrics/label_efficiency.json").read_text().split('"2"')[0]
     out = read_outputs(root, "data/shards")
     assert list(out.label_efficiency["curve"]["moco"]["knn"]) == [str(n) for n in ns]
     figs = tmp_path / "figs"
     figs.mkdir()
     table = next(b for b in label_efficiency_section(out, figs).blocks if isinstance(b, Table))
     assert table.headers[2:] == [f"{n}/class" for n in ns]
+
+
+def test_label_efficiency__a_point_a_class_could_not_fill_says_what_it_used(tmp_path):
+    # 60 train images of 2 classes: 1/class and 10/class fill; at 25/class the smaller class
+    # (20 images) gives 20, the point uses 45 labels: the header and a sentence say so
+    root = make_run(tmp_path / "run")
+    curve = copy.deepcopy(LABEL_EFFICIENCY["curve"])
+    for probes in curve.values():
+        for points in probes.values():
+            points["1"].update(labels=2, per_class_min=1)
+            points["10"].update(labels=20, per_class_min=10)
+            points["25"] = {**points["10"], "labels": 45, "per_class_min": 20}
+    write_json(root / "eval/metrics/label_efficiency.json",
+               {"draws": 3, "train_images": 60, "curve": curve})
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    sec = label_efficiency_section(read_outputs(root, "data/shards"), figs)
+    table = next(b for b in sec.blocks if isinstance(b, Table))
+    assert table.headers[2:] == ["1/class", "10/class", "25/class (≥ 20)"]
+    texts = [b.text for b in sec.blocks if isinstance(b, Paragraph)]
+    assert "at 25/class the smallest class gives 20, 45 labels in all" in texts[0]
+
+
+def test_label_efficiency__no_stars_where_the_images_per_class_are_unknown(tmp_path):
+    # stars sit at train images / classes: without class names that x is not known
+    root = make_run(tmp_path / "run")
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    out = read_outputs(root, "data/shards")
+    caption = label_efficiency_section(out, figs).blocks[0].caption
+    assert "Stars, side by side at the train images per class" in caption
+    assert "MoCo k=20, T=0.1, raw pixels k=5, T=0.05 chosen on held-out" in caption  # KNN, BASE
+    (root / "data/shards/test/manifest.json").unlink()
+    for stem in ("knn", "linear"):
+        (root / f"eval/{stem}_details.json").unlink()
+    caption = label_efficiency_section(read_outputs(root, "data/shards"), figs).blocks[0].caption
+    assert caption.endswith("No stars: the train images per class are not available "
+                            "(no class names).")

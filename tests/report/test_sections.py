@@ -4,13 +4,13 @@ from reporthelpers import PARAMS, make_run
 from pipeline.config import from_dict
 from pipeline.report.inputs import Metrics, read_outputs
 from pipeline.report.provenance import cost_section, redact_uri
+from pipeline.report.results import results_section
 from pipeline.report.sections import (
     NOT_AVAILABLE,
     FigureRef,
     Paragraph,
     Table,
     build_document,
-    results_section,
     settings_section,
 )
 
@@ -30,7 +30,7 @@ def test_build_document__sections_and_figures(tmp_path):
     assert [s.title for s in doc.sections] == [
         "Settings", "Results", "Pretraining", "Quality without labels", "Evaluation",
         "Label efficiency", "What the embeddings say about the data", "Embeddings",
-        "Throughput and wall time", "MLflow runs", "DVC outputs",
+        "Throughput and wall time", "MLflow runs", "DVC outputs", "Provenance",
     ]
     assert doc.title == "MoCo report: fashion_mnist / resnet18"
     assert doc.subtitle.endswith("git commit c0ffee.")
@@ -43,6 +43,28 @@ def test_build_document__sections_and_figures(tmp_path):
     )
 
 
+def test_build_document__no_labels__says_why_and_keeps_what_needs_none(tmp_path):
+    # check_eval found no labelled images: the results say why, the evaluation sections that
+    # need labels are left out, the label-free and data sections stay
+    from pipeline.atomic import write_json
+
+    root = make_run(tmp_path / "run")
+    why = "no labelled train or test images (data.source none)"
+    write_json(root / "runs/check_eval.json", {"stage": "check_eval", "run_id": None,
+                                               "labelled": False, "skipped": why})
+    fig_dir = tmp_path / "figs"
+    fig_dir.mkdir()
+    params = from_dict({**PARAMS, "report": {"tsne_points": 0, "retrieval_queries": 0}})
+    doc = build_document(params, read_outputs(root, "data/shards"), fig_dir, "c0ffee")
+    assert [s.title for s in doc.sections] == [
+        "Settings", "Results", "Pretraining", "Quality without labels",
+        "What the embeddings say about the data", "Throughput and wall time", "MLflow runs",
+        "DVC outputs", "Provenance",
+    ]
+    text = doc.sections[1].blocks[0].text
+    assert text.startswith(f"Evaluation with labels skipped: {why}.")
+
+
 def test_results_section__published_reference_row_and_distance():
     p = from_dict({"data": {"source": "cifar10"}, "pretrain": {"epochs": 200}})
     m = _metrics(knn={"top1": 80.1, "top5": 99.0, "k": 200.0, "T": 0.1},
@@ -52,11 +74,20 @@ def test_results_section__published_reference_row_and_distance():
         "Headline — kNN: MoCo 80.10 % beats the best raw-pixel kNN 40.00 % (+40.10 points).")
     table = sec.blocks[1]
     assert isinstance(table, Table)
-    assert table.rows[0] == ["MoCo encoder + kNN", "k=200, T=0.1", "80.10", "99.00"]
-    assert table.rows[-1] == ["published (200 epochs)", "kNN", "82.60", NOT_AVAILABLE]
+    assert table.rows[0] == ["MoCo encoder + kNN", "layer3, 4 x 4 cells", "k=200, T=0.1",
+                             "80.10", "99.00"]
+    assert table.rows[-1] == ["published (200 epochs)", "last stage, global pool", "kNN",
+                              "82.60", NOT_AVAILABLE]
     texts = [b.text for b in sec.blocks if isinstance(b, Paragraph)]
     assert "Top-1 gains: kNN +40.10 points vs the best raw-pixel kNN." in texts
-    assert texts[-1] == "This run's kNN top-1 is -2.50 points from the published number."
+    # no MoCo-protocol number: ours is on other features than the published one, and says so
+    assert texts[-1] == ("This run's kNN top-1 on its own features (layer3, 4 x 4 cells; "
+                         "published: last stage, global pool) is -2.50 points from the "
+                         "published number.")
+    m["knn"] = Metrics({**m["knn"].values, "protocol_top1": 81.6})
+    texts = [b.text for b in results_section(p, m).blocks if isinstance(b, Paragraph)]
+    assert texts[-1] == ("This run's kNN top-1 in the MoCo protocol (last stage, global pool, "
+                         "as published) is -1.00 points from the published number.")
 
 
 def test_cost_section__notes_and_total():
@@ -92,7 +123,22 @@ def test_results_section__gains_compare_same_protocol_only():
                             "raw_pixels_linear_top1": 83.75, "random_encoder_top1": 70.25})
     texts = [b.text for b in results_section(p, m).blocks if isinstance(b, Paragraph)]
     assert ("Top-1 gains: kNN -4.50 points vs the best raw-pixel kNN; kNN +12.75 points vs the "
-            "random encoder's kNN; linear +0.75 points vs the best raw-pixel linear.") in texts
+            "random encoder's kNN (same features; k=200, T=0.1 against MoCo's k=10, T=0.1); "
+            "linear +0.75 points vs the best raw-pixel linear.") in texts
+
+
+@pytest.mark.parametrize("params, knn, said", [
+    ({}, {"k": 200.0, "T": 0.1}, "same features and kNN"),
+    ({"embed": {"use_head": True, "layer": 4, "pool_grid": 1}}, {"k": 200.0, "T": 0.1},
+     "features last stage, global pool against MoCo's projection head"),
+    ({"embed": {"layer": 4, "pool_grid": 1}}, {"k": 20.0, "T": 0.02},
+     "same features; k=200, T=0.1 against MoCo's k=20, T=0.02"),
+])
+def test_results_section__random_encoder_gain_says_what_differs(params, knn, said):
+    m = _metrics(knn={"top1": 80.0, **knn}, baselines={"random_encoder_top1": 70.0})
+    texts = [b.text for b in results_section(from_dict(params), m).blocks
+             if isinstance(b, Paragraph)]
+    assert f"kNN +10.00 points vs the random encoder's kNN ({said})." in texts[-2]
 
 
 def test_settings_section__knn_row_says_how_k_and_T_were_set():
@@ -127,7 +173,7 @@ def test_runs_section__links_the_ui_runs_table_without_credentials(tmp_path):
     (link,) = [b for b in sec.blocks if isinstance(b, Paragraph) and b.href]
     # the helper's runs were logged to https://alice:s3cret@mlflow.example.org, experiment 7
     assert link.href == ("https://mlflow.example.org/#/experiments/7/runs"
-                         "?workflowType=machine_learning")
+                         "?workflowType=machine_learning&viewStateShareKey=headline")
 
 
 def test_results_section__moco_protocol_rows_beside_ours():
@@ -142,11 +188,13 @@ def test_results_section__moco_protocol_rows_beside_ours():
     assert names[:4] == ["MoCo encoder + kNN", "MoCo encoder + kNN, MoCo protocol",
                          "MoCo encoder + linear probe",
                          "MoCo encoder + linear probe, MoCo protocol"]
-    assert rows[1][2:] == ["82.50", "98.50"] and rows[3][2:] == ["86.25", "99.25"]
+    assert rows[1][3:] == ["82.50", "98.50"] and rows[3][3:] == ["86.25", "99.25"]
+    assert rows[1][1] == rows[3][1] == "last stage, global pool"  # the protocol's features
+    assert rows[0][1] == rows[2][1] == "layer3, 4 x 4 cells"  # embed's default features
 
 
 def test_headline__gap_under_seed_noise_is_level_not_a_win():
-    from pipeline.report.sections import SEED_NOISE_POINTS, headline
+    from pipeline.report.results import SEED_NOISE_POINTS, headline
 
     assert SEED_NOISE_POINTS == 0.3
     m = _metrics(knn={"top1": 87.30}, linear={"top1": 88.68},

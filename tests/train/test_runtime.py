@@ -2,6 +2,7 @@
 
 import math
 import os
+import shutil
 import signal
 import time
 
@@ -192,6 +193,7 @@ def test_pretrain__compile_on_cpu_and_resume_bit_identical(tiny_shards, tmp_path
     full = run_pretrain(tiny_shards, tmp_path / "full", over)
     assert math.isfinite(full["loss"])
     run_pretrain(tiny_shards, tmp_path / "part", over, max_steps=5)  # checkpoint at 4
+    shutil.copytree(tmp_path / "part/ckpt", tmp_path / "eager/ckpt")
     caplog.set_level("INFO")
     run_pretrain(tiny_shards, tmp_path / "part", over)
     # a fresh start would be bit-identical too: the second run must have resumed at step 4
@@ -199,6 +201,10 @@ def test_pretrain__compile_on_cpu_and_resume_bit_identical(tiny_shards, tmp_path
     a = torch.load(tmp_path / "full/encoder.pt", weights_only=True)
     b = torch.load(tmp_path / "part/encoder.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the compiled run's checkpoint resumes eagerly: compiling leaves the state_dict keys alone
+    eager = {"model": over["model"], "pretrain": {**over["pretrain"], "compile": False}}
+    assert math.isfinite(run_pretrain(tiny_shards, tmp_path / "eager", eager)["loss"])
+    assert f"resuming from {tmp_path / 'eager/ckpt/last.pt'} at step 4" in caplog.text
 
 
 def test_plan_error__bad_bn_mode_is_a_one_line_user_error(tiny_shards, tmp_path):
@@ -274,3 +280,25 @@ def test_pretrain__auto_threads_same_encoder_beside_a_busy_process(tiny_shards, 
     digest = [hashlib.sha256((tmp_path / d / "encoder.pt").read_bytes()).hexdigest()
               for d in ("quiet", "busy")]
     assert digest[0] == digest[1]
+
+
+def test_pretrain__runs_json_records_how_it_ran(tiny_shards, tmp_path, monkeypatch):
+    # the report's provenance: what ran (the params say `auto`), also with MLflow off
+    import json
+    from datetime import datetime
+
+    import torchvision
+
+    from pipeline.config import from_dict
+    from pipeline.tracking import stage_run
+
+    monkeypatch.chdir(tmp_path)
+    with stage_run("pretrain", from_dict({"mlflow": {"enabled": False}})) as r:
+        run_pretrain(tiny_shards, tmp_path / "m",
+                     {"pretrain": {"precision": "fp32", "num_threads": 1}}, run=r)
+    ran = json.loads((tmp_path / "runs/pretrain.json").read_text())["ran"]
+    assert (ran["precision"], ran["num_threads"], ran["processes"], ran["device"]) == (
+        "fp32", 1, 1, "cuda" if torch.cuda.is_available() else "cpu")
+    assert (ran["torch"], ran["torchvision"]) == (torch.__version__, torchvision.__version__)
+    datetime.strptime(ran["finished_utc"], "%Y-%m-%d %H:%M:%S")  # raises if not that format
+    assert ran["cpu"].endswith(f", {len(os.sched_getaffinity(0))} of {os.cpu_count()} cores")

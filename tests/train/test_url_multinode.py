@@ -81,8 +81,8 @@ def test_pretrain_stage__from_url_bit_identical_to_local(http_shards, tmp_path):
     remote = _stage(tmp_path / "remote", url)
     assert remote.returncode == 0, remote.stderr[-3000:]
     assert _same_state(tmp_path / "local/models/encoder.pt", tmp_path / "remote/models/encoder.pt")
-    a = json.loads((tmp_path / "local/metrics/pretrain.json").read_text())
-    b = json.loads((tmp_path / "remote/metrics/pretrain.json").read_text())
+    a = json.loads((tmp_path / "local/eval/metrics/pretrain.json").read_text())
+    b = json.loads((tmp_path / "remote/eval/metrics/pretrain.json").read_text())
     assert a["loss"] == b["loss"] and a["steps"] == b["steps"] == 2 * (160 // 16)
 
 

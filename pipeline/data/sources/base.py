@@ -114,9 +114,10 @@ class SourceFile:
 
     Attributes:
         format: PIL's format name of the file (``"JPEG"``, ``"PNG"``, ``"WEBP"``, ...).
-        data: the file's bytes when decoding them with PIL and converting to the split's mode
-            (:func:`pipeline.data.modes.to_mode`) gives exactly the sample's image;
-            ``None`` once the pixels were changed (turned upright by EXIF, converted from
+        data: the file's bytes when decoding them with PIL
+            (:func:`pipeline.data.external.open_image`: EXIF orientation applied) and
+            converting to the split's mode (:func:`pipeline.data.modes.to_mode`) gives
+            exactly the sample's image; ``None`` once the pixels were changed (converted from
             another mode, resized).
     """
 

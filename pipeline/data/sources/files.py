@@ -1,7 +1,8 @@
 """Image files as the sources read them: upright pixels, and header or decode scans.
 
-:func:`open_upright` gives a file's pixels as displayed (EXIF orientation applied) and says
-whether its JPEG bytes still describe them; :func:`read_images` and :func:`scan_headers` read
+:func:`open_upright` gives a file's pixels as displayed (EXIF orientation applied, as every
+decode does: :func:`pipeline.data.external.open_image`) and says whether its JPEG bytes still
+describe them; :func:`read_images` and :func:`scan_headers` read
 every file's header (or decode it, at 1/8 scale for a JPEG) and name the broken ones. Used by
 the ImageFolder and unlabelled-tree sources and by the folder index.
 """
@@ -14,9 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from PIL import Image, ImageOps
+from PIL import Image
 
-from pipeline.data.external import open_image
+from pipeline.data.external import open_image, upright_size
 from pipeline.data.modes import SUPPORTED_MODES, ModeError, image_kind, to_mode
 from pipeline.data.sources.base import (
     BrokenImages,
@@ -27,10 +28,6 @@ from pipeline.data.sources.base import (
     shown_path,
 )
 
-EXIF_ORIENTATION = 0x0112  # the EXIF/TIFF Orientation tag
-_SWAPS_SIDES = (5, 6, 7, 8)  # orientations that turn the image by 90 degrees (W and H swap)
-_TURNS = (2, 3, 4, 5, 6, 7, 8)  # orientations ImageOps.exif_transpose changes the pixels for
-
 
 def open_upright(path: str, mode: str) -> tuple[Image.Image, SourceFile]:
     """An image file decoded, turned upright by its EXIF orientation, then converted to ``mode``.
@@ -38,20 +35,20 @@ def open_upright(path: str, mode: str) -> tuple[Image.Image, SourceFile]:
     Returns:
         ``(image, file)``: the image in ``mode``, and the file it came from
         (:class:`~pipeline.data.sources.base.SourceFile`), with its bytes when they decode to
-        exactly this image: a JPEG whose EXIF orientation turns nothing (absent or 1) and whose
-        mode is ``mode`` (or ``L`` in an ``RGB`` folder, :func:`keeps_pixels`). Only JPEGs keep
-        their bytes: ``build_shards`` stores every other format as PNG.
+        exactly this image: a JPEG whose mode is ``mode`` (or ``L`` in an ``RGB`` folder,
+        :func:`keeps_pixels`), whatever its EXIF orientation: every reader turns it as this
+        does (:func:`~pipeline.data.external.open_image`). Only JPEGs keep their bytes:
+        ``build_shards`` stores every other format as PNG.
 
     Raises:
         UnreadableImage: the pixels cannot be decoded or converted (names the file).
     """
     try:
         data = Path(path).read_bytes()
-        with open_image(data) as im:
-            turned = im.getexif().get(EXIF_ORIENTATION, 1) in _TURNS
-            kept = im.format == "JPEG" and not turned and keeps_pixels(im.mode, mode)
+        with open_image(data) as im:  # upright (EXIF orientation applied)
+            kept = im.format == "JPEG" and keeps_pixels(im.mode, mode)
             file = SourceFile(str(im.format), data if kept else None)
-            return to_mode(ImageOps.exif_transpose(im), mode), file
+            return to_mode(im, mode), file
     except ModeError as e:  # e.g. float values outside 0..1
         raise UnreadableImage(f"{shown_path(path)} ({e})") from None
     except Exception as e:  # truncated / corrupt data past the header
@@ -164,7 +161,7 @@ class PixelError(Exception):
 def _decode(path: str, kind: str) -> None:
     """Decode an image file as the build does, a JPEG at its smallest DCT scale (1/8).
 
-    The pixels, then the EXIF orientation and the conversion to ``kind`` (``"L"`` or
+    The pixels, turned by their EXIF orientation, and the conversion to ``kind`` (``"L"`` or
     ``"RGB"``), as :func:`open_upright`: so a value range the build refuses (``F`` outside
     0..1) or an EXIF block that does not parse is found here too. The file is opened afresh:
     the header scan's EXIF, read before the pixels, misses a PNG ``eXIf`` chunk after them.
@@ -175,20 +172,8 @@ def _decode(path: str, kind: str) -> None:
     """
     try:
         with open_image(Path(path).read_bytes(), reduce=lambda _: 8) as im:
-            to_mode(ImageOps.exif_transpose(im), kind)
+            to_mode(im, kind)
     except ModeError as e:  # e.g. float values outside 0..1
         raise PixelError(str(e)) from None
     except Exception as e:  # truncated / corrupt data past the header
         raise PixelError(f"{type(e).__name__}: {e}") from None
-
-
-def upright_size(image: Image.Image) -> tuple[int, int]:
-    """``(W, H)`` as displayed: swapped when the EXIF orientation turns the image by 90°.
-
-    Reads headers only: PIL's PNG ``getexif`` would decode the pixels to find an ``eXIf`` chunk
-    written after them (the PNG spec puts it before), so for PNG only the header's is used here;
-    :meth:`ImageFolderSource._load` still applies a late one.
-    """
-    w, h = image.size
-    exif = Image.Image.getexif(image) if image.format == "PNG" else image.getexif()
-    return (h, w) if exif.get(EXIF_ORIENTATION) in _SWAPS_SIDES else (w, h)

@@ -53,9 +53,11 @@ class ImageFolderSource(Source):
     the tree, each real directory once (see :func:`_scan_trees`).
 
     Orientation: each image is turned upright as its EXIF ``Orientation`` tag says (PIL's
-    ``ImageOps.exif_transpose``: a phone photo with Orientation 6 is stored rotated 90 degrees
+    ``ImageOps.exif_transpose``: a phone photo with Orientation 6 is shown rotated 90 degrees
     clockwise from its raw pixel layout, as every viewer shows it), before the mode conversion
-    and before any resize or crop; sizes and :attr:`native_shape` are the upright ones.
+    and before any resize or crop; sizes and :attr:`native_shape` are the upright ones. A JPEG
+    stored whole keeps its bytes and tag, and is turned by every reader when decoded
+    (:func:`pipeline.data.external.open_image`).
 
     Modes (:mod:`pipeline.data.modes` has the full table): the dataset mode is ``"L"``
     when every image is grey (1, L, LA, 16-bit, I, F, grey palettes) and ``"RGB"`` as soon as

@@ -122,10 +122,10 @@ class WebDatasetSource(Source):
     def _load(self, split: str, index: int) -> Sample:
         i = self._index[split][index]
         try:
-            with open_image(self._images[i]) as im:
+            with open_image(self._images[i]) as im:  # upright, as every reader decodes it
                 image = to_mode(im, self.mode)
-                # read as it is (no EXIF turn, as for shards read in place): a JPEG's bytes
-                # describe the image whenever the mode conversion keeps its values
+                # a JPEG's bytes describe the image whenever the mode conversion keeps its
+                # values (its EXIF orientation is applied by every reader)
                 kept = im.format == "JPEG" and keeps_pixels(im.mode, self.mode)
                 file = SourceFile(str(im.format), self._images[i] if kept else None)
         except ModeError as e:

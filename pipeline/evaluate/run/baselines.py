@@ -22,6 +22,12 @@ from pipeline.moco.backbones import build_backbone, resolve_small_stem, resolve_
 
 log = logging.getLogger(__name__)
 
+# metrics/baselines.json (pipeline.atomic.headline): what MoCo's top-1s are compared with,
+# under names short enough for one `dvc metrics show` line; eval/metrics/baselines.json
+# holds every number under its full name
+HEADLINE = {"pixels_knn": "raw_pixels_knn_tuned_top1", "pixels_linear": "raw_pixels_linear_top1",
+            "random_knn": "random_encoder_top1", "wall_time_s": "wall_time_s"}
+
 
 class Flatten(nn.Module):
     """Raw pixels as features: ``(B, C, H, W)`` normalised images -> ``(B, C*H*W)``."""

@@ -45,6 +45,9 @@ from pipeline.evaluate.insights import (
 from pipeline.evaluate.run.embed import Embedder, same_shards
 
 log = logging.getLogger(__name__)
+# metrics/data_insights.json (pipeline.atomic.headline): the embedding throughput; the pairs
+# and outliers are in eval/data_insights.json, every number in eval/metrics/data_insights.json
+HEADLINE = ("images_per_s", "wall_time_s")
 
 COSINE_DECIMALS = 6  # cosines in eval/data_insights.json (fp32 resolution near 1 is ~6e-8)
 Z_DECIMALS = 3  # outlier z-scores in eval/data_insights.json
@@ -205,7 +208,8 @@ def data_insights(*, encoder_path: Path, head_path: Path | None, shards_dir: Pat
         details_path: ``eval/data_insights.json``.
 
     Returns:
-        ``metrics/data_insights.json``: ``images``, ``duplicate_pairs``, ``images_in_pairs``,
+        every number (``eval/metrics/data_insights.json``; :data:`HEADLINE` of them
+        ``metrics/data_insights.json``): ``images``, ``duplicate_pairs``, ``images_in_pairs``,
         ``duplicate_cosine``, ``k``, ``outlier_score_median`` (the median image's largest view
         z-score), ``features_for_embed`` (1 when the features were written for ``embed``),
         ``embed_s``, ``images_per_s`` (embedding only), ``search_s`` (both searches and the

@@ -31,6 +31,8 @@ from pipeline.evaluate.pooling import set_pool_grid
 from pipeline.moco.backbones import build_backbone, build_head
 
 log = logging.getLogger(__name__)
+# metrics/embed.json (pipeline.atomic.headline); eval/metrics/embed.json holds every number
+HEADLINE = ("images_per_s", "wall_time_s")
 
 
 def load_encoder(encoder_path: Path, *, pool_grid: int = 1,

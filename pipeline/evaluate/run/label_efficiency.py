@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pipeline.atomic import PERCENT_DECIMALS, write_metrics, write_tsv
 from pipeline.config import LinearParams, ModelParams
 from pipeline.data.eval_loader import eval_loader
 from pipeline.data.remote import ShardURL
@@ -30,6 +31,10 @@ from pipeline.evaluate.run.baselines import Flatten, random_encoder
 log = logging.getLogger(__name__)
 
 KINDS = ("moco", "raw_pixels", "random_encoder")
+# the points of the curve in metrics/label_efficiency.json, when measured: MoCo's mean top-1
+# with 1 and with 10 labelled images per class (the whole curve: plots/ and eval/metrics/)
+HEADLINE_PER_CLASS = (1, 10)
+PLOT_COLUMNS = ("per_class", "features", "probe", "top1", "top1_min", "top1_max", "labels")
 
 
 def _drawn_images(split: Path | ShardURL, rows: set[int], transform: Any, batch_size: int,
@@ -56,7 +61,7 @@ def _drawn_images(split: Path | ShardURL, rows: set[int], transform: Any, batch_
 def label_efficiency(*, features_dir: Path, shards_dir: Path | ShardURL, model: ModelParams,
                      seed: int, linear: LinearParams, per_class: list[int], draws: int,
                      layer: int, pool_grid: int, batch_size: int = 512) -> dict[str, Any]:
-    """The curve of the three feature kinds (``metrics/label_efficiency.json``).
+    """The curve of the three feature kinds (written by :func:`write_label_efficiency`).
 
     Returns:
         ``{"draws": D, "train_images": N, "curve": {kind: {probe:
@@ -97,3 +102,53 @@ def label_efficiency(*, features_dir: Path, shards_dir: Path | ShardURL, model: 
     return {"draws": draws, "train_images": len(train),
             "curve": result, "wall_time_s": round(time.time() - t0, 1)}
 
+
+
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """``metrics/label_efficiency.json``: MoCo's mean top-1 at :data:`HEADLINE_PER_CLASS`.
+
+    Args:
+        result: :func:`label_efficiency`'s dict.
+
+    Returns:
+        ``{"knn": {"1": %, "10": %}, "linear": {...}, "wall_time_s": s}`` (top-1 to 0.01 pt,
+        as every accuracy of metrics/: :func:`pipeline.atomic.round_metric`); ``dvc metrics show``
+        names them ``knn.1``, ``knn.10``, ... (the only counts, so they sort as numbers); a count
+        that ``label_efficiency.per_class`` leaves out is absent.
+    """
+    moco = result["curve"]["moco"]
+    return {**{probe: {str(n): round(points[str(n)]["mean"], PERCENT_DECIMALS)
+                       for n in HEADLINE_PER_CLASS
+                       if str(n) in points} for probe, points in moco.items()},
+            "wall_time_s": result["wall_time_s"]}
+
+
+def plot_rows(curve: dict[str, Any]) -> list[dict[str, Any]]:
+    """The curve as rows of ``plots/label_efficiency.tsv`` (:data:`PLOT_COLUMNS`).
+
+    One row per (labels per class, feature kind, probe), in increasing ``per_class``: the mean
+    top-1 over the draws (%) and its min and max (``.dvc/plots/label_efficiency.json`` draws the
+    mean as a line, min-max as a bar), and the labelled images the point used in all (fewer
+    than per_class x classes where a class holds fewer).
+    """
+    rows = [{"per_class": int(n), "features": kind, "probe": probe, "top1": pt["mean"],
+             "top1_min": pt["min"], "top1_max": pt["max"], "labels": pt["labels"]}
+            for kind, probes in curve.items() for probe, points in probes.items()
+            for n, pt in points.items()]
+    return sorted(rows, key=lambda r: r["per_class"])
+
+
+def write_label_efficiency(result: dict[str, Any], *, metrics_path: Path, details_path: Path,
+                           plots_path: Path) -> None:
+    """The stage's three outputs, each atomically.
+
+    Args:
+        result: :func:`label_efficiency`'s dict.
+        metrics_path: ``metrics/label_efficiency.json`` (:func:`headline`).
+        details_path: ``eval/metrics/label_efficiency.json``: ``result`` whole (mean, std, min,
+            max of every point).
+        plots_path: ``plots/label_efficiency.tsv`` (:func:`plot_rows`).
+    """
+    write_metrics(details_path, result)
+    write_tsv(plots_path, PLOT_COLUMNS, plot_rows(result["curve"]))
+    write_metrics(metrics_path, headline(result))

@@ -30,6 +30,9 @@ from pipeline.seeds import derive_seed
 # MoCo's main_lincls.py: raw features (no normalisation), SGD lr 30 per 256 images, batch 256,
 # weight decay 0, 100 epochs with x0.1 at epochs 60 and 80 (the schema's other linear defaults).
 PROTOCOL = LinearParams(mode=LinearMode.features, feature_norm=FeatureNorm.none)
+# metrics/linear.json (pipeline.atomic.headline); eval/metrics/linear.json holds every number
+HEADLINE = ("top1", "val_top1", "wall_time_s")
+VAL_PLOT = "linear_val.tsv"  # beside plots/linear.tsv (_write_history)
 
 
 def linear_probe(*, features_dir: Path, shards_dir: Path | ShardURL, encoder_path: Path,
@@ -153,7 +156,16 @@ def _linear_augment(*, shards_dir: Path | ShardURL, encoder_path: Path, features
 
 
 def _write_history(path: Path, history: list[dict[str, float]]) -> None:
-    """``plots/linear.tsv``: epoch, loss, train_acc, lr (+ val_acc, test_acc when known)."""
+    """``plots/linear.tsv`` (epoch, loss, train_acc, lr, test_acc) and :data:`VAL_PLOT`.
+
+    :data:`VAL_PLOT`, beside it: epoch, val_acc for the epochs with a validation score (a header
+    alone without a validation split).
+
+    The validation curve has its own file so that no column is ever empty: ``dvc plots show``
+    draws an empty column as a line at 0, and a column named in ``dvc.yaml`` but missing from
+    the file blanks the whole plot; a file with a header and no rows is not drawn at all.
+    """
     rename = {"train_top1": "train_acc", "val_top1": "val_acc", "test_top1": "test_acc"}
     rows = [{rename.get(k, k): v for k, v in h.items()} for h in history]
-    write_tsv(path, ["epoch", "loss", "train_acc", "lr", "val_acc", "test_acc"], rows)
+    write_tsv(path, ["epoch", "loss", "train_acc", "lr", "test_acc"], rows)
+    write_tsv(path.with_name(VAL_PLOT), ["epoch", "val_acc"], [r for r in rows if "val_acc" in r])
