@@ -23,8 +23,8 @@ the first 12 (``report.insight_images``) and 20 listed.
 
 Usage::
 
-    python benchmarks/planted_outliers.py photos --steps 300 --out /tmp/po-photos
-    python benchmarks/planted_outliers.py fmnist --steps 400 --out /tmp/po-fmnist
+    python benchmarks/planted_outliers.py photos --steps 0 --out /tmp/po-photos  # default length
+    python benchmarks/planted_outliers.py fmnist --steps 300 --out /tmp/po-fmnist
     python benchmarks/planted_outliers.py fmnist --encoder models/encoder.pt --out /tmp/po-def
 """
 
