@@ -36,7 +36,7 @@ run: setup
 # one worker per core, each test file on one worker (its module fixtures, such as an e2e
 # module's `dvc repro`, run once), the longest files first (tests/conftest.py)
 test: setup
-	pytest -q -n auto --dist loadfile --no-loadscope-reorder
+	pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15
 
 test-fast: setup
 	pytest -q -m "not slow"

@@ -3,12 +3,14 @@
 Two measurements, each printed as one JSON object:
 
 ``search`` (default): time and peak memory of :func:`pipeline.evaluate.insights.
-find_neighbourhoods` on N random D-dim features, each size in a fresh process, for N =
-15,000 / 30,000 / 60,000 at D = 256 (the default encoder's global feature: ResNet-18 width 32)
-and N = 60,000 at D = 2048. Peak memory = the process's ``ru_maxrss`` minus its RSS once the
-features exist, i.e. what the search itself adds; an (N, N) fp32 matrix would be 4 N^2 bytes
-(14.4 GB at 60,000). Wall and CPU seconds, with the 1-minute load average at the start (on a
-shared machine the CPU seconds are the steadier number).
+find_neighbourhoods` on N random D-dim features, each size in a fresh process, first alone
+(the search before the outliers' other views), then with them (N x 64 first-stage statistics,
+a second search, and N x 3 pixel statistics), and the CPU time of the per-batch statistics the
+embedding pass adds, for N = 15,000 / 30,000 / 60,000 at D = 256 (the default encoder's global
+feature: ResNet-18 width 32) and N = 60,000 at D = 2048. Peak memory = the process's ``ru_maxrss``
+minus its RSS once the features exist, i.e. what the search itself adds; an (N, N) fp32
+matrix would be 4 N^2 bytes (14.4 GB at 60,000). Wall and CPU seconds, with the 1-minute load
+average at the start (on a shared machine the CPU seconds are the steadier number).
 
 ``recall`` (``--encoder models/encoder.pt``): real Fashion-MNIST train images (the first
 ``--images``) plus ``--planted`` copies of each kind of random other images of the set: exact,
@@ -41,6 +43,7 @@ from PIL import Image
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 SIZES = ("15000x256", "30000x256", "60000x256", "60000x2048")
+LOW_LEVEL_DIM = 64  # the outliers' second search: 2 x the 32 channels of the default's layer1
 THRESHOLDS = (0.98, 0.99, 0.995, 0.997, 0.998, 0.999, 0.9995)
 
 
@@ -114,21 +117,51 @@ def _rss_bytes() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
 
 
+def _statistics_seconds(n: int, g: torch.Generator) -> dict[str, float]:
+    """CPU seconds of the outliers' per-batch statistics over n images, batches of 512: the
+    pixel statistics of 28 px grey images, the channel statistics of 32 x 14 x 14 maps (the
+    default encoder's first stage at 28 px)."""
+    from pipeline.evaluate.insights import channel_statistics, pixel_statistics
+
+    images = torch.randn(512, 1, 28, 28, generator=g)
+    maps = torch.rand(512, 32, 14, 14, generator=g)
+    out = {}
+    for name, fn, x in (("pixel_statistics_s", pixel_statistics, images),
+                        ("channel_statistics_s", channel_statistics, maps)):
+        c0 = time.process_time()
+        for _ in range(-(-n // 512)):
+            fn(x)
+        out[name] = round(time.process_time() - c0, 2)
+    return out
+
+
 def search_one(n: int, d: int) -> dict[str, float]:
-    """Time and memory of one search on (n, d) random features (run in a fresh process)."""
+    """Time and memory of one search on (n, d) random features (run in a fresh process): the
+    embedding's search alone (near-duplicates and the ``embedding`` view), then the stage's
+    (with the ``low_level`` search and the pixel views); peak memory is the larger."""
     from pipeline.evaluate.insights import find_neighbourhoods
     from pipeline.evaluate.knn import DEFAULT_SELF_BLOCK_SIZE
 
-    x = torch.randn(n, d, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=g)
+    low = torch.randn(n, LOW_LEVEL_DIM, generator=g)  # the first stage's channel statistics
+    pixels = torch.rand(n, 3, generator=g)  # pixel statistics
     base = _rss_bytes()
     load = os.getloadavg()[0]
     t0, c0 = time.perf_counter(), time.process_time()
-    nb = find_neighbourhoods(x, duplicate_cosine=0.98, k=10)
+    find_neighbourhoods(x, duplicate_cosine=0.98, k=10)
+    alone, alone_cpu = time.perf_counter() - t0, time.process_time() - c0
+    t0, c0 = time.perf_counter(), time.process_time()
+    nb = find_neighbourhoods(x, duplicate_cosine=0.98, k=10, low_level=low, pixels=pixels)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return {"images": n, "dim": d, "k": 10, "block_size": DEFAULT_SELF_BLOCK_SIZE,
+    return {"images": n, "dim": d, "low_level_dim": LOW_LEVEL_DIM, "k": 10,
+            "block_size": DEFAULT_SELF_BLOCK_SIZE,
             "threads": torch.get_num_threads(), "load_average_1min": round(load, 2),
+            "embedding_only_seconds": round(alone, 2),
+            "embedding_only_cpu_seconds": round(alone_cpu, 2),
             "seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2),
+            **_statistics_seconds(n, g),
             "features_mib": round(4 * n * d / 2**20, 1),
             "search_peak_extra_mib": round((peak - base) / 2**20, 1),
             "n_by_n_fp32_mib": round(4 * n * n / 2**20, 1), "pairs": len(nb.pairs)}

@@ -234,7 +234,7 @@ class InsightsParams(Section):
 
     duplicate_cosine: Annotated[float, _rule(  # results/near-duplicates-2026-12-06.md
         lambda v: -1 < v <= 1, "a cosine similarity, -1 < x <= 1")] = 0.998
-    neighbours: PosInt = 10  # searched for pairs; outlier score = mean cosine (Ramaswamy 2000)
+    neighbours: PosInt = 10  # searched for pairs; outliers: isolation in two of the views
     listed: NonNegInt = 1000  # pairs and outliers listed in eval/data_insights.json (counts: all)
 
 

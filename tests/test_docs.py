@@ -151,6 +151,8 @@ COMMANDS = {
     # docs/performance.md
     # docs/insights.md
     "python benchmarks/near_duplicates.py": Parsed(),
+    "python benchmarks/planted_outliers.py photos --out /tmp/planted --steps 0": Parsed(),
+    "python benchmarks/planted_outliers.py fmnist --out /tmp/planted --steps 300": Parsed(),
     "python benchmarks/pretrain_step.py --precision fp32": Parsed(),
     "python benchmarks/width_precision.py --widths 16 32 48": Parsed(),
     "python benchmarks/gpu.py": Parsed(),

@@ -84,10 +84,11 @@ def plot_pairs(pairs: Sequence[Mapping[str, Any]], images: Mapping[tuple[str, st
 
 def plot_outliers(outliers: Sequence[Mapping[str, Any]],
                   images: Mapping[tuple[str, str], Any], path: Path) -> Path:
-    """The most isolated images in a grid, each titled with its outlier score.
+    """The oddest images in a grid, each titled with its outlier score (and reason).
 
     Args:
-        outliers: ``{"key", "shard", "score"}`` items, lowest score first.
+        outliers: ``{"key", "shard", "score"}`` items (``"reason"`` too since the views),
+            highest score first.
         images: ``(shard, key)`` -> PIL image (:func:`load_images`).
         path: the PNG to write.
 
@@ -101,7 +102,7 @@ def plot_outliers(outliers: Sequence[Mapping[str, Any]],
         ax.axis("off")
     for n, (item, ax) in enumerate(zip(outliers, axes)):
         fg._show_image(ax, images.get((item["shard"], item["key"])))
-        ax.set_title(f"#{n + 1}  {item['score']:.3f}", fontsize=8)
+        ax.set_title(f"#{n + 1}  {item['score']:.1f}  {item.get('reason', '')}", fontsize=7)
         ax.set_xlabel(_short(item["key"]), fontsize=7)
     return fg._save(fig, path)
 
@@ -198,9 +199,12 @@ def _outlier_blocks(ins: Mapping[str, Any], shown: int, root: Path,
     typical = f"; the typical image scores {med:.3f} (median)" if med is not None else ""
     return [FigureRef(
         "outliers.png",
-        f"The {len(outliers)} images farthest from all others: lowest mean cosine to their "
-        f"{ins['k']} nearest neighbours (the score above each){typical}. Broken, blank, "
-        "mislabelled-folder or off-topic images tend to come first.")]
+        f"The {len(outliers)} oddest images: the score above each is the largest of its robust "
+        "z-scores (MADs from the set's median) in five views: far from its "
+        f"{ins['k']} nearest neighbours in the embedding or in the first stage's tone and "
+        "texture statistics (low_level), or near-constant, noise-like or mostly one flat level "
+        f"in its pixels; the view named is the one that gave it{typical}. Blank, noise, text, "
+        "cut-off or off-topic images tend to come first.")]
 
 
 def insights_section(outputs: RunOutputs, shown: int, fig_dir: Path) -> Section:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -122,6 +123,36 @@ def test_data_insights__pretrain_shards_read_in_place(encoder, tmp_path):
             str(shards / "pretrain/shard-000000.tar"), ext0)
     assert all(p["cosine"] >= 0.9999 for p in d["pairs"])
     assert m["features_for_embed"] == 0
+
+
+def test_data_insights__planted_blank_and_noise_images_listed_first(encoder, tmp_path):
+    # 94 images of make_samples (a bright quadrant over mild noise: neighbouring pixels
+    # correlate through the quadrant edge) plus a constant grey image and uniform pixel noise,
+    # at rows 30 and 70. The tiny encoder knows neither; their pixels give them away: the
+    # constant image has spread 0 (near-constant, and all of it one flat level), the noise
+    # a neighbour correlation ~0 where the others have ~0.8 (noise-like).
+    shards = build_tiny_shards(tmp_path / "shards")
+    shutil.rmtree(shards / "pretrain")
+    samples = make_samples(94, seed=5)
+    rng = np.random.default_rng(0)
+    samples.insert(30, Sample("blank", Image.new("L", (16, 16), 128), -1))
+    samples.insert(70, Sample("noise", Image.fromarray(
+        rng.integers(0, 256, (16, 16), dtype=np.uint8), "L"), -1))
+    write_shards(samples, shards / "pretrain", split="pretrain", source="synthetic",
+                 class_names=["a", "b", "c", "d"], mode="L", samples_per_shard=64,
+                 progress=False)
+    _run(encoder, shards, tmp_path, neighbours=5, listed=96)
+    d = json.loads((tmp_path / "eval/data_insights.json").read_text())
+    assert d["views"] == ["embedding", "low_level", "near_constant", "noise_like", "flat_area"]
+    first = {o["key"]: o for o in d["outliers"][:2]}
+    print({k: o["views"] for k, o in first.items()})  # the measured z-scores, with -s
+    assert sorted(first) == ["blank", "noise"]
+    real = [o["views"] for o in d["outliers"] if o["key"] not in first]
+    for key, view in (("blank", "near_constant"), ("noise", "noise_like")):
+        assert first[key]["views"][view] > 2 * max(v[view] for v in real)
+    assert all(o["score"] == max(o["views"].values()) for o in d["outliers"])
+    scores = [o["score"] for o in d["outliers"]]
+    assert scores == sorted(scores, reverse=True) and len(scores) == 96
 
 
 def test_data_insights__no_pretraining_images(encoder, tmp_path):
