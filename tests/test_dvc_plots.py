@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PLOT_FILES = ("plots/pretrain.tsv", "plots/knn_monitor.tsv", "plots/labelfree.tsv",
               "plots/linear.tsv", "plots/linear_val.tsv", "plots/label_efficiency.tsv")
 X_AXES = {"step", "epoch", "per_class"}
-ROW_KEYS = {"features", "probe"}  # plots/label_efficiency.tsv: one row per (n, features, probe)
+ROW_KEYS = {"features", "probe", "labels"}  # plots/label_efficiency.tsv: one row per (n, features,
+# probe), and the labels that point used in all (a count, not a curve)
 VENDOR = ROOT / "vendor/vega"
 CHROMIUM = shutil.which("chromium")
 
@@ -101,9 +102,9 @@ def test_curve_files__no_empty_cell_no_column_without_a_value():
 def test_dvc_plots_show__every_column_of_every_curve_file_drawn_once(tmp_path):
     expected = {(f, col) for f in PLOT_FILES for col in header(f)
                 if col not in X_AXES | ROW_KEYS and rows(f)}
-    # 8 pretraining, 2 kNN-monitor, 3 label-free, 4 linear-probe (no validation split in the
+    # 8 pretraining, 2 kNN-monitor, 4 label-free, 4 linear-probe (no validation split in the
     # committed run), 3 label-efficiency (mean, min, max of the draws)
-    assert len(expected) == 20
+    assert len(expected) == 21
 
     data = dvc_plots_json(tmp_path)
     assert data.pop("plots/linear_val.tsv") == []  # no rows: no plot
@@ -114,7 +115,7 @@ def test_dvc_plots_show__every_column_of_every_curve_file_drawn_once(tmp_path):
         (source,) = [f for f in PLOT_FILES if set(header(f)) == columns]  # the rows' file
         assert title and len(xs) == 1 and xs <= X_AXES & columns, plot_id
         drawn += [(source, y) for y in ys]
-    assert len(data) == 16  # 5 stage-level plots (one y each) + 11 top-level definitions
+    assert len(data) == 17  # 5 stage-level plots (one y each) + 12 top-level definitions
     assert sorted(drawn) == sorted(expected)  # every column drawn, and exactly once
 
 
@@ -180,7 +181,7 @@ def test_dvc_plots_show__page_references_no_url_and_holds_every_plot(tmp_path):
     assert page.links == [], page.links  # DVC's own page: three <script src="https://cdn...">
     assert "cdn.jsdelivr" not in html
     ids = re.findall(r"vegaEmbed\('#([^']+)'", html)
-    assert len(ids) == 17  # the 16 plots of --json, and plots/linear_val.tsv with an empty spec
+    assert len(ids) == 18  # the 17 plots of --json, and plots/linear_val.tsv with an empty spec
 
 
 def rendered(page: Path, profile: Path) -> str:
@@ -205,5 +206,5 @@ def test_dvc_plots_show__drawn_in_headless_chromium_without_network(tmp_path):
     dom = rendered(tmp_path / "shown/index.html", tmp_path / "profile")
     # vega-embed marks each container it drew in and puts the chart's canvas inside it
     drawn = re.findall(r'<div id="([^"]+)" class="vega-embed[^"]*"[^>]*>.*?<canvas', dom, re.S)
-    assert len(drawn) == 16 and "plots_label_efficiency_tsv" in drawn, drawn
+    assert len(drawn) == 17 and "plots_label_efficiency_tsv" in drawn, drawn
     assert re.search(r'<div id="plots_linear_val_tsv" style="display: none;">', dom)
