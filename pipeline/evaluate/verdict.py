@@ -42,6 +42,8 @@ INIT_MARGIN = 0.0  # share of the init's value the end must exceed it by
 TREND = "rankme"  # the number of the within-run verdict
 TREND_HIGHER_IS_BETTER = True
 PLATEAU_FRACTION = 0.1  # tolerance: this share of the run's gain (best - init) of TREND
+NAMES = {"rankme": "RankMe", "view_top1": "view top-1", "uniformity": "uniformity",
+         "alignment": "alignment"}  # how the verdict's sentences name ABSOLUTE and TREND
 
 
 def describe(code: int, epoch: int = NO_EPOCH) -> str:
@@ -173,13 +175,14 @@ def verdict(rows: Sequence[Mapping[str, float]], max_rank: int) -> Verdict | Non
     if reason is not None:
         return Verdict(COLLAPSED, NO_EPOCH, reason)
     if no_better_than_init(init[ABSOLUTE], end[ABSOLUTE]):
-        return Verdict(NO_BETTER, NO_EPOCH, f"{ABSOLUTE} {end[ABSOLUTE]:.3g} at the end, "
+        return Verdict(NO_BETTER, NO_EPOCH, f"{NAMES[ABSOLUTE]} {end[ABSOLUTE]:.3g} at the end, "
                                             f"{init[ABSOLUTE]:.3g} at random init")
     epochs = [int(r["epoch"]) for r in rows]
     code, epoch = trend(epochs, [r[TREND] for r in rows],
                         higher_is_better=TREND_HIGHER_IS_BETTER)
     values = ", ".join(f"{r[TREND]:.3g}" for r in rows)
-    return Verdict(code, epoch, f"{TREND} per monitor epoch {epochs[0]}..{epochs[-1]}: {values}")
+    return Verdict(code, epoch,
+                   f"{NAMES[TREND]} per monitor epoch {epochs[0]}..{epochs[-1]}: {values}")
 
 
 def report_sentence(metrics: Mapping[str, float]) -> str | None:
@@ -199,15 +202,15 @@ def report_sentence(metrics: Mapping[str, float]) -> str | None:
                    f"max({COLLAPSE_MIN_RANKME:g}, {COLLAPSE_SHARE:g} x min(images, dimension)))"
                    ": the encoder maps images to nearly one point or line. Do not use it; "
                    "check the data and the augmentations, or lower pretrain.lr.",
-        NO_BETTER: f"its {ABSOLUTE} at the end is not above its random init's: the training "
-                   "did not make the images easier to tell apart. Check the recipe before "
+        NO_BETTER: f"its {NAMES[ABSOLUTE]} at the end is not above its random init's: the "
+                   "training did not make the images easier to tell apart. Check the recipe before "
                    "training longer.",
-        IMPROVING: f"its {TREND} rose by more than {PLATEAU_FRACTION:.0%} of its whole gain "
-                   "at the last monitor point: more epochs may still help.",
-        PLATEAU: f"its {TREND} has stayed within {PLATEAU_FRACTION:.0%} of its whole gain "
+        IMPROVING: f"its {NAMES[TREND]} rose by more than {PLATEAU_FRACTION:.0%} of its whole "
+                   "gain at the last monitor point: more epochs may still help.",
+        PLATEAU: f"its {NAMES[TREND]} has stayed within {PLATEAU_FRACTION:.0%} of its whole gain "
                  f"since epoch {epoch}: more epochs of this recipe are unlikely to help much.",
-        WORSE: f"its {TREND} fell by more than {PLATEAU_FRACTION:.0%} of its whole gain after "
-               f"epoch {epoch}: a run of {epoch} epochs may be better.",
+        WORSE: f"its {NAMES[TREND]} fell by more than {PLATEAU_FRACTION:.0%} of its whole gain "
+               f"after epoch {epoch}: a run of {epoch} epochs may be better.",
     }
     return (f"Verdict without labels: {describe(code, epoch)}. From the label-free monitor "
             f"alone, {why[code]} How the rule was chosen: {STUDY_FILE}.")

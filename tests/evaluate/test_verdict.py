@@ -61,6 +61,14 @@ def test_describe__codes_and_epochs():
     says(str(e.value), "verdict_code", "[0, 1, 2, 3, 4]", "7")
 
 
+def test_report_sentence__names_the_number_as_the_report_does():
+    # the default run's verdict, as eval/metrics/pretrain.json stores it
+    text = vd.report_sentence({"verdict_code": vd.PLATEAU, "verdict_epoch": 5})
+    assert text.startswith("Verdict without labels: plateaued since epoch 5. ")
+    assert "its RankMe has stayed within 10% of its whole gain since epoch 5" in text
+    assert vd.report_sentence({"rankme": 92.1}) is None  # a run without a verdict
+
+
 def test_collapse_threshold__absolute_floor_and_share_of_the_rank():
     assert vd.collapse_threshold(32) == 2.0  # 0.03 * 32 = 0.96 < 2
     assert vd.collapse_threshold(256) == pytest.approx(7.68)  # 0.03 * 256
