@@ -66,6 +66,8 @@ def test_report_sentence__names_the_number_as_the_report_does():
     text = vd.report_sentence({"verdict_code": vd.PLATEAU, "verdict_epoch": 5})
     assert text.startswith("Verdict without labels: plateaued since epoch 5. ")
     assert "its RankMe has stayed within 10% of its whole gain since epoch 5" in text
+    # a plateau of the label-free number is not evidence that more epochs would not help
+    assert "unlikely to help" not in text and "provisional" in text
     assert vd.report_sentence({"rankme": 92.1}) is None  # a run without a verdict
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from pathlib import Path
+from urllib.error import URLError
 
 from pipeline.config import DataSource
 from pipeline.data.manifest import Manifest
-from pipeline.data.sources.base import Source, local_path
+from pipeline.data.sources.base import DEFAULT_ROOTS, Source, SourceError, local_path
 from pipeline.data.sources.checksum import Checksum
 from pipeline.data.sources.cifar import CifarSource
 from pipeline.data.sources.idx import FashionMnistSource
@@ -45,9 +46,31 @@ def open_source(name: str, root: str | Path = "", *, download: bool = False,
 
     Raises:
         ValueError: unknown name (lists the known ones).
-        SourceError: missing, malformed or unverified raw files.
+        SourceError: missing, malformed or unverified raw files; or a download
+            (``data.download: true``) that could not reach its server (one line, naming it).
         ShardError: webdataset shards unreadable or with too many broken samples.
     """
+    try:
+        return _open(name, root, download=download, test_fraction=test_fraction, seed=seed,
+                     checksums=checksums, label_field=label_field,
+                     max_broken_fraction=max_broken_fraction, index=index, exclude=exclude)
+    except (URLError, RuntimeError) as e:
+        # torchvision's download without network: URLError (CIFAR, STL-10), or for MNIST-style
+        # sets a RuntimeError "Error downloading <file>: Tried <mirror>, got: <URLError>"
+        if isinstance(e, RuntimeError) and not str(e).startswith("Error downloading"):
+            raise
+        reason = e.reason if isinstance(e, URLError) else str(e).strip().splitlines()[-1]
+        where = root or DEFAULT_ROOTS.get(name)
+        raise SourceError(f"data.source {name}: downloading into {where} failed: {reason}; "
+                          "without network, put the files there and set "
+                          "data.download: false") from None
+
+
+def _open(name: str, root: str | Path, *, download: bool, test_fraction: float, seed: int,
+          checksums: Mapping[str, Checksum] | None, label_field: str,
+          max_broken_fraction: float, index: Manifest | None,
+          exclude: Collection[str]) -> Source:
+    """:func:`open_source` without the translation of download errors."""
     if name == "fashion_mnist":
         return FashionMnistSource(root, download=download, checksums=checksums)
     if name in ("cifar10", "cifar100"):
