@@ -31,6 +31,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rankme": ("metrics/pretrain.json", ("rankme",)),
     "pretrain_s": ("metrics/pretrain.json", ("wall_time_s",)),
 }
+# decimals shown (the files keep every digit): top-1s to 0.01 point, as metrics/ rounds them
+DECIMALS = {"rankme": 1, "pretrain_s": 0}
+TOP1_DECIMALS = 2
 LEGEND = ("knn@n, linear@n: top-1 (%) with n labelled images per class; pretrain_s: seconds. "
           "Every metric: dvc exp show; every number: eval/metrics/.")
 
@@ -103,7 +106,12 @@ def _text(value: Any) -> str | None:
 
 def render(shown: list[dict[str, Any]], width: int) -> str:
     """The table as text, no line longer than ``width`` (unless one column is)."""
-    frame = table(shown).astype(object).where(lambda f: f.notna(), "-")
+    frame = table(shown).astype(object)
+    for label in METRICS:
+        digits = DECIMALS.get(label, TOP1_DECIMALS)
+        frame[label] = [f"{v:.{digits}f}" if isinstance(v, (int, float)) else v
+                        for v in frame[label]]
+    frame = frame.where(lambda f: f.notna(), "-")
     return frame.to_string(line_width=width) + "\n" + textwrap.fill(LEGEND, width)
 
 

@@ -52,3 +52,15 @@ def test_render__no_line_wider_than_asked_every_column_kept():
         for column in ("knn.k", "linear.milestones", *METRICS):
             assert column in text
     assert len(render(shown(*EXPS), 160).splitlines()[0]) > 90  # one block at 160
+
+
+def test_render__metrics_to_their_precision():
+    # the files keep every digit (RankMe 92.1225, 885.182 s of pretraining); the table shows
+    # RankMe to 0.1, seconds whole and top-1s to 0.01 point
+    ws = shown(*EXPS)
+    ws[0]["data"]["metrics"]["metrics/pretrain.json"] = {
+        "data": {"rankme": 92.1225, "wall_time_s": 885.182}}
+    text = render(ws, 160)
+    workspace = next(ln for ln in text.splitlines() if ln.startswith("workspace"))
+    assert workspace.split()[-8:] == ["81.00", "-", "40.00", "60.50", "-", "-", "92.1", "885"]
+    assert "92.1225" not in text and "885.182" not in text
