@@ -106,6 +106,18 @@ def effective_rank(features: Tensor, eps: float = RANKME_EPS) -> float:
     return float(torch.exp(-(p * torch.log(p)).sum()))
 
 
+def _unit_views(what: str, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """Two views' ``(N, D)`` embeddings, checked alike and L2-normalised in float64.
+
+    Raises:
+        ValueError: shapes differ or are not ``(N, D)`` with N >= 1 (names ``what``).
+    """
+    if a.shape != b.shape or a.ndim != 2 or a.shape[0] < 1:
+        raise InputError(f"{what}: expected two (N, D) tensors of one shape, got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    return l2_normalize(a.double()), l2_normalize(b.double())
+
+
 def alignment(a: Tensor, b: Tensor, alpha: int = ALIGN_ALPHA) -> float:
     """``E ||a_i - b_i||^alpha`` over L2-normalised rows: views ``a`` and ``b`` of one image each.
 
@@ -120,10 +132,7 @@ def alignment(a: Tensor, b: Tensor, alpha: int = ALIGN_ALPHA) -> float:
     Raises:
         ValueError: shapes differ or are not ``(N, D)`` with N >= 1.
     """
-    if a.shape != b.shape or a.ndim != 2 or a.shape[0] < 1:
-        raise InputError(f"alignment: expected two (N, D) tensors of one shape, got "
-                         f"{tuple(a.shape)} and {tuple(b.shape)}")
-    za, zb = l2_normalize(a.double()), l2_normalize(b.double())
+    za, zb = _unit_views("alignment", a, b)
     return float((za - zb).norm(dim=1).pow(alpha).mean())
 
 
@@ -145,10 +154,7 @@ def view_top1(a: Tensor, b: Tensor, chunk: int = 2048) -> float:
     Raises:
         ValueError: shapes differ or are not ``(N, D)`` with N >= 1.
     """
-    if a.shape != b.shape or a.ndim != 2 or a.shape[0] < 1:
-        raise InputError(f"view_top1: expected two (N, D) tensors of one shape, got "
-                         f"{tuple(a.shape)} and {tuple(b.shape)}")
-    za, zb = l2_normalize(a.double()), l2_normalize(b.double())
+    za, zb = _unit_views("view_top1", a, b)
     hits = 0
     for x, y in ((za, zb), (zb, za)):
         for i in range(0, x.shape[0], chunk):
