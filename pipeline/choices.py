@@ -207,6 +207,15 @@ class KnnSelect(Choice):
     val = "val"
 
 
+class SelectMethod(Choice):
+    """``selection.method`` and ``selection.compare`` (:mod:`pipeline.evaluate.selection`)."""
+
+    random = "random"
+    kcenter = "kcenter"
+    typical = "typical"
+    probcover = "probcover"
+
+
 # ``embed.layer``: the ResNet stages whose map the embed stage may pool (torchvision's
 # ``layer1..layer4``; :func:`pipeline.evaluate.pooling.set_pool_grid`).
 EMBED_LAYERS = (1, 2, 3, 4)

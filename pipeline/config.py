@@ -34,6 +34,7 @@ from pipeline.choices import (
     LrSchedule,
     MSchedule,
     PrecisionName,
+    SelectMethod,
     ShardFormat,
     Switch,
 )
@@ -95,11 +96,10 @@ class MlflowParams(Section):
 
 
 class DataParams(Section):
-    """Where the images come from and how they are sharded (docs/data.md).
+    """Where the images come from and how they are sharded (docs/data.md; rules: data.checks).
 
-    Pretraining reads the labelled source's pretrain split (``pretrain_labelled``), the
-    ``unlabelled_root`` tree (both capped by ``max_pretrain_images``; ``max_*_images`` 0 = all)
-    and the ``pretrain_shards`` read whole in place; data rules: :mod:`pipeline.data.checks`.
+    Pretraining reads the labelled pretrain split (``pretrain_labelled``) and ``unlabelled_root``
+    (both capped by ``max_pretrain_images``, 0 = all) and ``pretrain_shards`` whole, in place.
     """
 
     source: DataSource = DataSource.fashion_mnist
@@ -191,8 +191,7 @@ class EmbedParams(Section):
 
     batch_size: PosInt = 512
     use_head: bool = False  # True = features after the projection head
-    # The ResNet stage whose map is pooled (4: the MoCo / InstDisc protocol; 3: +2.5 kNN points
-    # on Fashion-MNIST, results/layer-features-*.md), avg-pooled to a pool_grid x pool_grid grid
+    # the ResNet stage pooled (4: MoCo / InstDisc; 3: +2.5 kNN points, results/layer-features-*)
     layer: Annotated[int, _rule(lambda v: v in EMBED_LAYERS, "one of 1, 2, 3, 4 (the ResNet "
                                 "stage whose map is pooled)")] = 3
     pool_grid: PosInt = 4  # 1 = global pooling (MoCo / InstDisc); 4 = layer3's whole map at 28 px
@@ -238,6 +237,16 @@ class InsightsParams(Section):
     listed: NonNegInt = 1000  # pairs and outliers listed in eval/data_insights.json (counts: all)
 
 
+class SelectionParams(Section):
+    """Which pretraining images to label: the ``select_labels`` stage (docs/selection.md)."""
+
+    budget: Counts = [10, 20, 50, 100, 250]  # labelled images in all, one selection each
+    method: SelectMethod = SelectMethod.typical  # the picks of selection/labels_to_collect.csv
+    compare: list[SelectMethod] = [SelectMethod.random, SelectMethod.kcenter, SelectMethod.typical]
+    draws: PosInt = 5  # seeded draws of random (mean and spread)
+    exclude_outliers: Fraction = 0.01  # the most isolated images, never picked (but by random)
+
+
 class ReportParams(Section):
     """Report figures."""
 
@@ -263,6 +272,7 @@ class Params(Section):
     linear: LinearParams = LinearParams()
     label_efficiency: LabelEfficiencyParams = LabelEfficiencyParams()
     insights: InsightsParams = InsightsParams()
+    selection: SelectionParams = SelectionParams()
     report: ReportParams = ReportParams()
 
 
@@ -435,10 +445,7 @@ def check_params_file(path: str | Path) -> Params:
 
 
 def to_dict(p: BaseModel) -> dict[str, Any]:
-    """A params model (:class:`Params` or a section) as a plain nested dict.
-
-    Choices become their strings: plain YAML/JSON, safe for ``torch.load(weights_only=True)``.
-    """
+    """A params model as a plain nested dict, choices as strings (YAML/JSON, weights_only)."""
     return p.model_dump(mode="json")
 
 

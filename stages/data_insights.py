@@ -36,7 +36,8 @@ def run(p: Params) -> None:
             encoder_path=Path("models/encoder.pt"), head_path=Path("models/head.pt"),
             shards_dir=shards, index_dir=index, image_size=p.data.image_size, embed=p.embed,
             insights=p.insights, features_dir=Path("features"),
-            details_path=Path("eval/data_insights.json"))
+            details_path=Path("eval/data_insights.json"),
+            neighbourhoods_path=Path("features/insights.pt"))
         write_metrics(Path("eval/metrics/data_insights.json"), metrics)
         write_metrics(Path("metrics/data_insights.json"), headline(metrics, HEADLINE))
         mlrun.log_metrics(metrics)

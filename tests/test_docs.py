@@ -362,7 +362,7 @@ def test_rerun_set__matches_the_e2e_tests():
     assert rerun_set(["knn.k"]) == {"check_params", "index_shards", "knn", "report"}
     assert rerun_set(["pretrain.lr"]) == {"check_params", "index_shards", "pretrain",
                                           "data_insights", "embed", "knn", "linear",
-                                          "label_efficiency", "report"}
+                                          "label_efficiency", "select_labels", "report"}
 
 
 # --- README tables ---------------------------------------------------------------------------

@@ -21,10 +21,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PLOT_FILES = ("plots/pretrain.tsv", "plots/knn_monitor.tsv", "plots/labelfree.tsv",
-              "plots/linear.tsv", "plots/linear_val.tsv", "plots/label_efficiency.tsv")
-X_AXES = {"step", "epoch", "per_class"}
-ROW_KEYS = {"features", "probe", "labels"}  # plots/label_efficiency.tsv: one row per (n, features,
-# probe), and the labels that point used in all (a count, not a curve)
+              "plots/linear.tsv", "plots/linear_val.tsv", "plots/label_efficiency.tsv",
+              "plots/selection.tsv")
+X_AXES = {"step", "epoch", "per_class", "budget"}
+# plots/label_efficiency.tsv: one row per (n, features, probe), and the labels that point used
+# in all (a count, not a curve); plots/selection.tsv: one per (budget, method, probe), and the
+# classes the picks reached (a count shown in the report's table)
+ROW_KEYS = {"features", "probe", "labels", "method", "classes"}
 VENDOR = ROOT / "vendor/vega"
 CHROMIUM = shutil.which("chromium")
 
@@ -115,7 +118,7 @@ def test_dvc_plots_show__every_column_of_every_curve_file_drawn_once(tmp_path):
         (source,) = [f for f in PLOT_FILES if set(header(f)) == columns]  # the rows' file
         assert title and len(xs) == 1 and xs <= X_AXES & columns, plot_id
         drawn += [(source, y) for y in ys]
-    assert len(data) == 17  # 5 stage-level plots (one y each) + 12 top-level definitions
+    assert len(data) == 18  # 6 stage-level plots (one y each) + 12 top-level definitions
     assert sorted(drawn) == sorted(expected)  # every column drawn, and exactly once
 
 
@@ -181,7 +184,7 @@ def test_dvc_plots_show__page_references_no_url_and_holds_every_plot(tmp_path):
     assert page.links == [], page.links  # DVC's own page: three <script src="https://cdn...">
     assert "cdn.jsdelivr" not in html
     ids = re.findall(r"vegaEmbed\('#([^']+)'", html)
-    assert len(ids) == 18  # the 17 plots of --json, and plots/linear_val.tsv with an empty spec
+    assert len(ids) == 19  # the 18 plots of --json, and plots/linear_val.tsv with an empty spec
 
 
 def rendered(page: Path, profile: Path) -> str:
@@ -206,5 +209,5 @@ def test_dvc_plots_show__drawn_in_headless_chromium_without_network(tmp_path):
     dom = rendered(tmp_path / "shown/index.html", tmp_path / "profile")
     # vega-embed marks each container it drew in and puts the chart's canvas inside it
     drawn = re.findall(r'<div id="([^"]+)" class="vega-embed[^"]*"[^>]*>.*?<canvas', dom, re.S)
-    assert len(drawn) == 17 and "plots_label_efficiency_tsv" in drawn, drawn
+    assert len(drawn) == 18 and "plots_selection_tsv" in drawn, drawn
     assert re.search(r'<div id="plots_linear_val_tsv" style="display: none;">', dom)

@@ -51,7 +51,7 @@ LAYERS = [
 ]
 MAX_BODY_LINES = 60  # a longer function says why in its docstring ("Long because ...")
 MAX_MODULE_LINES = 550  # a longer module holds more than one concept: split it
-MAX_CONFIG_LINES = 450  # params: read by DVC's reader, typed by pydantic, nothing else
+MAX_CONFIG_LINES = 460  # params: read by DVC's reader, typed by pydantic, nothing else
 LIMITS = {"pipeline.config": MAX_CONFIG_LINES}  # modules with their own line limit
 
 
@@ -251,15 +251,15 @@ def test_layout__the_checks_catch_what_they_claim(tmp_path):
     assert ran.returncode == 1 and "circular import" in ran.stderr
 
     # 61 body lines fail, 60 pass, and so do 61 that say why; 551 module lines fail, 550 pass;
-    # params have 450
+    # params have 460
     filler = "".join(f"x{i} = {i}\n" for i in range(551))
     long = _plant(tmp_path / "long", {
         "pipeline/errors.py": "\n\n".join([_function("f", 61), _function("g", 60),
                                             _function("h", 61, "Long because it is planted.")]),
         "pipeline/seeds.py": filler, "pipeline/atomic.py": filler[filler.index("x1 ="):],
-        "pipeline/config.py": filler[:filler.index("x451 =")],
+        "pipeline/config.py": filler[:filler.index("x461 =")],
         "pipeline/newthing.py": ""})
     assert len((long / "pipeline/atomic.py").read_text().splitlines()) == 550
     assert _report(long) == {**CLEAN, "unplaced": ["pipeline.newthing"],
                              "long_functions": ["pipeline.errors.f: 61 lines"],
-                             "long_modules": {"pipeline.seeds": 551, "pipeline.config": 451}}
+                             "long_modules": {"pipeline.seeds": 551, "pipeline.config": 461}}

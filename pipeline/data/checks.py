@@ -68,8 +68,10 @@ def check_params_data(p: Params) -> None:
     bound = pretrain_images_bound(p.data)
     if bound is not None:
         capped = bool(p.data.max_pretrain_images) and bound == p.data.max_pretrain_images
-        check_queue_size(p.moco.K, bound, "at most, data.max_pretrain_images" if capped
-                         else f"data.source {p.data.source}")
+        where = ("at most, data.max_pretrain_images" if capped
+                 else f"data.source {p.data.source}")
+        check_queue_size(p.moco.K, bound, where)
+        check_budget(p.selection.budget, bound, where)
     if side:
         check_pool_grid(p, side)
 
@@ -137,6 +139,22 @@ def check_queue_size(K: int, n_images: int, where: str) -> None:  # noqa: N803 (
            "or add images")
 
 
+def check_budget(budget: list[int], n_images: int, where: str) -> None:
+    """Refuse a labelling budget larger than the pretraining set it is picked from.
+
+    Args:
+        budget: ``selection.budget`` (increasing).
+        n_images: the number of pretraining images, or an upper bound on it.
+        where: where ``n_images`` comes from, for the message.
+
+    Raises:
+        ParamsError: a budget above ``n_images``; the message names both numbers.
+    """
+    _check(max(budget) <= n_images, "selection.budget", budget,
+           f"budgets of at most {n_images}, the number of pretraining images ({where}): the "
+           "images to label are picked among them")
+
+
 def check_preset_mode(preset: str, mode: str, where: str) -> str | None:
     """Match ``augment.preset`` to the pretraining images' channels.
 
@@ -180,11 +198,13 @@ def check_before_build(p: Params, plan: PretrainPlan) -> None:
             ``mode_from``).
 
     Raises:
-        ParamsError: ``moco.K`` at least the pretraining images (:func:`check_queue_size`), or
-            a colour preset on grey ones (:func:`check_preset_mode`); one line naming the key,
-            the folder(s) and shards counted.
+        ParamsError: ``moco.K`` at least the pretraining images (:func:`check_queue_size`), a
+            ``selection.budget`` above them (:func:`check_budget`), or a colour preset on grey
+            ones (:func:`check_preset_mode`); one line naming the key, the folder(s) and shards
+            counted.
     """
     check_queue_size(p.moco.K, plan.images, f"{plan.images_from}; counted by index_shards")
+    check_budget(p.selection.budget, plan.images, f"{plan.images_from}; counted by index_shards")
     warning = check_preset_mode(p.augment.preset, plan.mode, plan.mode_from)
     if warning:
         log.warning("%s", warning)
@@ -229,6 +249,7 @@ def check_against_data(p: Params, pretrain_set: Manifest, split: object) -> None
     if tree:
         where += f"; {tree['images']} of them from data.unlabelled_root {tree['root']}"
     check_queue_size(p.moco.K, pretrain_set.num_samples, where)
+    check_budget(p.selection.budget, pretrain_set.num_samples, where)
     # the v2_grey-on-RGB warning is index_shards' to give (once per `dvc repro`)
     check_preset_mode(p.augment.preset, pretrain_set.mode, where)
     if p.embed.pool_grid <= 1 or image_side(p):

@@ -31,10 +31,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from pipeline.atomic import save_torch
 from pipeline.errors import InputError
 from pipeline.evaluate.knn import DEFAULT_SELF_BLOCK_SIZE, self_neighbours
 
@@ -293,3 +296,52 @@ def find_neighbourhoods(features: Tensor, *, duplicate_cosine: float, k: int,
     return Neighbourhoods(pairs=pairs, pair_cosine=cosine, mean_cosine=mean_cosine.float(),
                           views=torch.cat(views, dim=1), view_names=tuple(names), k=k_used,
                           duplicate_cosine=float(duplicate_cosine))
+
+
+NEIGHBOURHOODS_VERSION = 1
+
+
+def save_neighbourhoods(path: Path, *, features: Tensor, keys: list[str], where: list[str],
+                        outlier_score: Tensor, pairs: Tensor, built: int,
+                        built_is_train: bool) -> None:
+    """Write ``features/insights.pt`` atomically: the pretraining set as the search saw it.
+
+    What the ``select_labels`` stage picks from (:mod:`pipeline.evaluate.run.select_labels`).
+
+    Args:
+        path: the file.
+        features: (N, C) float32 global features of every pretraining image.
+        keys: N sample keys.
+        where: the shard file or URL of each.
+        outlier_score: (N,) float32 outlier score (higher = odder).
+        pairs: (P, 2) int64 near-duplicate row pairs.
+        built: how many of the N rows (the first) are the built ``pretrain`` split.
+        built_is_train: that split is the ``train`` split's shards (the same images, keys and
+            labels: :func:`pipeline.evaluate.run.embed.same_shards`).
+    """
+    save_torch({"format_version": NEIGHBOURHOODS_VERSION, "features": features.contiguous(),
+                "keys": list(keys), "where": list(where),
+                "outlier_score": outlier_score.contiguous(), "pairs": pairs.contiguous(),
+                "built": int(built), "built_is_train": bool(built_is_train)}, path)
+
+
+def load_neighbourhoods(path: Path) -> dict[str, Any]:
+    """Read :func:`save_neighbourhoods`' file (``torch.load(weights_only=True)``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        InputError: not a file of this format (the message names it: rerun data_insights).
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"'{path}' does not exist: run the data_insights stage")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # zip/pickle errors come in several classes
+        raise InputError(f"{path}: not readable: {e}") from None
+    if not isinstance(data, dict) or data.get("format_version") != NEIGHBOURHOODS_VERSION:
+        raise InputError(f"{path}: not a data_insights neighbourhood file of format "
+                         f"{NEIGHBOURHOODS_VERSION}: rerun data_insights")
+    n = len(data["keys"])
+    if (data["features"].shape[0], len(data["where"]), len(data["outlier_score"])) != (n, n, n):
+        raise InputError(f"{path}: its features, locations and scores disagree in length")
+    return data

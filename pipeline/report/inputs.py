@@ -43,7 +43,7 @@ from pipeline.data.shards import member_key
 log = logging.getLogger(__name__)
 
 TRACKED_STAGES = ("build_shards", "pretrain", "data_insights", "embed", "baselines", "knn",
-                  "linear", "label_efficiency")
+                  "linear", "label_efficiency", "select_labels")
 # Every number of each stage (eval/metrics/; metrics/<stage>.json holds only its headline)
 METRICS_FILES = {  # metric-name prefix -> metrics file (relative to the repo root)
     "pretrain": "eval/metrics/pretrain.json",
@@ -54,6 +54,7 @@ METRICS_FILES = {  # metric-name prefix -> metrics file (relative to the repo ro
     "linear": "eval/metrics/linear.json",
 }
 LABEL_EFFICIENCY_FILE = "eval/metrics/label_efficiency.json"  # nested: not among the final metrics
+SELECTION_FILE = "eval/metrics/selection.json"  # nested too: its time and counts, for the cost
 PLOT_FILES = {  # curve name -> TSV (relative to the repo root)
     "pretrain": "plots/pretrain.tsv",
     "knn_monitor": "plots/knn_monitor.tsv",
@@ -206,7 +207,8 @@ def read_outputs(root: Path, shards_dir: str) -> RunOutputs:
     names = None if test is None else [str(n) for n in test.class_names]
     return RunOutputs(
         metrics={s: read_metrics(root / rel) for s, rel in
-                 {**METRICS_FILES, "label_efficiency": LABEL_EFFICIENCY_FILE}.items()},
+                 {**METRICS_FILES, "label_efficiency": LABEL_EFFICIENCY_FILE,
+                  "select_labels": SELECTION_FILE}.items()},
         plots=_with_val(root, {name: read_tsv(root / rel) for name, rel in PLOT_FILES.items()}),
         details={e: read_details(root / f"eval/{e}_details.json") for e in EVALUATIONS},
         features={s: load_features(root / f"features/{s}.pt") for s in ("train", "test")},

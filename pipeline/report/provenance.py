@@ -14,7 +14,7 @@ from pipeline.report.inputs import Metrics, RunOutputs, metric
 
 REPORT_STAGE = "report"  # the stage that writes this report (its dvc.lock entry is stale here)
 COST_STAGES = ("pretrain", "data_insights", "embed", "baselines", "knn", "linear",
-               "label_efficiency")
+               "label_efficiency", "select_labels")
 
 
 def redact_uri(uri: str) -> str:

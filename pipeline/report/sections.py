@@ -40,6 +40,7 @@ from pipeline.report.provenance import (
 )
 from pipeline.report.quality import label_efficiency_section, labelfree_section
 from pipeline.report.results import pct, results_section
+from pipeline.report.selection import selection_section
 
 
 def build_document(
@@ -77,6 +78,8 @@ def build_document(
         *([evaluation_section(outputs, fig_dir), label_efficiency_section(outputs, fig_dir)]
           if labelled else []),
         insights_section(outputs, params.report.insight_images, fig_dir),
+        selection_section(outputs.root, str(params.selection.method),
+                          params.report.insight_images, fig_dir),
         *([embedding_section(params, outputs, fig_dir)] if labelled else []),
         cost_section(m),
         runs_section(outputs),

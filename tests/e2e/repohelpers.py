@@ -34,6 +34,7 @@ TINY: dict[str, dict[str, Any]] = {
     "knn": {"k": 5, "select": "fixed"},
     "linear": {"epochs": 2, "batch_size": 32, "lr_milestones": [1, 2]},
     "report": {"tsne_points": 20, "retrieval_queries": 2, "retrieval_neighbours": 2},
+    "selection": {"budget": [4, 8], "draws": 2},
 }
 
 

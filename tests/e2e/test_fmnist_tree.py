@@ -73,7 +73,7 @@ def test_fmnist_preset__repro_end_to_end_on_the_tree(repo):
     dst, text, _ = repo
     assert ran(text) == ["check_params", "index_shards", "build_shards", "check_data", "pretrain",
                          "data_insights", "check_eval", "embed", "baselines", "knn", "linear",
-                         "label_efficiency", "report"]
+                         "label_efficiency", "select_labels", "report"]
     pre = read_manifest(dst / "data/shards/pretrain")
     train = read_manifest(dst / "data/shards/train")
     assert pre.num_samples == 600 and pre.label_counts == {"-1": 600}

@@ -313,7 +313,7 @@ def test_no_labels__repro_completes_with_the_report(nolabels):
     text = out(sh(["dvc", "repro"], dst, env))
     assert "Traceback" not in text and "error:" not in text, text[-3000:]
     assert ran(text) == ["index_shards", "check_eval", "embed", "baselines", "knn", "linear",
-                         "label_efficiency", "report"], text[-3000:]
+                         "label_efficiency", "select_labels", "report"], text[-3000:]
     for stage in ("embed", "baselines", "knn", "linear", "label_efficiency"):
         assert f"{stage}: skipped: no labelled train or test images (data.source none)" in text
         assert json.loads((dst / f"metrics/{stage}.json").read_text()) == {}

@@ -224,7 +224,7 @@ def test_pipeline__pretrain_param_reruns_pretrain_and_after(repo):
     dst, env, _ = repo
     out = text_of(sh(["dvc", "exp", "run", "-S", "pretrain.lr=0.05"], dst, env))
     assert ran(out) == ["check_params", INDEX, "pretrain", "data_insights", "embed", "knn",
-                        "linear", "label_efficiency", "report"]
+                        "linear", "label_efficiency", "select_labels", "report"]
 
 
 def test_pipeline__second_pretraining__new_version_champion_moves_only_if_higher(repo):

@@ -41,6 +41,7 @@ from pipeline.evaluate.insights import (
     channel_statistics,
     find_neighbourhoods,
     pixel_statistics,
+    save_neighbourhoods,
 )
 from pipeline.evaluate.run.embed import Embedder, same_shards
 
@@ -185,16 +186,17 @@ def _details(nb: Neighbourhoods, keys: list[str], where: list[str], *, listed: i
 
 def data_insights(*, encoder_path: Path, head_path: Path | None, shards_dir: Path | ShardURL,
                   index_dir: Path | None, image_size: int, embed: EmbedParams,
-                  insights: InsightsParams, features_dir: Path,
-                  details_path: Path) -> dict[str, float]:
+                  insights: InsightsParams, features_dir: Path, details_path: Path,
+                  neighbourhoods_path: Path) -> dict[str, float]:
     """Embed the pretraining images, find near-duplicates and outliers, write the outputs.
 
     Writes ``details_path`` (``eval/data_insights.json``, :func:`_details`: every count, the
     ``insights.listed`` most similar pairs with their key, shard and cosine, and as many
     highest-scoring outliers with their score, reason, mean cosine to their neighbours and
     every view's z-score: :func:`pipeline.evaluate.insights.find_neighbourhoods`) and
-    ``features_dir/pretrain{,_global}.pt`` (``embed``'s features of the built split when it is
-    the train split's shards, else empty; module docstring).
+    ``neighbourhoods_path`` (every image's global feature, outlier score and near-duplicate
+    pairs) and ``features_dir/pretrain{,_global}.pt`` (``embed``'s features of the built split
+    when it is the train split's shards, else empty; module docstring).
 
     Args:
         encoder_path: ``models/encoder.pt``.
@@ -206,6 +208,8 @@ def data_insights(*, encoder_path: Path, head_path: Path | None, shards_dir: Pat
         insights: the ``insights`` params.
         features_dir: where ``pretrain{,_global}.pt`` go.
         details_path: ``eval/data_insights.json``.
+        neighbourhoods_path: ``features/insights.pt`` (:func:`save_neighbourhoods`: what the
+            ``select_labels`` stage picks from).
 
     Returns:
         every number (``eval/metrics/data_insights.json``; :data:`HEADLINE` of them
@@ -234,6 +238,9 @@ def data_insights(*, encoder_path: Path, head_path: Path | None, shards_dir: Pat
     parts = {"built": n_built, "read_in_place": len(features) - n_built}
     details = _details(nb, features.keys, where, listed=insights.listed, parts=parts)
     write_json(details_path, details)
+    save_neighbourhoods(neighbourhoods_path, features=features.features, keys=features.keys,
+                        where=where, outlier_score=nb.outlier_score, pairs=nb.pairs,
+                        built=n_built, built_is_train=for_embed is not None)
     empty = FeatureSet(torch.zeros(0, 0), torch.zeros(0, dtype=torch.long), [])
     for name, fs in zip(("pretrain", "pretrain_global"), for_embed or (empty, empty)):
         save_features(fs, features_dir / f"{name}.pt")
