@@ -28,9 +28,23 @@ PER_ROW = 6
 MARGIN_POINTS = 5.0  # a method "beats random" when its mean is this many points above (issue #55)
 
 
+def _by_budget(per_budget: Mapping[str, Any]) -> dict[str, Any]:
+    """``{str(budget): ...}`` in increasing budget (the JSON files sort keys as text)."""
+    return {b: per_budget[b] for b in sorted(per_budget, key=int)}
+
+
 def read_selection(root: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """``(eval/metrics/selection.json, eval/selection.json)``, each None when missing."""
-    return read_json(root / "eval/metrics/selection.json"), read_json(root / "eval/selection.json")
+    """``(eval/metrics/selection.json, eval/selection.json)``, each None when missing.
+
+    Every ``{budget: ...}`` mapping in increasing budget.
+    """
+    allm, picks = (read_json(root / "eval/metrics/selection.json"),
+                   read_json(root / "eval/selection.json"))
+    if allm and allm.get("measured"):
+        allm["measured"] = {m: _by_budget(v) for m, v in allm["measured"].items()}
+    if picks and picks.get("picks"):
+        picks["picks"] = {m: _by_budget(v) for m, v in picks["picks"].items()}
+    return allm, picks
 
 
 def plot_selection(measured: Mapping[str, Any], path: Path) -> Path:
