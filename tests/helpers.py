@@ -66,6 +66,7 @@ TINY = {
                  "num_threads": 1,  # fixed: a probed count may differ between two runs
                  "checkpoint_every_steps": 2, "log_every_steps": 2},
     "embed": {"pool_grid": 1},  # 16 px with the stride-2 stem leaves a 1 x 1 last map
+    "selection": {"budget": [4, 8]},  # at most the pretraining images of the tiny sets
 }
 
 

@@ -204,10 +204,10 @@ def check_before_build(p: Params, plan: PretrainPlan) -> None:
             counted.
     """
     check_queue_size(p.moco.K, plan.images, f"{plan.images_from}; counted by index_shards")
-    check_budget(p.selection.budget, plan.images, f"{plan.images_from}; counted by index_shards")
     warning = check_preset_mode(p.augment.preset, plan.mode, plan.mode_from)
     if warning:
         log.warning("%s", warning)
+    check_budget(p.selection.budget, plan.images, f"{plan.images_from}; counted by index_shards")
 
 
 def check_against_data(p: Params, pretrain_set: Manifest, split: object) -> None:
@@ -249,9 +249,9 @@ def check_against_data(p: Params, pretrain_set: Manifest, split: object) -> None
     if tree:
         where += f"; {tree['images']} of them from data.unlabelled_root {tree['root']}"
     check_queue_size(p.moco.K, pretrain_set.num_samples, where)
-    check_budget(p.selection.budget, pretrain_set.num_samples, where)
     # the v2_grey-on-RGB warning is index_shards' to give (once per `dvc repro`)
     check_preset_mode(p.augment.preset, pretrain_set.mode, where)
+    check_budget(p.selection.budget, pretrain_set.num_samples, where)
     if p.embed.pool_grid <= 1 or image_side(p):
         return
     shape = pretrain_set.image_shape  # (C, H, W); None = mixed sizes

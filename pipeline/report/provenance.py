@@ -55,7 +55,7 @@ def cost_section(m: Mapping[str, Metrics | None]) -> Section:
     notes = _cost_notes(m)
     rows, total = [], 0.0
     for stage in COST_STAGES:
-        d = m[stage]
+        d = m.get(stage)
         wall = metric(d, "wall_time_s")
         total += wall or 0.0
         ips = metric(d, "images_per_s")

@@ -891,6 +891,10 @@ def test_check_before_build__queue_and_preset_named_in_one_line(caplog):
         check_before_build(p, photos)
     says(str(e.value), "'augment.preset' = 'v2'", "allowed: v2_grey", "1-channel",
          "mode L, data.unlabelled_root /p")
+    with pytest.raises(ParamsError) as e:  # the default budget: up to 250 of the 3 images
+        check_before_build(p, PretrainPlan(3, "3 in /p", "RGB", "data.unlabelled_root /p"))
+    says(str(e.value), "'selection.budget' = [10, 20, 50, 100, 250]", "at most 3", "3 in /p")
+    p.selection.budget = [2, 3]
     check_before_build(p, PretrainPlan(3, "", "RGB", "data.unlabelled_root /p"))  # passes
     p.augment.preset = "v2_grey"
     caplog.set_level(logging.WARNING)

@@ -280,7 +280,8 @@ def test_unlabelled__switch_to_no_labels_skips_the_evaluation_and_reports(repo):
 def nolabels(tmp_path_factory):
     base = tmp_path_factory.mktemp("nolabels")
     unlabelled_tree(base / "photos", n=120, seed=3)
-    tree = params({"data": {"source": "none", "unlabelled_root": str(base / "photos")}})
+    tree = params({"data": {"source": "none", "unlabelled_root": str(base / "photos")},
+                   "mlflow": {"enabled": True}})  # the encoder's registration is checked
     dst = base / "repo"
     env = make_repo(dst, tree)
     return dst, env, out(sh(["dvc", "repro", "data_insights"], dst, env))

@@ -71,7 +71,8 @@ def repo(tmp_path_factory, server):
                             "label_field": "cls", "test_fraction": 0.25,
                             "pretrain_labelled": False,
                             "pretrain_shards": f"{url}/pre/{{00000..00003}}.tar",
-                            "max_broken_fraction": 0.01}})
+                            "max_broken_fraction": 0.01},
+                   "mlflow": {"enabled": True}})  # latest_run reads the stages' runs
     dst = tmp_path_factory.mktemp("remote") / "repo"
     env = make_repo(dst, tree)
     first = sh(["dvc", "repro"], dst, env)

@@ -22,6 +22,7 @@ from pipeline.data.manifest import write_manifest
 from pipeline.data.shards import ShardError
 from pipeline.data.sources import Sample
 from pipeline.evaluate.features import load_features
+from pipeline.evaluate.insights import load_neighbourhoods
 from pipeline.evaluate.run.data_insights import data_insights
 from pipeline.evaluate.run.embed import embed
 
@@ -42,7 +43,8 @@ def _run(encoder, shards, out, index_dir=None, **insights):
     return data_insights(encoder_path=encoder, head_path=None, shards_dir=shards,
                          index_dir=index_dir, image_size=0, embed=params.embed,
                          insights=params.insights, features_dir=out / "features",
-                         details_path=out / "eval/data_insights.json")
+                         details_path=out / "eval/data_insights.json",
+                         neighbourhoods_path=out / "features/insights.pt")
 
 
 def test_data_insights__train_split_same_shards__embed_reuses_the_features(encoder, tmp_path):
@@ -56,6 +58,15 @@ def test_data_insights__train_split_same_shards__embed_reuses_the_features(encod
     assert len(details["outliers"]) == 5 and len(details["pairs"]) <= 5
     assert all(o["shard"].startswith(str(shards / "pretrain" / "shard-")) for o in
                details["outliers"])
+    # what select_labels picks from: every image, its score and shard, as the details list them
+    nb = load_neighbourhoods(tmp_path / "features/insights.pt")
+    assert nb["built_is_train"] and nb["built"] == 96 and nb["features"].shape[0] == 96
+    top = max(range(96), key=lambda r: float(nb["outlier_score"][r]))
+    assert (nb["keys"][top], nb["where"][top]) == (details["outliers"][0]["key"],
+                                                   details["outliers"][0]["shard"])
+    assert float(nb["outlier_score"][top]) == pytest.approx(details["outliers"][0]["score"],
+                                                            abs=1e-3)
+    assert nb["pairs"].shape[1] == 2 and len(nb["pairs"]) == details["duplicate_pairs"]
     same = {"layer": TINY_EMBED.layer, "pool_grid": TINY_EMBED.pool_grid}  # as data_insights
     reused = embed(encoder_path=encoder, shards_dir=shards, out_dir=tmp_path / "a",
                    batch_size=32, reuse_dir=tmp_path / "features", **same)
@@ -81,6 +92,7 @@ def test_data_insights__other_shards__features_left_empty(encoder, tmp_path):
     m = _run(encoder, shards, tmp_path)
     assert m["features_for_embed"] == 0 and m["images"] == 64 and m["k"] == 10
     assert len(load_features(tmp_path / "features/pretrain.pt")) == 0
+    assert not load_neighbourhoods(tmp_path / "features/insights.pt")["built_is_train"]
     out = embed(encoder_path=encoder, shards_dir=shards, out_dir=tmp_path / "e", batch_size=32,
                 reuse_dir=tmp_path / "features")
     assert out["train_reused"] == 0 and out["train_images"] == 96

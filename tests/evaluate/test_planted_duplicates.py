@@ -63,7 +63,8 @@ def test_planted_duplicates__found_at_the_default_threshold(tmp_path):
     m = data_insights(encoder_path=tmp_path / "out/encoder.pt", head_path=None,
                       shards_dir=shards, index_dir=None, image_size=0, embed=params.embed,
                       insights=params.insights, features_dir=tmp_path / "features",
-                      details_path=tmp_path / "eval/data_insights.json")
+                      details_path=tmp_path / "eval/data_insights.json",
+                      neighbourhoods_path=tmp_path / "features/insights.pt")
     assert params.insights.duplicate_cosine == InsightsParams().duplicate_cosine  # the default
     details = json.loads((tmp_path / "eval/data_insights.json").read_text())
     assert m["images"] == 2060 and len(details["pairs"]) == m["duplicate_pairs"]

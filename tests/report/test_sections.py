@@ -29,16 +29,18 @@ def test_build_document__sections_and_figures(tmp_path):
     doc = build_document(params, read_outputs(root, "data/shards"), fig_dir, "c0ffee")
     assert [s.title for s in doc.sections] == [
         "Settings", "Results", "Pretraining", "Quality without labels", "Evaluation",
-        "Label efficiency", "What the embeddings say about the data", "Embeddings",
-        "Throughput and wall time", "MLflow runs", "DVC outputs", "Provenance",
+        "Label efficiency", "What the embeddings say about the data", "Which images to label",
+        "Embeddings", "Throughput and wall time", "MLflow runs", "DVC outputs", "Provenance",
     ]
     assert doc.title == "MoCo report: fashion_mnist / resnet18"
     assert doc.subtitle.endswith("git commit c0ffee.")
     refs = [b.name for s in doc.sections for b in s.blocks if isinstance(b, FigureRef)]
     assert sorted(refs) == sorted(p.name for p in fig_dir.iterdir())
     assert len(refs) == 13  # all but t-SNE and retrieval
-    assert doc.sections[8].anchor == "throughput-and-wall-time"
-    assert doc.sections[7].blocks[0] == Paragraph(
+    assert doc.sections[9].anchor == "throughput-and-wall-time"
+    assert doc.sections[7].blocks == [Paragraph(
+        "Which images to label: not available (eval/selection.json).")]
+    assert doc.sections[8].blocks[0] == Paragraph(
         "t-SNE: skipped (report.tsne_points = 0, 24 test embeddings; at least 10 needed)."
     )
 
@@ -58,8 +60,8 @@ def test_build_document__no_labels__says_why_and_keeps_what_needs_none(tmp_path)
     doc = build_document(params, read_outputs(root, "data/shards"), fig_dir, "c0ffee")
     assert [s.title for s in doc.sections] == [
         "Settings", "Results", "Pretraining", "Quality without labels",
-        "What the embeddings say about the data", "Throughput and wall time", "MLflow runs",
-        "DVC outputs", "Provenance",
+        "What the embeddings say about the data", "Which images to label",
+        "Throughput and wall time", "MLflow runs", "DVC outputs", "Provenance",
     ]
     text = doc.sections[1].blocks[0].text
     assert text.startswith(f"Evaluation with labels skipped: {why}.")
