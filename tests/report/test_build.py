@@ -56,7 +56,8 @@ def test_build_report__html_and_markdown_are_twins(full_report):
     assert titles == ["Settings", "Results", "Pretraining", "Quality without labels",
                       "Evaluation", "Label efficiency",
                       "What the embeddings say about the data", "Which images to label",
-                      "Embeddings", "Throughput and wall time", "MLflow runs", "DVC outputs", "Provenance"]
+                      "Embeddings", "Throughput and wall time", "MLflow runs", "DVC outputs",
+                      "Provenance"]
     md_rows = [ln for ln in md.splitlines() if ln.startswith("| ")]  # header rows included
     assert html.count("<tr>") == len(md_rows)
     assert md.count("\n|---") == html.count("<table>")
