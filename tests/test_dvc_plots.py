@@ -106,8 +106,8 @@ def test_dvc_plots_show__every_column_of_every_curve_file_drawn_once(tmp_path):
     expected = {(f, col) for f in PLOT_FILES for col in header(f)
                 if col not in X_AXES | ROW_KEYS and rows(f)}
     # 8 pretraining, 2 kNN-monitor, 4 label-free, 4 linear-probe (no validation split in the
-    # committed run), 3 label-efficiency (mean, min, max of the draws)
-    assert len(expected) == 21
+    # committed run), 3 label-efficiency (mean, min, max of the draws), 3 selection (the same)
+    assert len(expected) == 24
 
     data = dvc_plots_json(tmp_path)
     assert data.pop("plots/linear_val.tsv") == []  # no rows: no plot
