@@ -20,7 +20,8 @@ from typing import Any
 
 WIDTH = 160  # columns, when the terminal does not say
 # column label -> (metrics file, keys inside it): MoCo's top-1s (kNN, linear probe), the same
-# with 1 and 10 labelled images per class, the label-free RankMe and the pretraining time
+# with 1 and 10 labelled images per class, kNN from the 20 images selection.method picks, the
+# label-free RankMe and the pretraining time
 METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "knn.top1": ("metrics/knn.json", ("top1",)),
     "linear.top1": ("metrics/linear.json", ("top1",)),
@@ -28,13 +29,15 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "knn@10": ("metrics/label_efficiency.json", ("knn", "10")),
     "linear@1": ("metrics/label_efficiency.json", ("linear", "1")),
     "linear@10": ("metrics/label_efficiency.json", ("linear", "10")),
+    "picked20.knn": ("metrics/selection.json", ("at_20", "knn")),
     "rankme": ("metrics/pretrain.json", ("rankme",)),
     "pretrain_s": ("metrics/pretrain.json", ("wall_time_s",)),
 }
 # decimals shown (the files keep every digit): top-1s to 0.01 point, as metrics/ rounds them
 DECIMALS = {"rankme": 1, "pretrain_s": 0}
 TOP1_DECIMALS = 2
-LEGEND = ("knn@n, linear@n: top-1 (%) with n labelled images per class; pretrain_s: seconds. "
+LEGEND = ("knn@n, linear@n: top-1 (%) with n labelled images per class; picked20.knn: kNN "
+          "top-1 (%) from the 20 images selection.method picks; pretrain_s: seconds. "
           "Every metric: dvc exp show; every number: eval/metrics/.")
 
 

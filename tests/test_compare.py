@@ -60,7 +60,9 @@ def test_render__metrics_to_their_precision():
     ws = shown(*EXPS)
     ws[0]["data"]["metrics"]["metrics/pretrain.json"] = {
         "data": {"rankme": 92.1225, "wall_time_s": 885.182}}
+    ws[0]["data"]["metrics"]["metrics/selection.json"] = {"data": {"at_20": {"knn": 63.2714}}}
     text = render(ws, 160)
     workspace = next(ln for ln in text.splitlines() if ln.startswith("workspace"))
-    assert workspace.split()[-8:] == ["81.00", "-", "40.00", "60.50", "-", "-", "92.1", "885"]
+    assert workspace.split()[-9:] == ["81.00", "-", "40.00", "60.50", "-", "-", "63.27", "92.1",
+                                      "885"]
     assert "92.1225" not in text and "885.182" not in text

@@ -71,7 +71,7 @@ def check_params_data(p: Params) -> None:
         where = ("at most, data.max_pretrain_images" if capped
                  else f"data.source {p.data.source}")
         check_queue_size(p.moco.K, bound, where)
-        check_budget(p.selection.budget, bound, where)
+        check_budget(p, bound, where)
     if side:
         check_pool_grid(p, side)
 
@@ -139,20 +139,28 @@ def check_queue_size(K: int, n_images: int, where: str) -> None:  # noqa: N803 (
            "or add images")
 
 
-def check_budget(budget: list[int], n_images: int, where: str) -> None:
-    """Refuse a labelling budget larger than the pretraining set it is picked from.
+def check_budget(p: Params, n_images: int, where: str) -> None:
+    """Refuse a labelling budget larger than the images it can be picked from.
+
+    ``selection.exclude_outliers`` of the pretraining images are never picked by the encoder
+    methods (:func:`pipeline.evaluate.selection.eligible_mask`), so the largest budget must
+    fit in the rest.
 
     Args:
-        budget: ``selection.budget`` (increasing).
+        p: the params (``selection.budget``, ``selection.exclude_outliers``).
         n_images: the number of pretraining images, or an upper bound on it.
         where: where ``n_images`` comes from, for the message.
 
     Raises:
-        ParamsError: a budget above ``n_images``; the message names both numbers.
+        ParamsError: a budget above the pickable images; the message names both numbers.
     """
-    _check(max(budget) <= n_images, "selection.budget", budget,
-           f"budgets of at most {n_images}, the number of pretraining images ({where}): the "
-           "images to label are picked among them")
+    s = p.selection
+    pickable = n_images - int(round(s.exclude_outliers * n_images))
+    left = (f" of which selection.exclude_outliers {s.exclude_outliers:g} leaves {pickable}"
+            if pickable < n_images else "")
+    _check(max(s.budget) <= pickable, "selection.budget", s.budget,
+           f"budgets of at most {pickable}: {n_images} pretraining images ({where}){left}, "
+           "and the images to label are picked among them")
 
 
 def check_preset_mode(preset: str, mode: str, where: str) -> str | None:
@@ -207,7 +215,7 @@ def check_before_build(p: Params, plan: PretrainPlan) -> None:
     warning = check_preset_mode(p.augment.preset, plan.mode, plan.mode_from)
     if warning:
         log.warning("%s", warning)
-    check_budget(p.selection.budget, plan.images, f"{plan.images_from}; counted by index_shards")
+    check_budget(p, plan.images, f"{plan.images_from}; counted by index_shards")
 
 
 def check_against_data(p: Params, pretrain_set: Manifest, split: object) -> None:
@@ -251,7 +259,7 @@ def check_against_data(p: Params, pretrain_set: Manifest, split: object) -> None
     check_queue_size(p.moco.K, pretrain_set.num_samples, where)
     # the v2_grey-on-RGB warning is index_shards' to give (once per `dvc repro`)
     check_preset_mode(p.augment.preset, pretrain_set.mode, where)
-    check_budget(p.selection.budget, pretrain_set.num_samples, where)
+    check_budget(p, pretrain_set.num_samples, where)
     if p.embed.pool_grid <= 1 or image_side(p):
         return
     shape = pretrain_set.image_shape  # (C, H, W); None = mixed sizes

@@ -285,13 +285,14 @@ def pick_probcover(x: Tensor, budget: int, *, eligible: Tensor, delta: float, se
     return picks
 
 
-def check_budgets(budgets: Sequence[int], n: int, *, where: str = "selection.budget") -> None:
+def check_budgets(budgets: Sequence[int], n: int, *, what: str = "pretraining images",
+                  where: str = "selection.budget") -> None:
     """Refuse budgets that cannot be picked from ``n`` images.
 
     Raises:
-        InputError: a budget above ``n`` (naming ``where``).
+        InputError: a budget above ``n`` (naming ``where`` and ``what`` the ``n`` are).
     """
     too_big = [b for b in budgets if b > n]
     if too_big:
-        raise InputError(f"{where}: budget {too_big[0]} is more than the {n} pretraining images "
-                         "(allowed: at most the number of pretraining images)")
+        raise InputError(f"{where}: budget {too_big[0]} is more than the {n} {what} (allowed: "
+                         f"at most {n})")

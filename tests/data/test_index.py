@@ -895,6 +895,11 @@ def test_check_before_build__queue_and_preset_named_in_one_line(caplog):
         check_before_build(p, PretrainPlan(3, "3 in /p", "RGB", "data.unlabelled_root /p"))
     says(str(e.value), "'selection.budget' = [10, 20, 50, 100, 250]", "at most 3", "3 in /p")
     p.selection.budget = [2, 3]
+    p.selection.exclude_outliers = 0.3  # round(0.9) = 1 of the 3 never picked: 2 left
+    with pytest.raises(ParamsError) as e:
+        check_before_build(p, PretrainPlan(3, "3 in /p", "RGB", "data.unlabelled_root /p"))
+    says(str(e.value), "'selection.budget' = [2, 3]", "at most 2", "exclude_outliers 0.3")
+    p.selection.exclude_outliers = 0.0
     check_before_build(p, PretrainPlan(3, "", "RGB", "data.unlabelled_root /p"))  # passes
     p.augment.preset = "v2_grey"
     caplog.set_level(logging.WARNING)

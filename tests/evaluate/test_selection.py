@@ -132,3 +132,25 @@ def test_pick_all_and_measure__blob_labels_give_perfect_knn() -> None:
 def test_budget_above_the_images__refused() -> None:
     with pytest.raises(Exception, match="budget 300 is more than the 120"):
         sel.check_budgets([10, 300], 120)
+
+
+def test_pick_all__budget_above_the_images_left_after_outliers__refused_naming_the_key() -> None:
+    x, _ = _blobs(per_blob=10)  # 30 images; exclude 20 % -> 24 left
+    data = {"features": x, "keys": [f"k{i}" for i in range(30)], "where": ["s"] * 30,
+            "outlier_score": torch.arange(30.0), "pairs": torch.zeros(0, 2, dtype=torch.long)}
+    p = SelectionParams(budget=[5, 25], exclude_outliers=0.2)
+    with pytest.raises(Exception, match=r"selection.budget: budget 25 is more than the 24 images "
+                                        r"left to pick from: 30 pretraining images"):
+        pick_all(data, p, seed=0)
+
+
+def test_pick_all__near_duplicates_leave_fewer_picks__recorded_not_hidden() -> None:
+    # four images, two exact pairs: k-center can pick one of each pair, two of a budget of 4
+    x = sel.unit_rows(torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]]))
+    data = {"features": x, "keys": list("abcd"), "where": ["s"] * 4,
+            "outlier_score": torch.zeros(4), "pairs": torch.tensor([[0, 1], [2, 3]])}
+    p = SelectionParams(budget=[2, 4], method="kcenter", compare=["kcenter"], draws=1,
+                        exclude_outliers=0.0)
+    picks, info = pick_all(data, p, seed=0)
+    assert sorted(picks["kcenter"][4][0]) in ([0, 2], [0, 3], [1, 2], [1, 3])
+    assert info["short"] == {"kcenter": {"4": 2}}

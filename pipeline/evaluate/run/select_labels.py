@@ -66,11 +66,14 @@ def pick_all(data: dict[str, Any], p: SelectionParams, *, seed: int
     sel.check_budgets(p.budget, n)
     eligible = sel.eligible_mask(n, outlier_score=data["outlier_score"],
                                  exclude_outliers=p.exclude_outliers)
+    sel.check_budgets(p.budget, int(eligible.sum()), what=(
+        f"images left to pick from: {n} pretraining images less the most isolated "
+        f"(selection.exclude_outliers {p.exclude_outliers:g}, ties at the cut included)"))
     pairs = data["pairs"]
     top = max(p.budget)
     picks: dict[str, dict[int, list[list[int]]]] = {}
     info: dict[str, Any] = {"excluded_outliers": int(n - eligible.sum()), "seconds": {},
-                            "clusters": {}}
+                            "clusters": {}, "short": {}}
     for method in _methods(p):
         t0 = time.time()
         if method == "random":
@@ -92,6 +95,12 @@ def pick_all(data: dict[str, Any], p: SelectionParams, *, seed: int
                                                   pairs=pairs)
                 picks[method][b] = [rows]
                 info["clusters"][b] = clusters
+        for b, draws in picks[method].items():  # near-duplicates can leave too few images
+            if len(draws[0]) < b:
+                info["short"].setdefault(method, {})[str(b)] = len(draws[0])
+                log.warning("select_labels: %s picked %d images of a budget of %d: the rest "
+                            "are near-duplicates of its picks or excluded outliers", method,
+                            len(draws[0]), b)
         info["seconds"][method] = round(time.time() - t0, 1)
         log.info("select_labels: %s picked in %.1fs", method, time.time() - t0)
     return picks, info
@@ -193,7 +202,7 @@ def details(picks: dict[str, dict[int, list[list[int]]]], info: dict[str, Any],
     return {"method": str(p.method), "budgets": list(p.budget), "images": len(keys),
             "excluded_outliers": info["excluded_outliers"],
             "probcover_delta": info.get("probcover_delta"),
-            "seconds": info["seconds"],
+            "short_of_budget": info["short"], "seconds": info["seconds"],
             "picks": {m: {str(b): image(draws[0], b, m) for b, draws in by.items()}
                       for m, by in picks.items()}}
 
@@ -274,6 +283,7 @@ def write_selection(result: dict[str, Any], p: SelectionParams, *, details_path:
     write_metrics(all_metrics_path, {
         "images": result["images"], "excluded_outliers": d["excluded_outliers"],
         "draws": p.draws, "measured": result["measured"], "skipped": result["skipped"],
+        "short_of_budget": d["short_of_budget"],
         "seconds": d["seconds"], "wall_time_s": result["wall_time_s"]})
     write_tsv(plots_path, PLOT_COLUMNS, plot_rows(result["measured"]))
     write_metrics(metrics_path, headline(result, p))
