@@ -70,7 +70,8 @@ def held_per_class(labels: torch.Tensor, n: int) -> dict[int, int]:
     return {c: min(n, int(k)) for c, k in enumerate(counts.tolist()) if k}
 
 
-def _summary(values: list[float]) -> dict[str, float]:
+def summary(values: list[float]) -> dict[str, float]:
+    """``{"mean", "std", "min", "max"}`` of top-1s over draws (population std; 0 for one)."""
     return {"mean": round(statistics.fmean(values), 4),
             "std": round(statistics.pstdev(values), 4) if len(values) > 1 else 0.0,
             "min": round(min(values), 4), "max": round(max(values), 4)}
@@ -145,7 +146,7 @@ def curve(kinds: Mapping[str, Callable[[list[int]], FeatureSet]],
                         train, tests[kind], probe=probe, num_classes=num_classes,
                         linear=linear, seed=seed + d, device=device))
         for (kind, probe), values in runs.items():
-            out[kind][probe][str(n)] = {**_summary(values), "labels": sum(held.values()),
+            out[kind][probe][str(n)] = {**summary(values), "labels": sum(held.values()),
                                         "per_class_min": min(held.values())}
         log.info("label efficiency, %d per class (%d draws): %s", n, draws, ", ".join(
             f"{kind} {probe} {out[kind][probe][str(n)]['mean']:.2f}"

@@ -33,7 +33,7 @@ from pipeline.data.shards import missing_labels
 from pipeline.evaluate import selection as sel
 from pipeline.evaluate.features import FeatureSet, load_features, pick_device
 from pipeline.evaluate.insights import load_neighbourhoods
-from pipeline.evaluate.label_efficiency import PROBES, probe_top1
+from pipeline.evaluate.label_efficiency import PROBES, probe_top1, summary
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +125,6 @@ def measurable(shards_dir: Path | ShardURL, data: dict[str, Any]) -> str | None:
     return None
 
 
-def _summary(values: list[float]) -> dict[str, float]:
-    mean = sum(values) / len(values)
-    return {"mean": round(mean, 4), "min": round(min(values), 4), "max": round(max(values), 4),
-            "std": round((sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5, 4)}
-
-
 def measure(picks: dict[str, dict[int, list[list[int]]]], keys: list[str], train: FeatureSet,
             test: FeatureSet, *, linear: LinearParams, seed: int,
             device: torch.device) -> dict[str, Any]:
@@ -172,7 +166,7 @@ def measure(picks: dict[str, dict[int, list[list[int]]]], keys: list[str], train
                     scores[probe].append(probe_top1(
                         fs, test, probe=probe, num_classes=num_classes, linear=linear,
                         seed=seed + d, device=device))
-            out[method][str(b)] = {name: _summary(v) for name, v in scores.items()}
+            out[method][str(b)] = {name: summary(v) for name, v in scores.items()}
         log.info("select_labels: %s: %s", method, ", ".join(
             f"{b} labels kNN {v['knn']['mean']:.2f} linear {v['linear']['mean']:.2f}"
             for b, v in out[method].items()))
