@@ -45,6 +45,10 @@ RUNS: dict[str, tuple[str, dict[str, dict]]] = {
     # init by kNN (m0.9) or by RankMe (multicrop2): for question (c)
     "m0.9-1ep": ("params.yaml", {"moco": {"m": 0.9}, "pretrain": {"epochs": 1}}),
     "multicrop2-1ep": ("params.yaml", {"augment": {"small_crops": 2}, "pretrain": {"epochs": 1}}),
+    # the two 3-epoch runs of the cross-run study whose RankMe ended below their random init's
+    # while their kNN monitor ended above it: RankMe or view top-1 for "better than random init"
+    "m0.9-3ep": ("params.yaml", {"moco": {"m": 0.9}, "pretrain": {"epochs": 3}}),
+    "multicrop2-3ep": ("params.yaml", {"augment": {"small_crops": 2}, "pretrain": {"epochs": 3}}),
 }
 WORK = Path("/tmp/labelfree-study")
 log = logging.getLogger("labelfree_study")
@@ -310,6 +314,61 @@ def analyse(work: Path, runs: list[str]) -> dict:
     return result
 
 
+MONITOR_NUMBERS = {"rankme": 1, "view_top1": 1, "uniformity": -1, "alignment": -1}
+
+
+def read_monitor(folder: Path) -> list[dict]:
+    """The monitor rows of one run, kNN and label-free joined by epoch: a pipeline run's
+    ``plots/{knn_monitor,labelfree}.tsv`` or a study run's ``{knn,labelfree}.tsv``."""
+    import csv
+
+    def rows(name: str) -> dict[int, dict]:
+        with open(folder / name, newline="") as f:
+            return {int(r["epoch"]): {k: float(v) for k, v in r.items() if v not in ("", None)}
+                    for r in csv.DictReader(f, delimiter="\t")}
+
+    knn_file = "knn_monitor.tsv" if (folder / "knn_monitor.tsv").exists() else "knn.tsv"
+    knn, free = rows(knn_file), rows("labelfree.tsv")
+    return [{**free[e], **knn[e], "epoch": e} for e in sorted(knn) if e in free]
+
+
+def monitor_study(folders: dict[str, Path]) -> dict:
+    """Per run, from its monitor rows alone (every epoch, random init first): each number's
+    Spearman rho with the kNN monitor, the trend verdict each number would give beside kNN's
+    own, and the absolute question: is the end above the random init, by each number?"""
+    from scipy.stats import spearmanr
+
+    from pipeline.evaluate.verdict import PLATEAU_FRACTION, describe, trend
+
+    out: dict[str, Any] = {}
+    for name, folder in folders.items():
+        rows = read_monitor(folder)
+        within = {}
+        for k in MONITOR_NUMBERS:
+            for label, rs in (("all_epochs", rows), ("trained_epochs", rows[1:])):
+                have = [r for r in rs if k in r]
+                if len(have) >= 3:
+                    rho, pval = spearmanr([r[k] for r in have], [r["knn_top1"] for r in have])
+                    within.setdefault(k, {})[label] = {
+                        "rho": round(float(rho), 4), "p": float(f"{pval:.3g}"),
+                        "points": len(have)}
+        verdicts = {}
+        for k, sign in {"knn_top1": 1, **MONITOR_NUMBERS}.items():
+            have = [r for r in rows if k in r]
+            if len(have) >= 2 and have[0]["epoch"] == 0:
+                verdicts[k] = describe(*trend([r["epoch"] for r in have], [r[k] for r in have],
+                                              higher_is_better=sign > 0,
+                                              fraction=PLATEAU_FRACTION))
+        init, end = rows[0], rows[-1]
+        above = {k: (end[k] - init[k]) * sign > 0
+                 for k, sign in {"knn_top1": 1, **MONITOR_NUMBERS}.items()
+                 if k in init and k in end}
+        out[name] = {"folder": str(folder), "epochs": [r["epoch"] for r in rows],
+                     "rows": rows, "within_run_spearman": within, "verdicts": verdicts,
+                     "end_above_init": above}
+    return out
+
+
 def torch_device() -> Any:
     import torch
 
@@ -324,7 +383,7 @@ def torch_load(path: Path) -> Any:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("command", choices=("train", "measure", "known", "analyse"))
+    ap.add_argument("command", choices=("train", "measure", "known", "analyse", "monitor"))
     ap.add_argument("runs", nargs="*")
     ap.add_argument("--shards", type=Path, default=Path("data/shards"))
     ap.add_argument("--work", type=Path, default=WORK)
@@ -358,6 +417,15 @@ def main() -> None:
                  if v is not None}
         for name in args.runs or ["default"]:
             known(name, shards=args.shards, work=args.work, **sizes)
+    elif args.command == "monitor":  # runs: NAME=FOLDER (a pipeline's plots/ or a study run)
+        result = monitor_study({r.split("=", 1)[0]: Path(r.split("=", 1)[1]) for r in args.runs})
+        text = json.dumps(result, indent=1) + "\n"
+        if args.out:
+            from pipeline.atomic import write_json
+
+            write_json(args.out, result)
+        else:
+            print(text)
     else:
         result = analyse(args.work, args.runs or list(RUNS))
         text = json.dumps(result, indent=1) + "\n"

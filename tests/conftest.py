@@ -18,6 +18,16 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, torch.get_num_threads() // workers))
 
 
+@pytest.hookimpl(optionalhook=True)  # known only where pytest-xdist is loaded
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    # `-n auto`: on up to 4 usable cores, one worker more than every second core (2 cores: 3
+    # workers). The e2e tests spend part of their time waiting (stage subprocesses starting,
+    # git and DVC on disk); a third worker fills those waits. Above 4 cores, one per core.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    return cores + (cores + 1) // 2 if cores <= 4 else cores
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Longest first: the e2e files (60-270 s each), then the other files with slow tests, then
     # the rest; within a file, its own order (e2e tests build on each other). `make test` keeps

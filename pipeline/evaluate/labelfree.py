@@ -24,7 +24,8 @@ the source), resized and centre-cropped to the training side. The two views are 
 augmentation's (:func:`pipeline.data.views.build_batch_view`) under a fixed seed, so the same
 encoder always gets the same numbers. :class:`pipeline.train.monitor.LabelFreeProbe` runs them
 at every monitor point and at the end of pretraining, also without labels (``data.source:
-none``).
+none``). What each number answered on this project's data, and what the report shows it as:
+:mod:`pipeline.report.labelfree_findings`; the run's verdict: :mod:`pipeline.evaluate.verdict`.
 """
 
 from __future__ import annotations
@@ -41,46 +42,6 @@ RANKME_EPS = 1e-7  # Garrido et al. 2023, the epsilon added to each normalised s
 ALIGN_ALPHA = 2  # Wang & Isola 2020, the default exponent of the alignment loss
 UNIFORM_T = 2.0  # Wang & Isola 2020, the default temperature of the uniformity loss
 METRICS = ("rankme", "alignment", "uniformity", "view_top1")
-
-# What each number answers on this project's own data, measured against the kNN monitor.
-# Across runs: the Spearman rho with kNN top-1 over the encoders of the cross-run study of
-# 3-epoch runs (benchmarks/labelfree_correlation.py; STUDY_FILE). Within a run: the mean over
-# the full-length runs of the Spearman rho with the kNN monitor along their epochs, random init
-# included (benchmarks/labelfree_study.py; VERDICTS_FILE). tests/evaluate/test_labelfree.py
-# checks both against the files. ROLE says what the report shows each number as; the run
-# verdict (pipeline/evaluate/verdict.py) uses the numbers the study supports.
-STUDY_FILE = "results/labelfree-correlation-2026-12-06.json"
-STUDY: dict[str, tuple[float, int]] = {"rankme": (0.6807, 20), "alignment": (0.2505, 20),
-                                        "uniformity": (-0.7469, 20)}
-VERDICTS_FILE = "results/labelfree-verdict-2026-12-06.json"
-WITHIN_RUN: dict[str, tuple[float, int]] = {"rankme": (0.9611, 2), "alignment": (-0.1566, 2),
-                                            "uniformity": (-0.3686, 2),
-                                            "view_top1": (0.9611, 2)}
-# the study's column of each number (it measured RankMe and view top-1 on 2,048 images too)
-STUDY_KEY = {"rankme": "rankme_2048", "alignment": "alignment", "uniformity": "uniformity",
-             "view_top1": "view_top1_2048"}
-ROLE = {
-    "rankme": "the verdict's number: collapse, random init, progress within a run",
-    "alignment": "a diagnostic only (rises with training; 0 for a collapsed encoder)",
-    "uniformity": "ranked 3-epoch runs of one recipe; not progress within a run",
-    "view_top1": "followed kNN within a run as RankMe did; not yet used by the verdict",
-}
-
-
-def study_rho(name: str) -> tuple[float | None, int]:
-    """``(Spearman rho with kNN top-1, encoders)`` across runs (:data:`STUDY`; None: not run)."""
-    rho, n = STUDY.get(name, (None, 0))
-    return rho, n
-
-
-def within_run_rho(name: str) -> tuple[float | None, int]:
-    """``(mean Spearman rho with the kNN monitor along a run's epochs, runs)`` (None: none).
-
-    From :data:`WITHIN_RUN`.
-    """
-    rho, n = WITHIN_RUN.get(name, (None, 0))
-    return rho, n
-
 
 def effective_rank(features: Tensor, eps: float = RANKME_EPS) -> float:
     """RankMe of an ``(N, D)`` embedding matrix (see the module docstring).

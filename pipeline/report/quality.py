@@ -1,10 +1,10 @@
 """What the report says about quality without labels and with few: two sections, two figures.
 
-* "Quality without labels": first the run's verdict (:func:`pipeline.evaluate.verdict.
-  report_sentence`), then RankMe, alignment, uniformity and view top-1 (:mod:`pipeline.
-  evaluate.labelfree`) at the end of pretraining and per monitor epoch, each with one sentence
-  on how to read it and what the project's studies found it answering
-  (:data:`pipeline.evaluate.labelfree.ROLE`).
+* "Quality without labels": first the run's verdict (:func:`pipeline.report.labelfree_findings.
+  report_sentence`), then RankMe, alignment, uniformity and view top-1 (:mod:`pipeline.evaluate.
+  labelfree`) at the end of pretraining and per monitor epoch, each with one sentence on how to
+  read it and what the project's studies found it answering (:data:`pipeline.report.
+  labelfree_findings.ROLE`).
 * "Label efficiency": kNN and linear-probe top-1 from a few labelled images per class
   (:mod:`pipeline.evaluate.label_efficiency`), MoCo beside raw pixels and the random encoder,
   with the pipeline's whole-train-set numbers as the last point, and the margin MoCo has over
@@ -20,18 +20,18 @@ from typing import Any
 import numpy as np
 
 from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T
-from pipeline.evaluate.labelfree import (
-    METRICS,
-    ROLE,
-    STUDY_FILE,
-    VERDICTS_FILE,
-    study_rho,
-    within_run_rho,
-)
-from pipeline.evaluate.verdict import report_sentence
+from pipeline.evaluate.labelfree import METRICS
 from pipeline.report import figures as fg
 from pipeline.report.document import NOT_AVAILABLE, FigureRef, Paragraph, Section, Table, fmt
 from pipeline.report.inputs import Metrics, RunOutputs
+from pipeline.report.labelfree_findings import (
+    ROLE,
+    STUDY_FILE,
+    VERDICTS_FILE,
+    report_sentence,
+    study_rho,
+    within_run_rho,
+)
 
 READING = {
     "rankme": "RankMe is the effective number of feature directions the images use (at most "

@@ -133,17 +133,18 @@ def test_study__constants_are_the_results_files():
     import json
 
     from pipeline.codegraph import REPO
-    from pipeline.evaluate import labelfree as lf
+    from pipeline.evaluate.labelfree import METRICS
+    from pipeline.report import labelfree_findings as lf
 
     study = json.loads((REPO / lf.STUDY_FILE).read_text())
     found = {k: (v["spearman_rho"], v["encoders"])
-             for k, v in study["spearman_with_knn_top1"].items() if k in lf.METRICS}
+             for k, v in study["spearman_with_knn_top1"].items() if k in METRICS}
     assert lf.STUDY == found
     assert len(study["encoders"]) >= 8  # the floor: at least 8 encoders
     runs = json.loads((REPO / lf.VERDICTS_FILE).read_text())["runs"]
     within = {k: (round(sum(r["within_run_spearman"][lf.STUDY_KEY[k]]["all_epochs"]["rho"]
                             for r in runs.values()) / len(runs), 4), len(runs))
-              for k in lf.METRICS}
+              for k in METRICS}
     assert lf.WITHIN_RUN == within
     # by hand from the file: default 0.9222 and width16 1.0 for RankMe: mean 0.9611
     assert lf.WITHIN_RUN["rankme"] == (0.9611, 2)

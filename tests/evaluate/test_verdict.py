@@ -63,12 +63,14 @@ def test_describe__codes_and_epochs():
 
 def test_report_sentence__names_the_number_as_the_report_does():
     # the default run's verdict, as eval/metrics/pretrain.json stores it
-    text = vd.report_sentence({"verdict_code": vd.PLATEAU, "verdict_epoch": 5})
+    from pipeline.report.labelfree_findings import report_sentence
+
+    text = report_sentence({"verdict_code": vd.PLATEAU, "verdict_epoch": 5})
     assert text.startswith("Verdict without labels: plateaued since epoch 5. ")
-    assert "its RankMe has stayed within 10% of its whole gain since epoch 5" in text
+    assert "its view top-1 has stayed within 10% of its whole gain since epoch 5" in text
     # a plateau of the label-free number is not evidence that more epochs would not help
     assert "unlikely to help" not in text and "provisional" in text
-    assert vd.report_sentence({"rankme": 92.1}) is None  # a run without a verdict
+    assert report_sentence({"rankme": 92.1}) is None  # a run without a verdict
 
 
 def test_collapse_threshold__absolute_floor_and_share_of_the_rank():

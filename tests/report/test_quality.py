@@ -8,7 +8,7 @@ from helpers import says
 from reporthelpers import LABEL_EFFICIENCY, make_run
 
 from pipeline.atomic import read_json, write_json
-from pipeline.evaluate import labelfree
+from pipeline.report import labelfree_findings as labelfree
 from pipeline.report.document import NOT_AVAILABLE, FigureRef, Paragraph, Table
 from pipeline.report.inputs import read_outputs
 from pipeline.report.quality import label_efficiency_section, labelfree_section, margin_sentence
