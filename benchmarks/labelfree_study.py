@@ -333,40 +333,135 @@ def read_monitor(folder: Path) -> list[dict]:
 
 
 def monitor_study(folders: dict[str, Path]) -> dict:
-    """Per run, from its monitor rows alone (every epoch, random init first): each number's
-    Spearman rho with the kNN monitor, the trend verdict each number would give beside kNN's
-    own, and the absolute question: is the end above the random init, by each number?"""
+    """Per run folder, from its monitor rows alone: :func:`_study_of_rows`."""
+    return {name: _study_of_rows(str(folder), read_monitor(folder))
+            for name, folder in folders.items()}
+
+
+def _study_of_rows(source: str, rows: list[dict]) -> dict:
+    """One run's monitor rows (every epoch, random init first): each number's Spearman rho
+    with the kNN monitor, the trend verdict each number would give beside kNN's own, and the
+    absolute question: is the end above the random init, by each number?"""
     from scipy.stats import spearmanr
 
     from pipeline.evaluate.verdict import PLATEAU_FRACTION, describe, trend
 
-    out: dict[str, Any] = {}
-    for name, folder in folders.items():
-        rows = read_monitor(folder)
-        within = {}
-        for k in MONITOR_NUMBERS:
-            for label, rs in (("all_epochs", rows), ("trained_epochs", rows[1:])):
-                have = [r for r in rs if k in r]
-                if len(have) >= 3:
-                    rho, pval = spearmanr([r[k] for r in have], [r["knn_top1"] for r in have])
-                    within.setdefault(k, {})[label] = {
-                        "rho": round(float(rho), 4), "p": float(f"{pval:.3g}"),
-                        "points": len(have)}
-        verdicts = {}
-        for k, sign in {"knn_top1": 1, **MONITOR_NUMBERS}.items():
-            have = [r for r in rows if k in r]
-            if len(have) >= 2 and have[0]["epoch"] == 0:
-                verdicts[k] = describe(*trend([r["epoch"] for r in have], [r[k] for r in have],
-                                              higher_is_better=sign > 0,
-                                              fraction=PLATEAU_FRACTION))
-        init, end = rows[0], rows[-1]
-        above = {k: (end[k] - init[k]) * sign > 0
-                 for k, sign in {"knn_top1": 1, **MONITOR_NUMBERS}.items()
-                 if k in init and k in end}
-        out[name] = {"folder": str(folder), "epochs": [r["epoch"] for r in rows],
-                     "rows": rows, "within_run_spearman": within, "verdicts": verdicts,
-                     "end_above_init": above}
-    return out
+    within: dict[str, dict] = {}
+    for k in MONITOR_NUMBERS:
+        for label, rs in (("all_epochs", rows), ("trained_epochs", rows[1:])):
+            have = [r for r in rs if k in r]
+            if len(have) >= 3:
+                rho, pval = spearmanr([r[k] for r in have], [r["knn_top1"] for r in have])
+                within.setdefault(k, {})[label] = {
+                    "rho": round(float(rho), 4), "p": float(f"{pval:.3g}"),
+                    "points": len(have)}
+    verdicts = {}
+    for k, sign in {"knn_top1": 1, **MONITOR_NUMBERS}.items():
+        have = [r for r in rows if k in r]
+        if len(have) >= 2 and have[0]["epoch"] == 0:
+            verdicts[k] = describe(*trend([r["epoch"] for r in have], [r[k] for r in have],
+                                          higher_is_better=sign > 0, fraction=PLATEAU_FRACTION))
+    init, end = rows[0], rows[-1]
+    above = {k: (end[k] - init[k]) * sign > 0
+             for k, sign in {"knn_top1": 1, **MONITOR_NUMBERS}.items() if k in init and k in end}
+    return {"source": source, "epochs": [r["epoch"] for r in rows], "rows": rows,
+            "within_run_spearman": within, "verdicts": verdicts, "end_above_init": above}
+
+
+def probe_kept_epochs(name: str, *, shards: Path, work: Path) -> list[dict]:
+    """The monitor's own label-free numbers (:class:`pipeline.train.monitor.LabelFreeProbe`) of
+    every kept epoch of study run ``name``, with that epoch's kNN monitor (cached per epoch)."""
+    from pipeline.atomic import write_json
+    from pipeline.data.manifest import read_manifest
+    from pipeline.data.shards import image_spec
+    from pipeline.evaluate.run.embed import build_encoder
+    from pipeline.train.monitor import LabelFreeProbe
+
+    out, p = work / name, run_params(name)
+    meta = json.loads((out / "encoder.json").read_text())
+    spec = image_spec(read_manifest(shards / "pretrain"), shards / "pretrain")
+    probe, rows = None, []
+    for pt in sorted((out / "epochs").glob("epoch-*.pt")):
+        cached = pt.with_suffix(".probe.json")
+        if not cached.exists():
+            probe = probe or LabelFreeProbe(
+                shards / "pretrain", image_size=spec.size, mean=spec.mean, std=spec.std,
+                preset=str(p.augment.preset), crop_min_scale=p.augment.crop_min_scale,
+                device=torch_device(), n=p.pretrain.labelfree_images)
+            write_json(cached, probe(build_encoder(torch_load(pt), meta)[0]))
+        monitor = json.loads(pt.with_suffix(".json").read_text())
+        rows.append({**json.loads(cached.read_text()), "epoch": monitor["epoch"],
+                     "knn_top1": monitor["knn"]["knn_top1"]})
+    return rows
+
+
+def verdict_study(folders: dict[str, Path], *, short: list[str], shards: Path,
+                  work: Path) -> dict:
+    """The study behind :mod:`pipeline.evaluate.verdict`, from the monitor's numbers alone.
+
+    ``folders``: the full-length runs (a pipeline run's ``plots/`` or a study run's folder)
+    for question (a); ``width16`` joins them from :data:`PREVIOUS` (its kept epochs measured
+    with the same definitions). ``short``: study runs whose kept epochs are probed here
+    (:func:`probe_kept_epochs`), for question (c) beside the full-length runs' ends.
+    """
+    previous = json.loads(PREVIOUS.read_text())
+    full = monitor_study(folders)
+    rows = [{**{k: r[v] for k, v in PREVIOUS_KEYS.items()}, "epoch": r["epoch"],
+             "knn_top1": r["knn_top1"]} for r in previous["runs"]["width16"]["rows"]]
+    full["width16"] = _study_of_rows(f"{PREVIOUS} (epochs 0-5 kept and measured)", rows)
+    short_runs = {n: _study_of_rows(str(work / n), probe_kept_epochs(n, shards=shards, work=work))
+                  for n in short}
+    within = {k: {"mean_rho": round(sum(r["within_run_spearman"][k]["all_epochs"]["rho"]
+                                        for r in full.values()) / len(full), 4),
+                  "runs": len(full)} for k in MONITOR_NUMBERS}
+    # (b) across runs: the cross-run study's 3-epoch encoders, the previous study's two
+    # full-length ends, and the ends of the full-length runs given here that it lacks
+    from scipy.stats import spearmanr
+
+    old = json.loads(OLD_STUDY.read_text())["encoders"]
+    ends = [{k: r[v] for k, v in PREVIOUS_KEYS.items()} | {"knn_top1": r["knn_top1"]}
+            for r in (v["rows"][-1] for v in previous["runs"].values())]
+    ends += [v["rows"][-1] for n, v in full.items() if n not in previous["runs"]]
+    across = {}
+    for k in ("rankme", "alignment", "uniformity"):
+        pts = [(r[k], r["knn_top1"]) for r in old + ends if r.get(k) is not None]
+        rho, pval = spearmanr(*zip(*pts))
+        across[k] = {"rho": round(float(rho), 4), "p": float(f"{pval:.3g}"),
+                     "encoders": len(pts)}
+    return {"full_length_runs": full, "short_runs": short_runs, "within_run_mean": within,
+            "known": previous["known"], "across_runs_spearman": across}
+
+
+def verdict_tables(result: dict) -> str:
+    """The study's tables in Markdown, from :func:`verdict_study`'s JSON."""
+    names = {"knn_top1": "kNN monitor", "rankme": "RankMe", "view_top1": "view top-1",
+             "uniformity": "uniformity", "alignment": "alignment"}
+    full, short = result["full_length_runs"], result["short_runs"]
+    lines = ["| number | " + " | ".join(f"{n} ({len(v['epochs'])} points)"
+                                         for n, v in full.items()) + " | mean |",
+             "|---" * (len(full) + 2) + "|"]
+    for k in MONITOR_NUMBERS:
+        rhos = [v["within_run_spearman"][k]["all_epochs"]["rho"] for v in full.values()]
+        lines.append(f"| {names[k]} | " + " | ".join(f"{r:+.2f}" for r in rhos)
+                     + f" | **{result['within_run_mean'][k]['mean_rho']:+.2f}** |")
+    lines += ["", "| run | " + " | ".join(names.values()) + " |",
+              "|---" * (len(names) + 1) + "|"]
+    for n, v in {**full, **short}.items():
+        lines.append(f"| {n} | " + " | ".join(v["verdicts"].get(k, "") for k in names) + " |")
+    lines += ["", "| run | epochs | " + " | ".join(f"{names[k]} init -> end" for k in names)
+              + " |", "|---" * (len(names) + 2) + "|"]
+    for n, v in {**full, **short}.items():
+        init, end = v["rows"][0], v["rows"][-1]
+        cells = [(f"{init[k]:.3g} -> {end[k]:.3g}" + ("" if v["end_above_init"][k] == (
+                  v["end_above_init"]["knn_top1"]) else " (**other side**)"))
+                 if k in init and k in end else "" for k in names]
+        lines.append(f"| {n} | {v['epochs'][-1]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+PREVIOUS = Path("results/labelfree-verdict-2026-12-06.json")
+PREVIOUS_KEYS = {"rankme": "rankme_2048", "view_top1": "view_top1_2048",
+                 "uniformity": "uniformity", "alignment": "alignment"}
 
 
 def torch_device() -> Any:
@@ -383,7 +478,9 @@ def torch_load(path: Path) -> Any:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("command", choices=("train", "measure", "known", "analyse", "monitor"))
+    ap.add_argument("command", choices=("train", "measure", "known", "analyse", "monitor",
+                                        "verdicts"))
+    ap.add_argument("--short", nargs="*", default=[], help="verdicts: study runs to probe")
     ap.add_argument("runs", nargs="*")
     ap.add_argument("--shards", type=Path, default=Path("data/shards"))
     ap.add_argument("--work", type=Path, default=WORK)
@@ -417,8 +514,17 @@ def main() -> None:
                  if v is not None}
         for name in args.runs or ["default"]:
             known(name, shards=args.shards, work=args.work, **sizes)
-    elif args.command == "monitor":  # runs: NAME=FOLDER (a pipeline's plots/ or a study run)
-        result = monitor_study({r.split("=", 1)[0]: Path(r.split("=", 1)[1]) for r in args.runs})
+    elif args.command in ("monitor", "verdicts"):  # runs: NAME=FOLDER (plots/ or a study run)
+        folders = {r.split("=", 1)[0]: Path(r.split("=", 1)[1]) for r in args.runs}
+        if args.command == "verdicts":
+            import torch
+
+            torch.set_num_threads(args.threads or 1)
+            result = verdict_study(folders, short=args.short, shards=args.shards,
+                                   work=args.work)
+            print(verdict_tables(result))
+        else:
+            result = monitor_study(folders)
         text = json.dumps(result, indent=1) + "\n"
         if args.out:
             from pipeline.atomic import write_json

@@ -53,6 +53,7 @@ def _rule(ok: Callable[[Any], bool], allowed: str) -> AfterValidator:
 
 
 INT_MAX = 2**31 - 1  # counts end up as C ints (torch.set_num_threads, sizes): larger overflow
+LABELFREE_MIN_IMAGES = 64  # fewer: one view moves view top-1 >= 0.8 %, the verdict reads noise
 
 
 def _count_or(words: tuple[str, ...], least: int) -> PlainValidator:
@@ -179,10 +180,12 @@ class PretrainParams(Section):
     deterministic: bool = True
     checkpoint_every_epochs: PosInt = 1
     checkpoint_every_steps: NonNegInt = 50  # also checkpoint every N steps (0 = only per epoch)
-    knn_every_epochs: NonNegInt = 1  # 0 = no monitor (kNN with labels, label-free numbers always)
+    knn_every_epochs: NonNegInt = 1  # the monitor (kNN, label-free numbers, verdict); 0 = off
     knn_monitor_train_images: PosInt = 10000
     knn_monitor_test_images: PosInt = 2000
-    labelfree_images: NonNegInt = 2048  # RankMe / alignment / uniformity sample; 0 = off
+    labelfree_images: Annotated[int, _rule(  # label-free sample (train.monitor); 0 = off
+        lambda v: v == 0 or LABELFREE_MIN_IMAGES <= v <= INT_MAX,
+        f"0 (off) or at least {LABELFREE_MIN_IMAGES} (at most {INT_MAX})")] = 2048
     log_every_steps: PosInt = 10
 
 

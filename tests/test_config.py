@@ -583,3 +583,16 @@ def test_validate__insights_out_of_range__names_key(section, key, value, allowed
                                           rf"allowed: {re.escape(allowed)}"):
         from_dict({section: {key: value}})
     assert from_dict({"insights": {"duplicate_cosine": 1.0, "listed": 0}}).insights.listed == 0
+
+
+def test_labelfree_images__off_or_at_least_the_verdicts_minimum():
+    from pipeline.config import LABELFREE_MIN_IMAGES
+
+    assert LABELFREE_MIN_IMAGES == 64
+    for n in (0, 64, 2048):
+        assert from_dict({"pretrain": {"labelfree_images": n}}).pretrain.labelfree_images == n
+    for n in (1, 2, 63):  # 1: uniformity needs two images; 2: RankMe <= 2 is always "collapsed"
+        with pytest.raises(ParamsError) as e:
+            from_dict({"pretrain": {"labelfree_images": n}})
+        says(str(e.value), f"'pretrain.labelfree_images' = {n} is invalid", "0 (off)",
+             "at least 64")

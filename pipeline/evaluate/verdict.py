@@ -11,10 +11,19 @@ file the report cites):
    end.
 2. **No better than its random init?** (:func:`no_better_than_init`): the end's
    :data:`ABSOLUTE` number not better than the random init's (epoch 0, the monitor's first row)
-   by more than :data:`INIT_MARGIN` of the init's value.
+   by more than :data:`INIT_MARGIN` of the init's value, nor by more than its noise
+   (:func:`noise`: :data:`NOISE_Z` standard errors of the difference).
 3. **Still improving, plateaued since epoch E, or got worse after epoch E?** (:func:`trend`):
    the :data:`TREND` number along the monitor epochs, with a tolerance of
-   :data:`PLATEAU_FRACTION` of the run's whole gain over its random init.
+   :data:`PLATEAU_FRACTION` of the run's whole gain over its random init, and at least the
+   noise of a difference between two points.
+
+The noise: view top-1 is a share of the monitor's N images found by their other view, so its
+standard error is that of a binomial proportion, ``100 sqrt(q (1 - q) / N)`` at ``q = value /
+100`` (held within ``[1/N, 1 - 1/N]``); N counts images, not the 2N views, whose two directions
+per image are not independent. At the default N (2,048) and the values of a trained run the
+tolerance is the gain's share; at a few hundred images and a gain of a few views, the noise
+decides.
 
 A verdict is stored as numbers (:meth:`Verdict.metrics`: ``verdict_code`` and
 ``verdict_epoch`` in ``eval/metrics/pretrain.json``, whose leaves are numeric) and rendered as
@@ -44,6 +53,7 @@ INIT_MARGIN = 0.0  # share of the init's value the end must exceed it by
 TREND = "view_top1"  # the number of the within-run verdict
 TREND_HIGHER_IS_BETTER = True
 PLATEAU_FRACTION = 0.1  # tolerance: this share of the run's gain (best - init) of TREND
+NOISE_Z = 2.0  # standard errors a difference must exceed to count (about 95 %, two-sided)
 NAMES = {"rankme": "RankMe", "view_top1": "view top-1", "uniformity": "uniformity",
          "alignment": "alignment"}  # how the verdict's sentences name ABSOLUTE and TREND
 
@@ -108,19 +118,46 @@ def collapse_reason(row: Mapping[str, float], max_rank: int) -> str | None:
     return None
 
 
+def standard_error(percent: float, n_images: int) -> float:
+    """The standard error (percentage points) of a share ``percent`` of ``n_images``.
+
+    A binomial proportion's, with the share held within ``[1/N, 1 - 1/N]``.
+
+    Raises:
+        InputError: ``n_images`` < 1.
+    """
+    if n_images < 1:
+        raise InputError(f"standard_error: needs >= 1 image, got {n_images}")
+    q = min(max(percent / 100, 1 / n_images), 1 - 1 / n_images) if n_images > 1 else 0.5
+    return 100 * (q * (1 - q) / n_images) ** 0.5
+
+
+def noise(a: float, b: float, n_images: int) -> float:
+    """How far apart two view top-1 values (%) on the same ``n_images`` must be to count.
+
+    :data:`NOISE_Z` standard errors of their difference (:func:`standard_error`).
+    """
+    return NOISE_Z * (standard_error(a, n_images) ** 2
+                      + standard_error(b, n_images) ** 2) ** 0.5
+
+
 def no_better_than_init(init: float, end: float, *, higher_is_better: bool = True,
-                        margin: float = INIT_MARGIN) -> bool:
-    """Whether ``end`` fails to beat ``init`` by more than ``margin * |init|``."""
+                        margin: float = INIT_MARGIN, noise_floor: float = 0.0) -> bool:
+    """Whether ``end`` fails to beat ``init`` by more than ``margin * |init|`` and ``noise_floor``.
+
+    ``noise_floor`` is in the values' units (:func:`noise`).
+    """
     gain = (end - init) if higher_is_better else (init - end)
-    return gain <= margin * abs(init)
+    return gain <= max(margin * abs(init), noise_floor)
 
 
 def trend(epochs: Sequence[int], values: Sequence[float], *, higher_is_better: bool = True,
-          fraction: float = PLATEAU_FRACTION) -> tuple[int, int]:
+          fraction: float = PLATEAU_FRACTION, noise_floor: float = 0.0) -> tuple[int, int]:
     """Still improving, plateaued since epoch E, or got worse after epoch E.
 
     With ``v`` the values oriented so that higher is better, ``gain = max(v) - v[0]`` (the
-    best point's gain over the first, the random init) and ``tol = fraction * gain``:
+    best point's gain over the first, the random init) and ``tol = max(fraction * gain,
+    noise_floor)``:
 
     * got worse after epoch E: the last value is more than ``tol`` below the best, E = the
       first epoch holding the best value;
@@ -133,6 +170,7 @@ def trend(epochs: Sequence[int], values: Sequence[float], *, higher_is_better: b
         values: the number at each.
         higher_is_better: the number's direction.
         fraction: the tolerance as a share of the gain.
+        noise_floor: the least tolerance, in the values' units (:func:`noise`).
 
     Returns:
         ``(code, epoch)``: ``(IMPROVING, NO_EPOCH)``, ``(PLATEAU, E)`` or ``(WORSE, E)``.
@@ -147,7 +185,7 @@ def trend(epochs: Sequence[int], values: Sequence[float], *, higher_is_better: b
         raise InputError(f"trend: epochs must increase, got {list(epochs)}")
     v = [x if higher_is_better else -x for x in values]
     best = max(v)
-    tol = fraction * max(best - v[0], 0.0)
+    tol = max(fraction * max(best - v[0], 0.0), noise_floor)
     if v[-1] < best - tol:
         return WORSE, int(epochs[v.index(best)])
     start = len(v) - 1
@@ -158,13 +196,16 @@ def trend(epochs: Sequence[int], values: Sequence[float], *, higher_is_better: b
     return PLATEAU, int(epochs[start])
 
 
-def verdict(rows: Sequence[Mapping[str, float]], max_rank: int) -> Verdict | None:
+def verdict(rows: Sequence[Mapping[str, float]], max_rank: int,
+            n_images: int) -> Verdict | None:
     """The run's verdict from its label-free monitor rows (epoch 0 first = the random init).
 
     Args:
         rows: ``{"epoch", "rankme", "view_top1", ...}`` per monitor point, in epoch order
             (``plots/labelfree.tsv``).
         max_rank: ``min(N, D)`` of the monitor (:func:`collapse_reason`).
+        n_images: the monitor's images N (``pretrain.labelfree_images`` or fewer): the noise
+            of view top-1 (:func:`noise`).
 
     Returns:
         The verdict, or None when the rows cannot support one (fewer than two points, or no
@@ -176,12 +217,16 @@ def verdict(rows: Sequence[Mapping[str, float]], max_rank: int) -> Verdict | Non
     reason = collapse_reason(end, max_rank)
     if reason is not None:
         return Verdict(COLLAPSED, NO_EPOCH, reason)
-    if no_better_than_init(init[ABSOLUTE], end[ABSOLUTE]):
-        return Verdict(NO_BETTER, NO_EPOCH, f"{NAMES[ABSOLUTE]} {end[ABSOLUTE]:.3g} at the end, "
-                                            f"{init[ABSOLUTE]:.3g} at random init")
+    floor = noise(init[ABSOLUTE], end[ABSOLUTE], n_images)
+    if no_better_than_init(init[ABSOLUTE], end[ABSOLUTE], noise_floor=floor):
+        return Verdict(NO_BETTER, NO_EPOCH,
+                       f"{NAMES[ABSOLUTE]} {end[ABSOLUTE]:.3g} % at the end, "
+                       f"{init[ABSOLUTE]:.3g} % at random init: a gain within the noise "
+                       f"({floor:.2g} points at {n_images} images)")
     epochs = [int(r["epoch"]) for r in rows]
-    code, epoch = trend(epochs, [r[TREND] for r in rows],
-                        higher_is_better=TREND_HIGHER_IS_BETTER)
-    values = ", ".join(f"{r[TREND]:.3g}" for r in rows)
-    return Verdict(code, epoch,
-                   f"{NAMES[TREND]} per monitor epoch {epochs[0]}..{epochs[-1]}: {values}")
+    values = [r[TREND] for r in rows]
+    best = max(values) if TREND_HIGHER_IS_BETTER else min(values)
+    code, epoch = trend(epochs, values, higher_is_better=TREND_HIGHER_IS_BETTER,
+                        noise_floor=noise(best, best, n_images))
+    points = ", ".join(f"epoch {e} {v:.3g} %" for e, v in zip(epochs, values))
+    return Verdict(code, epoch, f"{NAMES[TREND]} {points}")

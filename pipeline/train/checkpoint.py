@@ -142,6 +142,8 @@ class TrainState:
         wall_before_s: training wall time of earlier (interrupted) processes, seconds.
         num_threads: CPU intra-op threads in use; a resumed run keeps them (float reductions
             depend on the thread count, so this keeps resume bit-identical).
+        monitor: the monitor params the monitor rows were made with (:data:`MONITOR_PARAMS`);
+            rows made with others are not continued (:meth:`Checkpointer.restore`).
     """
 
     step: int = 0
@@ -150,6 +152,13 @@ class TrainState:
     labelfree_rows: list[dict[str, float]] = field(default_factory=list)
     wall_before_s: float = 0.0
     num_threads: int = 0
+    monitor: dict[str, int] = field(default_factory=dict)
+
+
+# The params that define the monitor's rows: they decide no weight (they are not in the
+# fingerprint), but rows made under others measure something else
+MONITOR_PARAMS = ("knn_every_epochs", "knn_monitor_train_images", "knn_monitor_test_images",
+                  "labelfree_images")
 
 
 @dataclass
@@ -182,11 +191,15 @@ class Checkpointer:
         is_main: only rank 0 writes.
         run_id: the MLflow run of this training, stored so that a resume continues that run
             (:func:`resumable_run_id`).
+        monitor: this run's monitor params (:data:`MONITOR_PARAMS`). A checkpoint whose rows
+            were made with others gives its kNN and label-free rows up, with a warning (the
+            verdict needs the rows from the random init on, under one definition).
     """
 
     def __init__(self, path: Path, key: TrainingInput, is_main: bool,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, monitor: dict[str, int] | None = None) -> None:
         self.path, self.key, self.run_id = Path(path), key, run_id
+        self.monitor = dict(monitor or {})
         self.is_main = is_main
         self.t_start = time.time()
 
@@ -195,18 +208,27 @@ class Checkpointer:
         """Load a matching checkpoint into the objects; a fresh state when there is none."""
         ckpt = load_checkpoint(self.path, self.key.fingerprint, self.key.described())
         if ckpt is None:
-            return TrainState()
+            return TrainState(monitor=dict(self.monitor))
         net.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scaler.load_state_dict(ckpt["scaler"])
         torch.set_rng_state(ckpt["rng_cpu"])
         if ckpt.get("rng_cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(ckpt["rng_cuda"])
+        made_with, monitor = dict(ckpt.get("monitor") or {}), self.monitor
+        same = made_with == monitor
+        if not same and self.is_main:
+            changed = [f"pretrain.{k}: {made_with.get(k, '-')} -> {v}" for k, v in monitor.items()
+                       if made_with.get(k) != v]
+            log.warning("pretrain: the checkpoint's monitor rows were made with other monitor "
+                        "params (%s): they are dropped, so this run gets no verdict (to get "
+                        "one: `python -m pipeline clean-checkpoints`, then retrain)",
+                        ", ".join(changed))
         return TrainState(step=int(ckpt["step"]), rows=list(ckpt["rows"]),
-                          knn_rows=list(ckpt["knn_rows"]),
-                          labelfree_rows=list(ckpt.get("labelfree_rows", [])),
+                          knn_rows=list(ckpt["knn_rows"]) if same else [],
+                          labelfree_rows=list(ckpt.get("labelfree_rows", [])) if same else [],
                           wall_before_s=float(ckpt["wall_time_s"]),
-                          num_threads=int(ckpt.get("num_threads", 0)))
+                          num_threads=int(ckpt.get("num_threads", 0)), monitor=dict(monitor))
 
     def wall_time(self, state: TrainState) -> float:
         """Training wall time so far, seconds, including interrupted processes."""
@@ -262,5 +284,5 @@ class Checkpointer:
             "rows": state.rows, "knn_rows": state.knn_rows,
             "labelfree_rows": state.labelfree_rows,
             "wall_time_s": self.wall_time(state), "num_threads": state.num_threads,
-            "mlflow_run_id": self.run_id,
+            "monitor": state.monitor, "mlflow_run_id": self.run_id,
         }, self.path)

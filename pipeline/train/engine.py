@@ -40,13 +40,14 @@ from pipeline.data.views import (
 from pipeline.data.workers import LoaderWorkerError, SharedMemoryError, shut_down, worker_death
 from pipeline.errors import InputError
 from pipeline.evaluate.verdict import TAG as VERDICT_TAG
-from pipeline.evaluate.verdict import collapse_reason, verdict
+from pipeline.evaluate.verdict import collapse_reason
 from pipeline.moco.distributed import ranks_identical
 from pipeline.moco.geometry import small_crop_side
 from pipeline.moco.model import MoCo, MocoOutput
 from pipeline.seeds import batch_seed
 from pipeline.signals import StopFlag, Terminated, signal_name, stop_on_signals
 from pipeline.train.checkpoint import (
+    MONITOR_PARAMS,
     Checkpointer,
     CheckpointPolicy,
     NonFiniteError,
@@ -284,14 +285,9 @@ def record_monitor(r: Run, epoch: int, *, last: bool = False) -> None:
         rows.append({"epoch": epoch, "step": step, **res})
         if r.tracking is not None:
             r.tracking.log_metrics({f"{prefix}{k}": v for k, v in res.items()}, step=step)
-        if part is r.monitor.labelfree and (why := collapse_reason(res, _max_rank(r))):
+        if part is r.monitor.labelfree and (why := collapse_reason(
+                res, r.monitor.max_rank(backbone.num_features))):
             log.warning("pretrain: the encoder looks collapsed after epoch %d: %s", epoch, why)
-
-
-def _max_rank(r: Run) -> int:
-    """``min(N, D)`` of the label-free monitor: its images, the backbone's feature width."""
-    probe = r.monitor.labelfree
-    return min(len(probe), r.net.encoder_q.backbone.num_features) if probe is not None else 0
 
 
 def pretrain(*, model: ModelParams, moco: MocoParams, opt: PretrainParams, augment: AugmentParams,
@@ -395,7 +391,8 @@ def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
         Params(seed=seed, model=model, moco=moco, augment=augment, pretrain=opt), manifest,
         rt.world_size)
     ckpt = Checkpointer(Path(checkpoint_dir) / "last.pt", key, rt.is_main,
-                        run_id=run.run_id if run is not None else None)
+                        run_id=run.run_id if run is not None else None,
+                        monitor={k: getattr(opt, k) for k in MONITOR_PARAMS})
     state = _restore(ckpt, net, optimizer, precision, rt=rt, total_steps=plan.total_steps)
     num_workers = resolve_num_workers(opt.num_workers, rt.device)
     state.num_threads = setup_threads(
@@ -475,10 +472,13 @@ def _finish(r: Run, model: ModelParams, encoder_path: Path,
                         "(eval/metrics/pretrain.json queue_ranks_identical 0)", r.rt.world_size)
     metrics["pretrain_images"] = r.pretrain_set.num_samples
     metrics["broken_images_skipped"] = r.pretrain_set.num_broken or 0
-    judged = verdict(r.state.labelfree_rows, _max_rank(r)) if r.rt.is_main else None
+    judged = (r.monitor.verdict(r.state.labelfree_rows, r.net.encoder_q.backbone.num_features)
+              if r.rt.is_main else None)
     if judged is not None:
         metrics.update(judged.metrics())
         log.info("pretrain verdict: %s (%s)", judged.text, judged.why)
+    elif r.rt.is_main:
+        log.info("pretrain verdict: none (%s)", r.monitor.no_verdict())
     if r.rt.is_main:
         export_outputs(r.net, model, in_channels=r.plan.spec.channels,
                        image_size=r.plan.spec.size, state=r.state, metrics=metrics,
@@ -521,12 +521,12 @@ def _build_monitor(shards_dir: Path | ShardURL, *, spec: Any, augment: AugmentPa
     images (only shards read in place) the label-free part is off, with a log line.
     """
     if not rt.is_main or not opt.knn_every_epochs:
-        return Monitor(0)
+        return Monitor(0, labelfree_off="pretrain.knn_every_epochs is 0: no monitor")
     knn = (KnnMonitor(shards_dir, transform=build_eval_transform(spec.size, spec.mean, spec.std),
                       device=rt.device, n_train=opt.knn_monitor_train_images,
                       n_test=opt.knn_monitor_test_images)
            if _labelled(shards_dir) else None)
-    labelfree = None
+    labelfree, off = None, "pretrain.labelfree_images is 0: no label-free numbers"
     if opt.labelfree_images:
         if read_manifest(shards_dir / "pretrain").num_samples:
             labelfree = LabelFreeProbe(shards_dir / "pretrain", image_size=spec.size,
@@ -534,9 +534,9 @@ def _build_monitor(shards_dir: Path | ShardURL, *, spec: Any, augment: AugmentPa
                                        crop_min_scale=augment.crop_min_scale, device=rt.device,
                                        n=opt.labelfree_images)
         else:
-            log.info("label-free monitor off: no built pretraining images (only shards read in "
-                     "place)")
-    return Monitor(opt.knn_every_epochs, knn=knn, labelfree=labelfree)
+            off = "no built pretraining images (only shards read in place)"
+            log.info("label-free monitor off: %s", off)
+    return Monitor(opt.knn_every_epochs, knn=knn, labelfree=labelfree, labelfree_off=off)
 
 
 def _labelled(shards_dir: Path | ShardURL) -> bool:

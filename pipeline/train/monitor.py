@@ -24,6 +24,7 @@ from pipeline.data.views import BatchTwoCrop, build_batch_view
 from pipeline.evaluate.features import extract_features
 from pipeline.evaluate.knn import DEFAULT_K, DEFAULT_T, knn_classify
 from pipeline.evaluate.labelfree import alignment, effective_rank, uniformity, view_top1
+from pipeline.evaluate.verdict import Verdict, verdict
 
 log = logging.getLogger(__name__)
 
@@ -158,11 +159,33 @@ class Monitor:
         knn: the kNN part, None without labelled train and test images.
         labelfree: the label-free part, None when ``pretrain.labelfree_images`` is 0 or no
             built pretraining images exist.
+        labelfree_off: why ``labelfree`` is (or would be) None, one clause naming the param.
     """
 
     every_epochs: int
     knn: KnnMonitor | None = None
     labelfree: LabelFreeProbe | None = None
+    labelfree_off: str = ""
+
+    def max_rank(self, num_features: int) -> int:
+        """``min(N, D)`` of the label-free part: its images N, the feature width D (0: off)."""
+        return min(len(self.labelfree), num_features) if self.labelfree is not None else 0
+
+    def verdict(self, rows: list[dict[str, float]], num_features: int) -> Verdict | None:
+        """The run's verdict from the label-free rows (:func:`pipeline.evaluate.verdict.verdict`).
+
+        None without a label-free part or with too few rows (:meth:`no_verdict` says why).
+        """
+        if self.labelfree is None:
+            return None
+        return verdict(rows, self.max_rank(num_features), len(self.labelfree))
+
+    def no_verdict(self) -> str:
+        """Why :meth:`verdict` gave none, in one clause naming the param or the rows."""
+        if self.labelfree is None:
+            return self.labelfree_off
+        return ("the label-free rows hold no random-init row and a later one (they are dropped "
+                "when a checkpoint's monitor params differ)")
 
     def due(self, epoch: int, *, last: bool = False) -> bool:
         """Whether the monitor runs at the end of ``epoch``.
