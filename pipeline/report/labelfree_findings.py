@@ -19,6 +19,7 @@ from pipeline.evaluate.verdict import (
     NAMES,
     NO_BETTER,
     NO_EPOCH,
+    NOISE_Z,
     PLATEAU,
     PLATEAU_FRACTION,
     TREND,
@@ -85,11 +86,13 @@ def report_sentence(metrics: Mapping[str, float]) -> str | None:
                    f"max({COLLAPSE_MIN_RANKME:g}, {COLLAPSE_SHARE:g} x min(images, dimension)))"
                    ": the encoder maps images to nearly one point or line. Do not use it; "
                    "check the data and the augmentations, or lower pretrain.lr.",
-        NO_BETTER: f"its {NAMES[ABSOLUTE]} at the end is not above its random init's: the "
-                   "training did not make the images easier to tell apart. Check the recipe before "
-                   "training longer.",
+        NO_BETTER: f"its {NAMES[ABSOLUTE]} at the end is not above its random init's by more "
+                   f"than the noise of the monitor's sample ({NOISE_Z:g} standard errors): the "
+                   "training did not make the images easier to tell apart. Check the recipe "
+                   "before training longer.",
         IMPROVING: f"its {NAMES[TREND]} rose by more than {PLATEAU_FRACTION:.0%} of its whole "
-                   "gain at the last monitor point: more epochs may still help.",
+                   "gain (and more than the noise of the monitor's sample) at the last monitor "
+                   "point: more epochs may still help.",
         PLATEAU: f"its {NAMES[TREND]} has stayed within {PLATEAU_FRACTION:.0%} of its whole gain "
                  f"since epoch {epoch}: its progress has slowed. That does not show that more "
                  "epochs would not help: the rule is provisional, and in this project's runs "

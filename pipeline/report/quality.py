@@ -97,13 +97,17 @@ def labelfree_section(outputs: RunOutputs, fig_dir: Path) -> Section:
     pre = outputs.metrics.get("pretrain")
     sec = Section("Quality without labels")
     if pre is None or pre.get("rankme") is None:
-        sec.blocks.append(Paragraph(f"Label-free numbers: {NOT_AVAILABLE} (eval/metrics/"
-                                    "pretrain.json has none: pretrain.labelfree_images 0, or an "
-                                    "older run)."))
+        sec.blocks.append(Paragraph(
+            f"Label-free numbers and verdict: {NOT_AVAILABLE} (eval/metrics/pretrain.json has "
+            "none: the monitor did not run, because pretrain.knn_every_epochs or pretrain."
+            "labelfree_images is 0 or no pretraining images were built; or an older run)."))
         return sec
     said = report_sentence(pre)
-    if said is not None:
-        sec.blocks.append(Paragraph(said))
+    sec.blocks.append(Paragraph(said if said is not None else (
+        "Verdict without labels: none (eval/metrics/pretrain.json holds none: the monitor's "
+        "rows do not reach back to the random init, as after a resume with other monitor "
+        "params, whose rows are dropped; or a run older than the verdict). Pretrain's log line "
+        "'pretrain verdict: none (...)' says why.")))
     rows = [[LABELS[k], fmt(pre.get(f"{k}_init"), ".3f"), fmt(pre.get(k), ".3f"), ROLE[k]]
             for k in METRICS]
     sec.blocks.append(Table(["number", "random init", "end of pretraining", "what it answers"],

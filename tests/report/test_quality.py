@@ -62,10 +62,18 @@ def test_quality_sections__verdict_first_tables_figures_and_study_roles(tmp_path
     assert rows[0] == ["MoCo", "knn", "30.00 ± 2.00", "60.50 ± 2.00"]
 
 
-def test_quality_sections__no_verdict_line_without_one(tmp_path):
+def test_quality_sections__no_verdict_says_so_and_why(tmp_path):
     out = read_outputs(make_run(tmp_path / "run"), "data/shards")  # metrics without a verdict
     sec = labelfree_section(out, tmp_path)
-    assert not any(isinstance(b, Paragraph) and "Verdict" in b.text for b in sec.blocks)
+    first = sec.blocks[0]
+    assert isinstance(first, Paragraph) and first.text.startswith("Verdict without labels: none")
+    says(first.text, "random init", "other monitor params", "older", "pretrain verdict: none")
+    # no label-free numbers at all: the section names both params that turn the monitor off
+    pre = read_json(tmp_path / "run/eval/metrics/pretrain.json")
+    write_json(tmp_path / "run/eval/metrics/pretrain.json",
+               {k: v for k, v in pre.items() if k != "rankme"})
+    sec = labelfree_section(read_outputs(tmp_path / "run", "data/shards"), tmp_path)
+    says(sec.blocks[0].text, NOT_AVAILABLE, "pretrain.knn_every_epochs", "labelfree_images")
 
 
 def test_label_efficiency__points_read_in_increasing_n_not_as_sorted_text(tmp_path):
