@@ -20,9 +20,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(optionalhook=True)  # known only where pytest-xdist is loaded
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    # `-n auto`: on up to 4 usable cores, one worker more than every second core (2 cores: 3
-    # workers). The e2e tests spend part of their time waiting (stage subprocesses starting,
-    # git and DVC on disk); a third worker fills those waits. Above 4 cores, one per core.
+    # `-n auto`: on up to 4 usable cores, half as many workers again (2 cores: 3 workers). The
+    # e2e tests spend part of their time waiting (stage subprocesses starting, git and DVC on
+    # disk); a third worker fills those waits: the whole suite took 1,195 s with 3 workers on 2
+    # cores, 1,362 s with 2 (fresh clones, cold caches; two runs a session apart). Above 4
+    # cores, one per core.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
     return cores + (cores + 1) // 2 if cores <= 4 else cores
