@@ -224,13 +224,13 @@ DIRECTION = {"knn_top1": 1, "rankme_2048": 1, "rankme_25600": 1, "alignment": -1
 OLD_STUDY = Path("results/labelfree-correlation-2026-12-06.json")
 
 
-def within_run(rows: list[dict]) -> dict[str, dict]:
-    """Per candidate: Spearman rho with kNN top-1 along the run's epochs, all of them and
-    without the random init (epoch 0)."""
+def within_run(rows: list[dict], numbers: Any = None) -> dict[str, dict]:
+    """Per candidate (``numbers``, default :data:`DIRECTION`'s): Spearman rho with kNN top-1
+    along the run's epochs, all of them and without the random init (epoch 0)."""
     from scipy.stats import spearmanr
 
     out = {}
-    for k in DIRECTION:
+    for k in DIRECTION if numbers is None else numbers:
         if k == "knn_top1":
             continue
         res = {}
@@ -342,19 +342,9 @@ def _study_of_rows(source: str, rows: list[dict]) -> dict:
     """One run's monitor rows (every epoch, random init first): each number's Spearman rho
     with the kNN monitor, the trend verdict each number would give beside kNN's own, and the
     absolute question: is the end above the random init, by each number?"""
-    from scipy.stats import spearmanr
-
     from pipeline.evaluate.verdict import PLATEAU_FRACTION, describe, trend
 
-    within: dict[str, dict] = {}
-    for k in MONITOR_NUMBERS:
-        for label, rs in (("all_epochs", rows), ("trained_epochs", rows[1:])):
-            have = [r for r in rs if k in r]
-            if len(have) >= 3:
-                rho, pval = spearmanr([r[k] for r in have], [r["knn_top1"] for r in have])
-                within.setdefault(k, {})[label] = {
-                    "rho": round(float(rho), 4), "p": float(f"{pval:.3g}"),
-                    "points": len(have)}
+    within = within_run(rows, MONITOR_NUMBERS)
     verdicts = {}
     for k, sign in {"knn_top1": 1, **MONITOR_NUMBERS}.items():
         have = [r for r in rows if k in r]
