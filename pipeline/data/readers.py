@@ -173,7 +173,9 @@ class ReportingQueue(multiprocessing.queues.Queue):
     on, and the main process waits for that index forever (pytorch/pytorch#5040). This queue
     sends ``(index, error)`` instead, as PyTorch sends a worker's exception, so the main process
     re-raises it at that batch (:meth:`SizedLoader.__iter__` names it). The same pattern as the
-    standard library's ``concurrent.futures.process._SafeQueue``.
+    standard library's ``concurrent.futures.process._SafeQueue``. A batch that fails after
+    the worker closed its queue (the loader stopped at an earlier error and the worker is
+    exiting) is dropped without a word: no one waits for it, and a put would raise.
     """
 
     def _on_queue_feeder_error(self, e: Exception, obj: Any) -> None:  # the feeder thread's hook
@@ -182,7 +184,10 @@ class ReportingQueue(multiprocessing.queues.Queue):
             return
         info = get_worker_info()
         where = f"in DataLoader worker process {info.id if info is not None else '?'}"
-        self.put((obj[0], ExceptionWrapper((type(e), e, e.__traceback__), where=where)))
+        try:
+            self.put((obj[0], ExceptionWrapper((type(e), e, e.__traceback__), where=where)))
+        except ValueError:  # the queue is closed: the worker is exiting, no one awaits this batch
+            pass
 
 
 def reporting_context() -> multiprocessing.context.BaseContext:

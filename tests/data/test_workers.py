@@ -226,6 +226,24 @@ def test_reporting_queue__a_batch_that_cannot_be_sent__its_error_comes_in_its_pl
     q.join_thread()
 
 
+
+def test_reporting_queue__a_batch_failing_after_close__dropped_without_a_traceback(monkeypatch):
+    # A worker closes its queue as it exits (the loader stopped at an earlier batch's error);
+    # the feeder thread still pickles the batches put before: one that does not fit in
+    # /dev/shm has no one to report to (the put raised "Queue is closed" in CI).
+    import threading
+
+    from pipeline.data.readers import reporting_context
+
+    raised: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    q = reporting_context().Queue()
+    q.put((9, _Unsendable()))
+    q.close()  # before the feeder thread has sent it: the feeder runs on after close
+    q.join_thread()
+    assert raised == []
+    q._on_queue_feeder_error(RuntimeError("No space left on device"), (10, None))  # no raise
+
 _UNSENDABLE_BATCH = """
 from torch.utils.data import IterableDataset
 from pipeline.data.readers import SizedLoader
