@@ -488,6 +488,44 @@ def test_git_state__clean_tree__clean_without_reading_the_pipeline(pipeline_repo
         git_state(pipeline_repo)
 
 
+LOCK = """schema: '2.0'
+stages:
+  make:
+    cmd: python make.py
+    outs:
+    - path: results/metrics.json
+      hash: md5
+      md5: 0f7f0e8b2c1e6b4f2e1f0c8a9d2b3c4d
+      size: 11
+    - path: results/model.txt
+      hash: md5
+      md5: 5d41402abc4b2a76b9719d911017c592
+      size: 10
+"""
+
+
+def test_git_state__outputs_the_lock_records__clean_without_reading_the_pipeline(
+        pipeline_repo, monkeypatch):
+    # during a `dvc repro` every changed file is an output dvc.lock records: no DVC index read
+    import pipeline.tracking.provenance as provenance
+
+    (pipeline_repo / "dvc.lock").write_text(LOCK)  # as DVC writes it after the stage ran
+    subprocess.run(["git", "commit", "-qam", "ran"], cwd=pipeline_repo, check=True)
+    read: list[str] = []
+    real = provenance.pipeline_outputs
+    monkeypatch.setattr(provenance, "pipeline_outputs", lambda *a: read.append("index") or real(*a))
+    (pipeline_repo / "results/model.txt").write_text("weights 2\n")
+    (pipeline_repo / "dvc.lock").write_text(LOCK.replace("size: 10", "size: 11"))
+    assert provenance.locked_outputs(pipeline_repo) == (
+        "dvc.lock", "results/metrics.json", "results/model.txt")
+    assert git_state(pipeline_repo)["git.dirty"] == "false" and read == []
+    # an output the lock does not record yet (its stage has not run): DVC's index decides
+    (pipeline_repo / "curves/loss.tsv").write_text("step\tloss\n0\t2.0\n")
+    assert git_state(pipeline_repo)["git.dirty"] == "false" and read == ["index"]
+    (pipeline_repo / "notes.md").write_text("edited\n")  # not an output at all
+    assert git_state(pipeline_repo)["git.dirty"] == "true"
+
+
 @pytest.mark.parametrize("edit", ["make.py", "params.yaml", "notes.md", "dvc.yaml", "staged"])
 def test_git_state__code_params_or_other_tracked_file_edited__dirty(pipeline_repo, edit):
     (pipeline_repo / "results/metrics.json").write_text('{"acc": 2}\n')  # an output too

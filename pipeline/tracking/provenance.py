@@ -48,11 +48,50 @@ def git_state(cwd: Path | None = None) -> dict[str, str]:
     except (OSError, subprocess.SubprocessError):
         return {"git.commit": "unknown", "git.dirty": "unknown"}
     changed = _changed_paths(status)
-    # DVC's outputs are read only when something changed (building DVC's index takes ~1 s)
-    outputs = pipeline_outputs(str(Path(cwd or Path.cwd()).resolve()),
-                               str(top.resolve())) if changed else ()
-    dirty = any(not any(p == o or p.startswith(o + "/") for o in outputs) for p in changed)
-    return {"git.commit": commit, "git.dirty": str(dirty).lower()}
+    # What the pipeline writes: first what the dvc.lock files record (read in milliseconds;
+    # during a `dvc repro` every changed file is there), then, only for a changed file they do
+    # not cover, DVC's own index (~1.4 s per stage: its outputs not yet run, dvc.yaml's others)
+    if _covered(changed, locked_outputs(top)):
+        return {"git.commit": commit, "git.dirty": "false"}
+    outputs = pipeline_outputs(str(Path(cwd or Path.cwd()).resolve()), str(top.resolve()))
+    return {"git.commit": commit, "git.dirty": str(not _covered(changed, outputs)).lower()}
+
+
+def _covered(paths: list[str], outputs: tuple[str, ...]) -> bool:
+    """Whether every path is one of ``outputs`` or inside one (both relative, ``/``)."""
+    return all(any(p == o or p.startswith(o + "/") for o in outputs) for p in paths)
+
+
+def locked_outputs(git_top: Path) -> tuple[str, ...]:
+    """The outputs the git-tracked ``dvc.lock`` files record, and the lock files themselves.
+
+    DVC writes a stage's ``outs`` (``metrics`` and ``plots`` among them, ``${...}``
+    interpolated) to the ``dvc.lock`` beside its ``dvc.yaml`` when the stage runs, so every
+    path listed there is something the pipeline wrote. A stage that never ran is missing:
+    :func:`pipeline_outputs` (DVC's index) is the complete list.
+
+    Args:
+        git_top: the git work tree's top level.
+
+    Returns:
+        Paths relative to ``git_top`` (``/``-separated); empty when no lock file is readable.
+    """
+    import yaml
+
+    listed = subprocess.run(["git", "ls-files", "-z", "--", "dvc.lock", "*/dvc.lock"],
+                            capture_output=True, text=True, timeout=30, cwd=git_top).stdout
+    found: list[str] = []
+    for lock in filter(None, listed.split("\0")):
+        try:
+            stages = (yaml.safe_load((git_top / lock).read_text()) or {}).get("stages") or {}
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue  # unreadable: DVC's index decides
+        here = Path(lock).parent
+        found.append(lock)
+        found.extend((here / out["path"]).as_posix() for stage in stages.values()
+                     if isinstance(stage, dict) for out in stage.get("outs") or ()
+                     if isinstance(out, dict) and "path" in out)
+    return tuple(found)
 
 
 def _changed_paths(porcelain_z: str) -> list[str]:
