@@ -258,21 +258,6 @@ def test_unlabelled__an_image_added_to_the_tree_rebuilds_and_retrains(repo):
     commit(dst, env, "one more photo")
 
 
-def test_unlabelled__switch_to_no_labels_skips_the_evaluation_and_reports(repo):
-    # data.source none: pretraining reruns (the labelled images left it); the evaluation
-    # stages have nothing to evaluate: each writes its outputs as skipped, the report is built
-    dst, env, _ = repo
-    tree = yaml.safe_load((dst / "params.yaml").read_text())
-    tree["data"].update(source="none", root="")
-    (dst / "params.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
-    text = out(sh(["dvc", "repro"], dst, env))
-    assert "Traceback" not in text and "error:" not in text
-    assert {"pretrain", "check_eval", "embed", "knn", "linear", "report"} <= set(ran(text))
-    assert json.loads((dst / "metrics/knn.json").read_text()) == {}
-    assert "no labelled train or test images (data.source none)" in json.loads(
-        (dst / "eval/knn_details.json").read_text())["skipped"]
-
-
 # --- recipe 3: no labels at all ---------------------------------------------------------------
 
 
