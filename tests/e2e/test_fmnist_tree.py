@@ -85,9 +85,10 @@ def test_fmnist_preset__repro_end_to_end_on_the_tree(repo):
     assert json.loads((dst / "eval/metrics/pretrain.json").read_text())["pretrain_images"] == 600
 
 
-def test_no_labels_preset__repro_exits_0_and_reports_without_labels(repo):
-    # configs/fashion-mnist-no-labels.yaml (shrunk alike) on the same tree: no labelled split;
-    # the stages that need labels are skipped, the report shows what needs none
+def test_no_labels_preset__its_data_stages_on_the_tree_find_no_labels(repo):
+    # configs/fashion-mnist-no-labels.yaml (shrunk alike) on the same tree: no labelled split,
+    # so check_eval says unlabelled (the evaluation stages then skip: a whole no-labels
+    # `dvc repro` down to the report is tests/e2e/test_own_folders.py's recipe 3)
     dst, _, env = repo
     preset = yaml.safe_load((ROOT / "configs/fashion-mnist-no-labels.yaml").read_text())
     kept = yaml.safe_load((dst / "params.yaml").read_text())
@@ -96,10 +97,14 @@ def test_no_labels_preset__repro_exits_0_and_reports_without_labels(repo):
     preset["data"].update(unlabelled_root=kept["data"]["unlabelled_root"],
                           samples_per_shard=kept["data"]["samples_per_shard"])
     (dst / "params.yaml").write_text(yaml.safe_dump(preset, sort_keys=False))
-    text = out(sh(["dvc", "repro"], dst, env))
+    text = out(sh(["dvc", "repro", "check_eval"], dst, env))
     assert "error:" not in text and "Traceback" not in text, text[-3000:]
+    assert {"check_params", "index_shards", "build_shards", "check_eval"} <= set(ran(text))
+    assert "pretrain" not in ran(text)  # check_eval reads the manifests alone
     assert read_manifest(dst / "data/shards/train").num_samples == 0
+    assert read_manifest(dst / "data/shards/test").num_samples == 0
+    pre = read_manifest(dst / "data/shards/pretrain")
+    assert pre.num_samples == 600 and pre.label_counts == {"-1": 600}
     assert json.loads((dst / "runs/check_eval.json").read_text())["labelled"] is False
-    html = (dst / "reports/report.html").read_text()
-    assert "Evaluation with labels skipped: no labelled train or test images" in html
-    assert "What the embeddings say about the data" in html
+    again = out(sh(["dvc", "repro", "check_eval"], dst, env))
+    assert ran(again) == ["index_shards"], again[-3000:]  # the same tree: nothing rebuilt

@@ -307,5 +307,6 @@ def test_no_labels__repro_completes_with_the_report(nolabels):
     assert (dst / "plots/linear.tsv").read_text() == ""
     assert read_features(dst / "features/test.pt").features.shape[0] == 0
     html = (dst / "reports/report.html").read_text()
-    assert "no labelled train or test images" in html
+    assert "Evaluation with labels skipped: no labelled train or test images" in html
+    assert "What the embeddings say about the data" in html
     assert "Near-duplicates" in html or "near-duplicate" in html
