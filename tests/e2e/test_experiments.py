@@ -11,7 +11,8 @@ file order on that one repo:
    nothing to index and logs no run);
 3. from NO ``mlflow.db``, three queued ``-S knn.k=...`` experiments run with ``-j 3``: all
    finish, pretrain never reruns, artifacts land in the repo (not the deleted temp workspaces);
-4. ``--temp`` likewise;
+4. ``--temp`` likewise (both up to ``knn``: that a knn param reruns the report too is
+   test_pipeline's);
 5. ``pretrain.lr`` flip-flop: the second run restores pretrain from the run cache;
 6. a params typo: ``dvc repro`` fails with one line and every previous output is intact;
 7. ``cp -a`` of the repo: a stage run in the copy puts its artifacts inside the copy.
@@ -170,7 +171,7 @@ def test_queue__three_parallel_from_no_db__all_finish_pretrain_not_rerun(repo):
     db.unlink()
     shutil.rmtree(dst / "mlartifacts")
     for k in (3, 5, 7):
-        sh(["dvc", "exp", "run", "--queue", "-S", f"knn.k={k}"], dst, env)
+        sh(["dvc", "exp", "run", "--queue", "knn", "-S", f"knn.k={k}"], dst, env)
     sh(["dvc", "queue", "start", "-j", "3"], dst, env)
     # `dvc queue start` returns at once; the workers are done when `dvc queue status` says so
     deadline = time.time() + 900
@@ -228,8 +229,8 @@ def test_temp__knn_param__pretrain_not_rerun(repo):
     dst, env, _ = repo
     db = dst / "mlflow.db"
     before = len(runs(db, "pretrain"))
-    res = sh(["dvc", "exp", "run", "--temp", "-S", "knn.k=9"], dst, env)
-    assert ran(out(res)) == ["check_params", INDEX, "knn", "report"]
+    res = sh(["dvc", "exp", "run", "--temp", "knn", "-S", "knn.k=9"], dst, env)
+    assert ran(out(res)) == ["check_params", INDEX, "knn"]
     assert len(runs(db, "pretrain")) == before
     assert [r["k"] for r in runs(db, "knn")][-1] == "9", describe(runs(db))
 
