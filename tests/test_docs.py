@@ -80,7 +80,8 @@ COMMANDS = {
         E2E, '["dvc", "exp", "run", "-S", "pretrain.lr=0.05"]', "lr 0.05"),
     "dvc exp run -S linear.lr=10": Parsed(),  # + its `# reruns` comment against dvc.yaml
     "dvc exp run --queue -S knn.select=fixed -S knn.k=20": Ran(
-        EXP, '["dvc", "exp", "run", "--queue", "-S", f"knn.k={k}"]', "knn.k only"),
+        EXP, '["dvc", "exp", "run", "--queue", "knn", "-S", f"knn.k={k}"]',
+        "knn.k only, up to knn"),
     "dvc queue start": Ran(EXP, '["dvc", "queue", "start", "-j", "3"]', "with -j 3"),
     "python -m pipeline compare": Ran(EXP, '[sys.executable, "-m", "pipeline", "compare"]',
                                       "on the workspace and three queued experiments"),

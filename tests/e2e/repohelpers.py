@@ -71,8 +71,8 @@ def params(overrides: dict[str, dict[str, Any]],
 BESIDE, PROJECT_DEFAULT = "beside", "project default"  # make_repo(mlflow=...)
 
 
-def make_repo(dst: Path, tree: dict[str, Any], *, mlflow: str | Path = BESIDE,
-              one_thread: bool = True) -> dict[str, str]:
+def make_repo(dst: Path, tree: dict[str, Any], *,
+              mlflow: str | Path = BESIDE) -> dict[str, str]:
     """Copy the working tree to ``dst`` (no dvc.lock, metrics, plots, results), write the params,
     ``git init`` + commit; returns the environment for ``dvc``.
 
@@ -82,7 +82,6 @@ def make_repo(dst: Path, tree: dict[str, Any], *, mlflow: str | Path = BESIDE,
         mlflow: where MLflow logs: :data:`BESIDE` (``<dst>-mlflow.db`` beside the repo: inside,
             `dvc exp run` would stash and restore it with the workspace), :data:`PROJECT_DEFAULT`
             (no ``MLFLOW_TRACKING_URI``: the project's ``<repo>/mlflow.db``), or a database path.
-        one_thread: ``OMP_NUM_THREADS=1`` (tiny recipes: no thread contention between tests).
     """
     dst.mkdir(parents=True, exist_ok=True)
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
@@ -98,8 +97,9 @@ def make_repo(dst: Path, tree: dict[str, Any], *, mlflow: str | Path = BESIDE,
                 "PYTHONPATH": str(dst), "DVC_NO_ANALYTICS": "1",
                 "GIT_AUTHOR_NAME": "ci", "GIT_AUTHOR_EMAIL": "ci@localhost",
                 "GIT_COMMITTER_NAME": "ci", "GIT_COMMITTER_EMAIL": "ci@localhost"})
-    if one_thread:
-        env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    # one thread per stage: `make test` runs a file per core, and a stage on every core would
+    # spin against the other files' stages
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     if mlflow == BESIDE:
         env["MLFLOW_TRACKING_URI"] = f"sqlite:///{dst.parent / (dst.name + '-mlflow.db')}"
     elif mlflow != PROJECT_DEFAULT:
