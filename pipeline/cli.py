@@ -15,6 +15,7 @@ decides, not where it was raised: anything else is a bug and keeps its traceback
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import re
@@ -59,6 +60,12 @@ def stage_entry(name: str, run: Callable[[Params], None]) -> NoReturn:
               file=sys.stderr)
         sys.exit(e.exit_code)
     code = stage_main(name, run)
+    # What the stage left in reference cycles (a failed loader's iterator, held by the frames of
+    # the traceback that was handled) is finalised here, while stderr is still open, rather
+    # than at interpreter teardown: there a finaliser that writes to a closed file, called from
+    # torch's C++, aborts the process (SIGABRT after the one error line, seen once in CI-like
+    # runs when a loader worker was SIGKILLed)
+    gc.collect()
     code, late = signals.finish(code)
     if late is not None:
         print(f"error: Terminated: received {signals.signal_name(late)} as the stage ended; its "
