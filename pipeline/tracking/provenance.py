@@ -31,10 +31,10 @@ def git_state(cwd: Path | None = None) -> dict[str, str]:
     """Commit hash and dirty flag of the working tree (``unknown`` outside git).
 
     Dirty means a tracked file differs from the commit: code, params, docs, anything but what
-    the pipeline writes itself (:func:`pipeline_outputs`: the stages' ``outs``, ``metrics`` and
-    ``plots`` and ``dvc.lock``). Without that exception every run of a clean clone would be
-    dirty, its git-tracked metrics and plots being rewritten by the run. Untracked files do
-    not count.
+    the pipeline writes itself (the stages' ``outs``, ``metrics`` and ``plots`` and
+    ``dvc.lock``: :func:`locked_outputs`, else :func:`pipeline_outputs`). Without that
+    exception every run of a clean clone would be dirty, its git-tracked metrics and plots
+    being rewritten by the run. Untracked files do not count.
     """
 
     def git(*args: str) -> str:
@@ -48,6 +48,8 @@ def git_state(cwd: Path | None = None) -> dict[str, str]:
     except (OSError, subprocess.SubprocessError):
         return {"git.commit": "unknown", "git.dirty": "unknown"}
     changed = _changed_paths(status)
+    if not changed:
+        return {"git.commit": commit, "git.dirty": "false"}
     # What the pipeline writes: first what the dvc.lock files record (read in milliseconds;
     # during a `dvc repro` every changed file is there), then, only for a changed file they do
     # not cover, DVC's own index (~1.4 s per stage: its outputs not yet run, dvc.yaml's others)
