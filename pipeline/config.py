@@ -89,8 +89,7 @@ class MlflowParams(Section):
     """MLflow tracking switches (the URI comes from ``MLFLOW_TRACKING_URI`` or the repo root)."""
 
     enabled: bool = True
-    experiment: Annotated[str, _rule(lambda v: bool(v.strip()), "a non-empty name")] = \
-        "moco-pipeline"
+    experiment: Annotated[str, _rule(lambda v: bool(v.strip()), "non-empty")] = "moco-pipeline"
     registered_model: Annotated[str, _rule(  # "" = none; MLflow refuses '/', ':'; '@' splits URIs
         lambda v: re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]{0,99})?", v) is not None,
         "'' or letters, digits, '.', '_', '-' (at most 100)")] = "moco-encoder"
@@ -113,6 +112,7 @@ class DataParams(Section):
     max_train_images: NonNegInt = 0
     max_test_images: NonNegInt = 0
     samples_per_shard: PosInt = 10000
+    build_workers: Annotated[int | str, _count_or(("auto",), 1)] = "auto"  # auto = usable cores
     test_fraction: Annotated[float, _rule(lambda v: 0 < v < 1, "0 < x < 1")] = 0.2  # no test/
     shards_dir: Annotated[str, _rule(bool, "a non-empty path or URL")] = "data/shards"
     unlabelled_root: str = ""  # a local image tree without class folders: label -1; "" = none

@@ -596,3 +596,10 @@ def test_labelfree_images__off_or_at_least_the_verdicts_minimum():
             from_dict({"pretrain": {"labelfree_images": n}})
         says(str(e.value), f"'pretrain.labelfree_images' = {n} is invalid", "0 (off)",
              "at least 64")
+
+
+@pytest.mark.parametrize("value", [0, -1, "all", 1.5, True, "2"])
+def test_validate__build_workers_auto_or_count_from_1__names_key(value):
+    assert from_dict({"data": {"build_workers": 3}}).data.build_workers == 3
+    with pytest.raises(ParamsError, match=r"'data.build_workers'.*auto or an integer >= 1"):
+        from_dict({"data": {"build_workers": value}})

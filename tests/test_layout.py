@@ -30,7 +30,7 @@ LAYERS = [
     # what a stage read (stage_inputs: params and code deps, compared at its end)
     (0, ["=pipeline", "pipeline.config", "pipeline.atomic", "pipeline.signals", "pipeline.seeds",
          "pipeline.schedules", "pipeline.choices", "pipeline.errors", "pipeline.codegraph",
-         "pipeline.stage_inputs",
+         "pipeline.stage_inputs", "pipeline.cores",
          "pipeline.data.checks", "pipeline.moco.geometry"]),
     # raw dataset readers, URLs, worker deaths, image views, image modes
     (1, ["pipeline.data.remote", "pipeline.data.external", "pipeline.data.workers",

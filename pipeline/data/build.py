@@ -21,11 +21,9 @@ failure leaves the previous outputs untouched.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import shutil
-import tarfile
 import tempfile
 import time
 from collections import Counter
@@ -36,25 +34,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.data.encode import (
-    JPEG_QUALITY,
-    MEMBER_KINDS,
-    encode_member,
-    limit_short_side,
-    resize_samples,
-)
+from pipeline.cores import usable_cores
+from pipeline.data.encode import JPEG_QUALITY, MEMBER_KINDS, limit_short_side, resize_samples
+from pipeline.data.encode_pool import Encoded, EncodePool, tar_end
 from pipeline.data.manifest import (
     CHANNELS,
     Manifest,
     ShardEntry,
     ShardError,
     pixel_stats,
-    pixel_sums,
     round6,
     write_manifest,
 )
 from pipeline.data.remote import ShardURL, shards_location
-from pipeline.data.shards import KEY_RE, LABEL_EXT, SHARD_PATTERN, sha256_file
+from pipeline.data.shards import KEY_RE, SHARD_PATTERN, sha256_file
 from pipeline.data.sources import (
     SPLITS,
     BrokenImages,
@@ -71,18 +64,6 @@ if TYPE_CHECKING:
     from pipeline.config import DataParams
 
 log = logging.getLogger(__name__)
-
-_TAR_OPTIONS = {"mtime": 0, "uname": "moco", "gname": "moco", "mode": 0o444}  # every member
-
-
-def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    """One member, its header fixed but for name and size (:data:`_TAR_OPTIONS`)."""
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    for field_name, value in _TAR_OPTIONS.items():
-        setattr(info, field_name, value)
-    tar.addfile(info, io.BytesIO(data))
-
 
 def _replace_dir(tmp: Path, out_dir: Path) -> None:
     """Swap a finished temp directory in for ``out_dir`` (two renames on one filesystem)."""
@@ -123,7 +104,8 @@ def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, 
                  class_names: Sequence[str], mode: str, samples_per_shard: int,
                  mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
                  expected_count: int | None = None, build: dict[str, Any] | None = None,
-                 progress: bool = True, shard_format: str = "auto") -> Manifest:
+                 progress: bool = True, shard_format: str = "auto",
+                 pool: EncodePool | None = None) -> Manifest:
     """Write samples into ``out_dir/shard-NNNNNN.tar`` + ``manifest.json``, atomically.
 
     Args:
@@ -142,7 +124,9 @@ def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, 
         build: extra build settings recorded verbatim under ``"build"`` (JSON-serialisable).
         progress: show a tqdm bar on a terminal, else log one line per shard.
         shard_format: ``auto``, ``png`` or ``jpeg`` (``data.shard_format``,
-            :func:`encode_member`).
+            :func:`~pipeline.data.encode.encode_member`).
+        pool: the processes that encode (``data.build_workers``); None = this process. The
+            bytes written are the same either way.
 
     Returns:
         The :class:`~pipeline.data.manifest.Manifest` written to ``manifest.json``.
@@ -170,7 +154,8 @@ def write_shards(samples: Iterable[Sample], out_dir: str | Path, *, split: str, 
         manifest = _write(it, tmp, split=split, source=source, class_names=class_names,
                           mode=mode, samples_per_shard=samples_per_shard, mean=mean, std=std,
                           expected_count=expected_count, build=build, progress=progress,
-                          out_dir=out_dir, shard_format=shard_format)
+                          out_dir=out_dir, shard_format=shard_format,
+                          pool=pool or EncodePool(1))
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -190,9 +175,9 @@ def _prepend(head: list[Sample], rest: Iterator[Sample]) -> Iterator[Sample]:
 class _SplitStats:
     """Checks each sample as it is written and accumulates what the manifest reports.
 
-    Pixel sums are exact integers, so the statistics are reproducible bit for bit; they come
-    from each image's histogram (:func:`~pipeline.data.manifest.pixel_sums`), without a copy of
-    its pixels.
+    Pixel sums are exact integers, so the statistics are reproducible bit for bit, in any
+    order; the encoding processes take them from each image's histogram
+    (:func:`~pipeline.data.manifest.pixel_sums`), without a copy of its pixels.
     """
 
     def __init__(self, mode: str, num_classes: int, out_dir: Path) -> None:
@@ -205,8 +190,8 @@ class _SplitStats:
         self.pix_sq = np.zeros(self.channels, dtype=np.uint64)
         self.n_pix = 0
 
-    def add(self, n: int, s: Sample) -> None:
-        """Check sample ``n`` (key, mode, label) and add it to the statistics.
+    def check(self, n: int, s: Sample) -> None:
+        """Check sample ``n`` (key, mode, label) and count its size and label.
 
         Raises:
             ShardError: a bad or duplicate key, another image mode, a label out of range.
@@ -221,12 +206,14 @@ class _SplitStats:
             raise ShardError(f"{where}: image mode {s.image.mode}, expected {self.mode}")
         if not -1 <= int(s.label) < self.num_classes:
             raise ShardError(f"{where}: label {s.label} outside -1..{self.num_classes - 1}")
-        sums, squares, pixels = pixel_sums(s.image)
-        self.pix_sum += sums
-        self.pix_sq += squares
-        self.n_pix += pixels
         self.sizes.add(s.image.size)
         self.label_counts[int(s.label)] += 1
+
+    def add_pixels(self, e: Encoded) -> None:
+        """Add an encoded sample's pixel sums."""
+        self.pix_sum += e.sums
+        self.pix_sq += e.squares
+        self.n_pix += e.pixels
 
     def fields(self, mean: Sequence[float] | None, std: Sequence[float] | None) -> dict[str, Any]:
         """The :class:`Manifest` statistics fields (shape, mean/std, pixel stats, label counts)."""
@@ -243,37 +230,40 @@ class _SplitStats:
 
 def _write_tars(samples: Iterator[Sample], tmp: Path, *, stats: _SplitStats,
                 samples_per_shard: int, bar: _Progress, shard_format: str,
-                kinds: Counter[str]) -> list[int]:
+                kinds: Counter[str], pool: EncodePool) -> list[int]:
     """Write the samples into ``tmp/shard-NNNNNN.tar``; returns the count per shard.
 
-    ``kinds`` counts how the images were stored (:data:`MEMBER_KINDS`). A sample and its
-    encoded bytes are let go before the next one is read, so one image is decoded at a time.
+    ``kinds`` counts how the images were stored (:data:`MEMBER_KINDS`). ``pool`` encodes the
+    samples (:class:`~pipeline.data.encode_pool.EncodePool`: bounded pixels on their way), and
+    the members are written here in the samples' order.
     """
     counts: list[int] = []
-    tar: tarfile.TarFile | None = None
+    out = None
+    size = 0  # bytes of members in the open shard
     try:
         n = 0  # not enumerate: its reused result tuple would hold the last sample
-        for s in samples:
-            stats.add(n, s)
+        for e in pool.encode(samples, shard_format, stats.check):
             if n % samples_per_shard == 0:
-                if tar is not None:
-                    tar.close()
+                if out is not None:
+                    out.write(tar_end(size))
+                    out.close()
                     bar.shard_done(SHARD_PATTERN % (len(counts) - 1), n)
-                tar = tarfile.open(tmp / (SHARD_PATTERN % len(counts)), "w|")
+                out, size = open(tmp / (SHARD_PATTERN % len(counts)), "wb"), 0
                 counts.append(0)
-            assert tar is not None
-            ext, data, kind = encode_member(s, shard_format)
-            kinds[kind] += 1
-            members = {ext: data, LABEL_EXT: str(int(s.label)).encode("ascii")}
-            for member in sorted(members):
-                _add_member(tar, f"{s.key}.{member}", members[member])
+            assert out is not None
+            stats.add_pixels(e)
+            kinds[e.kind] += 1
+            out.write(e.members)
+            size += len(e.members)
             counts[-1] += 1
             n += 1
             bar.update(1)
-            del s, data, members  # not held while the source decodes the next image
+            del e  # not held while the next one is encoded
+        if out is not None:
+            out.write(tar_end(size))
     finally:
-        if tar is not None:
-            tar.close()
+        if out is not None:
+            out.close()
     bar.shard_done(SHARD_PATTERN % (len(counts) - 1), sum(counts))
     return counts
 
@@ -299,14 +289,14 @@ def _write(samples: Iterator[Sample], tmp: Path, *, split: str, source: str,
            class_names: Sequence[str], mode: str, samples_per_shard: int,
            mean: Sequence[float] | None, std: Sequence[float] | None,
            expected_count: int | None, build: dict[str, Any] | None, progress: bool,
-           out_dir: Path, shard_format: str) -> Manifest:
+           out_dir: Path, shard_format: str, pool: EncodePool) -> Manifest:
     stats = _SplitStats(mode, len(class_names), out_dir)
     bar = _Progress(split, expected_count, progress)
     kinds: Counter[str] = Counter()
     try:
         counts = _write_tars(samples, tmp, stats=stats,
                              samples_per_shard=samples_per_shard, bar=bar,
-                             shard_format=shard_format, kinds=kinds)
+                             shard_format=shard_format, kinds=kinds, pool=pool)
     finally:
         bar.close()
     total = sum(counts)
@@ -412,7 +402,7 @@ def rerun_hint(shards_dir: str) -> str:
 
 def _build_split(src: Source, split: str, out_dir: Path, *, params: DataParams, seed: int,
                  record: dict[str, Any], mean: Sequence[float] | None,
-                 std: Sequence[float] | None, progress: bool) -> Manifest:
+                 std: Sequence[float] | None, progress: bool, pool: EncodePool) -> Manifest:
     """Write one split of ``src`` into ``out_dir`` (:func:`build_all` does each in turn).
 
     Args:
@@ -427,6 +417,7 @@ def _build_split(src: Source, split: str, out_dir: Path, *, params: DataParams, 
             statistics).
         std: the per-channel std, or None (as ``mean``).
         progress: progress bar / log lines.
+        pool: the encoding processes (``data.build_workers``).
 
     Returns:
         The split's manifest.
@@ -455,7 +446,7 @@ def _build_split(src: Source, split: str, out_dir: Path, *, params: DataParams, 
                          class_names=src.class_names, mode=src.mode,
                          samples_per_shard=params.samples_per_shard, mean=mean, std=std,
                          expected_count=min(cap, n) if cap else n, build=build,
-                         progress=progress, shard_format=str(params.shard_format))
+                         progress=progress, shard_format=str(params.shard_format), pool=pool)
     except BrokenImages as e:  # pixels that broke after index_shards decoded them
         raise SourceError(f"split {split}: {e}; {rerun_hint(params.shards_dir)}") from None
     if "unlabelled" in record:
@@ -510,14 +501,18 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
     tmp.chmod(0o755)
     mean, std = src.mean, src.std
     manifests = {}
+    workers = usable_cores() if params.build_workers == "auto" else int(params.build_workers)
+    log.info("build_shards: %d encoding process(es) (data.build_workers: %s)", workers,
+             params.build_workers)
     try:
-        for split in SPLITS:
-            m = _build_split(src, split, tmp / split, params=params, seed=seed,
-                             record=record if split == "pretrain" else {}, mean=mean, std=std,
-                             progress=progress)
-            if mean is None and m.num_samples:  # no published stats: the first split built
-                mean, std = m.pixel_mean, m.pixel_std
-            manifests[split] = m
+        with EncodePool(workers) as pool:
+            for split in SPLITS:
+                m = _build_split(src, split, tmp / split, params=params, seed=seed,
+                                 record=record if split == "pretrain" else {}, mean=mean,
+                                 std=std, progress=progress, pool=pool)
+                if mean is None and m.num_samples:  # no published stats: the first split built
+                    mean, std = m.pixel_mean, m.pixel_std
+                manifests[split] = m
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.choices import Switch
+from pipeline.cores import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -149,14 +150,6 @@ class Precision:
     def name(self) -> str:
         """``fp32``, ``bf16`` or ``fp16``."""
         return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
 
 
 def resolve_num_workers(value: int | str, device: torch.device, *, cores: int | None = None,

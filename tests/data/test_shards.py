@@ -118,22 +118,24 @@ def test_write_shards__stats_of_a_large_image_take_no_copy_of_its_pixels(tmp_pat
     assert m.image_shape == (3, 1000, 1200)
 
 
-@pytest.mark.parametrize("max_side", [8, 0, 100])
+@pytest.mark.parametrize("max_side", [8, 0, 2000])
 def test_write_shards__one_image_at_a_time(tmp_path: Path, max_side: int):
     # While the source decodes image n, nothing holds image n - 1 any more: neither the
     # writer (the first sample was held for the whole split), nor the resize (shrunk: 8;
-    # data.image_size: 0; kept as it is: 100). A folder of 60 MP photos then peaks at one
-    # photo, not two or three.
+    # data.image_size: 0; kept as it is: 2000). A folder of 60 MP photos then peaks at one
+    # photo, not two or three. (Smaller images go to the encoder in chunks of about
+    # CHUNK_PIXELS; an image of that many pixels goes alone.)
     import weakref
 
     from pipeline.data.encode import limit_short_side, resize_samples
+    from pipeline.data.encode_pool import CHUNK_PIXELS
 
     alive: list[str] = []
 
     refs: list[weakref.ref] = []
 
     def load(i: int) -> Sample:  # as Source._load: nothing of it stays in the source
-        image = Image.new("L", (16, 12), 40 * i)
+        image = Image.new("L", (CHUNK_PIXELS // 768 + 1, 768), 40 * i)  # a chunk alone
         refs.append(weakref.ref(image))
         return Sample(f"k{i}", image, 0)
 
