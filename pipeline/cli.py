@@ -110,7 +110,7 @@ def _stage_main(name: str, run: Callable[[Params], None], argv: list[str] | None
     args = parser.parse_args(argv)
     setup_logging()
     from pipeline.config import ParamsError, load_params
-    from pipeline.stage_inputs import snapshot
+    from pipeline.stage_inputs import snapshot, watching
 
     try:
         inputs = snapshot(name, args.params)  # before the read: an edit in between is refused
@@ -119,7 +119,8 @@ def _stage_main(name: str, run: Callable[[Params], None], argv: list[str] | None
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        run(params)
+        with watching(inputs):  # MLflow and the registry check it before they record
+            run(params)
         inputs.check()  # what DVC is about to record is what the stage read (dvc#11058)
     except ParamsError as e:  # a param that only the data can refute (checked before any work)
         # name the file as load_params does: "params.yaml: 'moco.K' = ...", not "params: ..."

@@ -8,7 +8,9 @@ beside an encoder trained with the old one, and a later ``dvc exp run -S pretrai
 restores that encoder from the run cache. The stage entry (:func:`pipeline.cli.stage_main`)
 takes a :func:`snapshot` before it reads the params and calls :meth:`Snapshot.check` after the
 stage body returned: a change is one ``error: InputsChanged: ...`` line and a non-zero exit,
-and DVC records nothing for a failed stage.
+and DVC records nothing for a failed stage. What records a result outside the repo checks
+first, while the stage runs (:func:`check_started`): its MLflow run ends FAILED instead of
+FINISHED, and no model version is registered, tagged or made the champion.
 
 What is compared:
 
@@ -30,6 +32,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,6 +203,33 @@ class Snapshot:
             "from what it read at the start, and DVC would record them against the new "
             f"content (treeverse/dvc#11058), so nothing is recorded: {again} to run it on the "
             "current files")
+
+
+_started: list[Snapshot] = []  # the running stage's snapshot (:func:`watching`)
+
+
+@contextmanager
+def watching(inputs: Snapshot) -> Iterator[None]:
+    """Make ``inputs`` the running stage's, for :func:`check_started` (the stage entry's)."""
+    _started.append(inputs)
+    try:
+        yield
+    finally:
+        _started.remove(inputs)
+
+
+def check_started() -> None:
+    """Check the running stage's inputs now (nothing outside a :func:`watching` block).
+
+    Called before a result is recorded outside the repo (an MLflow run ending FINISHED, a model
+    version registered or tagged): an edit made while the stage ran would else be recorded
+    there beside outputs DVC refuses.
+
+    Raises:
+        InputsChanged: as :meth:`Snapshot.check`.
+    """
+    for inputs in _started:
+        inputs.check()
 
 
 def snapshot(stage: str, params_file: str | Path) -> Snapshot:

@@ -182,3 +182,51 @@ def test_check_params__params_yaml_edited_while_checking__refused(toy_repo, monk
     assert check_params_stage([]) == 1
     (line,) = _error_lines(capsys.readouterr().err)
     says(line, "error: InputsChanged: check_params:", "params.yaml", "dvc#11058")
+
+
+def test_stage_main__edit_while_tracked__run_failed_nothing_registered(toy_repo, db, monkeypatch,
+                                                                       capsys):
+    # the helper's new-user check: an lr edited during pretrain was refused by DVC, but the
+    # stage had already registered a model version, moved the alias `newest` and ended its
+    # MLflow run FINISHED. Now the registry calls and the run's end check the inputs first.
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import registry, stage_run
+
+    registered: list[str] = []
+    monkeypatch.setattr(registry, "_log_and_register", lambda *a, **k: registered.append("v"))
+
+    def body(p) -> None:
+        with stage_run("toy", p) as run:
+            _write_params(toy_repo / "params.yaml", pretrain__lr=0.03)
+            registry.publish_encoder(run, params=p, training=None, encoder_path=Path("x.pt"),
+                                     example_split=Path("shards/test"))
+
+    monkeypatch.chdir(toy_repo)
+    assert stage_main("toy", body, ["--params", "params.yaml"]) == 1
+    (line,) = _error_lines(capsys.readouterr().err)
+    says(line, "InputsChanged", "params.yaml 'pretrain.lr' (0.06 -> 0.03)")
+    assert registered == []
+    client = MlflowClient(db)
+    (run,) = client.search_runs([client.get_experiment_by_name("moco-pipeline").experiment_id])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["failed.reason"].startswith("InputsChanged: toy:")
+    assert not (toy_repo / "runs/toy.json").exists()
+
+
+def test_stage_main__edit_after_the_tracked_block__run_failed(toy_repo, db, monkeypatch, capsys):
+    # the edit lands in the run's last moments (after the stage's own registry calls): the
+    # run's end checks too, and the run is FAILED, not FINISHED
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import stage_run
+
+    def body(p) -> None:
+        with stage_run("toy", p):
+            _write_params(toy_repo / "params.yaml", pretrain__lr=0.03)
+
+    monkeypatch.chdir(toy_repo)
+    assert stage_main("toy", body, ["--params", "params.yaml"]) == 1
+    client = MlflowClient(db)
+    (run,) = client.search_runs([client.get_experiment_by_name("moco-pipeline").experiment_id])
+    assert run.info.status == "FAILED"

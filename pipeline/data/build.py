@@ -210,9 +210,9 @@ class _SplitStats:
         self.label_counts[int(s.label)] += 1
 
     def add_pixels(self, e: Encoded) -> None:
-        """Add an encoded sample's pixel sums."""
-        self.pix_sum += e.sums
-        self.pix_sq += e.squares
+        """Add the pixel sums of an encoded chunk of samples."""
+        self.pix_sum += np.array(e.sums, np.uint64)
+        self.pix_sq += np.array(e.squares, np.uint64)
         self.n_pix += e.pixels
 
     def fields(self, mean: Sequence[float] | None, std: Sequence[float] | None) -> dict[str, Any]:
@@ -234,31 +234,34 @@ def _write_tars(samples: Iterator[Sample], tmp: Path, *, stats: _SplitStats,
     """Write the samples into ``tmp/shard-NNNNNN.tar``; returns the count per shard.
 
     ``kinds`` counts how the images were stored (:data:`MEMBER_KINDS`). ``pool`` encodes the
-    samples (:class:`~pipeline.data.encode_pool.EncodePool`: bounded pixels on their way), and
-    the members are written here in the samples' order.
+    samples in chunks (:class:`~pipeline.data.encode_pool.EncodePool`: bounded pixels on their
+    way), written here in the samples' order.
     """
     counts: list[int] = []
     out = None
     size = 0  # bytes of members in the open shard
     try:
-        n = 0  # not enumerate: its reused result tuple would hold the last sample
-        for e in pool.encode(samples, shard_format, stats.check):
-            if n % samples_per_shard == 0:
-                if out is not None:
-                    out.write(tar_end(size))
-                    out.close()
-                    bar.shard_done(SHARD_PATTERN % (len(counts) - 1), n)
-                out, size = open(tmp / (SHARD_PATTERN % len(counts)), "wb"), 0
-                counts.append(0)
+        n = 0
+        for chunk in pool.encode(samples, shard_format, stats.check):
+            stats.add_pixels(chunk)
+            kinds.update(chunk.kinds)
+            pending: list[bytes] = []  # one write per chunk and shard
+            for members in chunk.members:
+                if n % samples_per_shard == 0:
+                    if out is not None:
+                        out.write(b"".join(pending) + tar_end(size))
+                        out.close()
+                        bar.shard_done(SHARD_PATTERN % (len(counts) - 1), n)
+                    out, size, pending = open(tmp / (SHARD_PATTERN % len(counts)), "wb"), 0, []
+                    counts.append(0)
+                pending.append(members)
+                size += len(members)
+                counts[-1] += 1
+                n += 1
             assert out is not None
-            stats.add_pixels(e)
-            kinds[e.kind] += 1
-            out.write(e.members)
-            size += len(e.members)
-            counts[-1] += 1
-            n += 1
-            bar.update(1)
-            del e  # not held while the next one is encoded
+            out.write(b"".join(pending))
+            bar.update(len(chunk.members))
+            del chunk, pending  # not held while the next one is encoded
         if out is not None:
             out.write(tar_end(size))
     finally:

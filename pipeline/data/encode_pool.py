@@ -42,19 +42,20 @@ MAX_PIXELS_IN_FLIGHT = 1 << 27  # 134 MP: ~0.4 GB of RGB pixels sent and not yet
 
 @dataclass(frozen=True)
 class Encoded:
-    """One sample as it goes into a shard.
+    """A chunk of samples as they go into the shards.
 
     Attributes:
-        members: its tar members (headers, data, padding), in sorted extension order.
-        kind: how its image was stored (:data:`pipeline.data.encode.MEMBER_KINDS`).
-        sums: ``(C,)`` uint64 sums of its pixel values; ``squares`` of their squares.
-        pixels: its pixels per channel.
+        members: per sample, its tar members (headers, data, padding) in sorted extension
+            order.
+        kinds: per sample, how its image was stored (:data:`pipeline.data.encode.MEMBER_KINDS`).
+        sums: ``(C,)`` sums of the chunk's pixel values (0..255); ``squares`` of their squares.
+        pixels: the chunk's pixels per channel.
     """
 
-    members: bytes
-    kind: str
-    sums: np.ndarray
-    squares: np.ndarray
+    members: list[bytes]
+    kinds: list[str]
+    sums: tuple[int, ...]
+    squares: tuple[int, ...]
     pixels: int
 
 
@@ -73,23 +74,28 @@ def tar_end(size: int) -> bytes:
     return bytes(2 * _BLOCK + (-(size + 2 * _BLOCK) % _RECORD))
 
 
-def encode_chunk(samples: list[Sample], shard_format: str) -> list[Encoded]:
-    """Encode samples as tar members and take their pixel sums (what a worker runs).
+def encode_chunk(samples: list[Sample], shard_format: str) -> Encoded:
+    """Encode samples as tar members and sum their pixels (what a worker runs).
 
     Args:
-        samples: checked samples (:class:`~pipeline.data.build._SplitStats`).
+        samples: checked samples (:class:`~pipeline.data.build._SplitStats`), all of one mode.
         shard_format: ``auto``, ``png`` or ``jpeg`` (``data.shard_format``).
 
     Returns:
-        One :class:`Encoded` per sample, in order.
+        The chunk, its samples in order (:class:`Encoded`).
     """
-    out = []
+    members, kinds = [], []
+    sums = squares = 0
+    pixels = 0
     for s in samples:
         ext, data, kind = encode_member(s, shard_format)
-        members = {ext: data, LABEL_EXT: str(int(s.label)).encode("ascii")}
-        blob = b"".join(tar_member(f"{s.key}.{m}", members[m]) for m in sorted(members))
-        out.append(Encoded(blob, kind, *pixel_sums(s.image)))
-    return out
+        files = {ext: data, LABEL_EXT: str(int(s.label)).encode("ascii")}
+        members.append(b"".join(tar_member(f"{s.key}.{m}", files[m]) for m in sorted(files)))
+        kinds.append(kind)
+        one_sums, one_squares, one_pixels = pixel_sums(s.image)
+        sums, squares, pixels = sums + one_sums, squares + one_squares, pixels + one_pixels
+    return Encoded(members, kinds, tuple(int(v) for v in np.atleast_1d(sums)),
+                   tuple(int(v) for v in np.atleast_1d(squares)), pixels)
 
 
 def _pixels(s: Sample) -> int:
@@ -121,9 +127,9 @@ class EncodePool:
             self._executor = None
 
     def _submit(self, chunk: list[Sample], shard_format: str,
-                inline: bool) -> Future[list[Encoded]]:
+                inline: bool) -> Future[Encoded]:
         if inline:  # the first chunk, or one process: no pickling, no start-up
-            done: Future[list[Encoded]] = Future()
+            done: Future[Encoded] = Future()
             done.set_result(encode_chunk(chunk, shard_format))
             return done
         if self._executor is None:  # spawn: the build may run threads (tqdm's monitor)
@@ -133,7 +139,7 @@ class EncodePool:
 
     def encode(self, samples: Iterable[Sample], shard_format: str,
                check: Callable[[int, Sample], None]) -> Iterator[Encoded]:
-        """Encode every sample; yield them in order.
+        """Encode every sample; yield them in order, in chunks.
 
         Args:
             samples: the split's samples, in the order they are stored.
@@ -142,9 +148,9 @@ class EncodePool:
                 raises to refuse a sample (nothing after it is encoded).
 
         Yields:
-            One :class:`Encoded` per sample, in the samples' order.
+            :class:`Encoded` chunks, in the samples' order.
         """
-        pending: deque[tuple[Future[list[Encoded]], int]] = deque()
+        pending: deque[tuple[Future[Encoded], int]] = deque()
         in_flight = 0
         chunk: list[Sample] = []
         chunk_pixels = chunks = 0
@@ -161,7 +167,7 @@ class EncodePool:
                                or in_flight + chunk_pixels > MAX_PIXELS_IN_FLIGHT):
                 future, px = pending.popleft()
                 in_flight -= px
-                yield from future.result()
+                yield future.result()
             pending.append((self._submit(chunk, shard_format, self.workers == 1 or chunks == 0),
                             chunk_pixels))
             in_flight += chunk_pixels
@@ -171,4 +177,4 @@ class EncodePool:
                             chunk_pixels))
         del chunk
         while pending:
-            yield from pending.popleft()[0].result()
+            yield pending.popleft()[0].result()

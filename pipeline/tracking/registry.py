@@ -42,6 +42,7 @@ from pipeline.config import Params
 from pipeline.data.remote import ShardURL
 from pipeline.errors import InputError
 from pipeline.evaluate.verdict import TAG as VERDICT_TAG
+from pipeline.stage_inputs import check_started
 from pipeline.tracking.headline import headline_from
 from pipeline.tracking.model import log_encoder
 from pipeline.tracking.provenance import exp_name, git_state
@@ -241,9 +242,14 @@ def publish_encoder(run: StageRun, *, params: Params, training: TrainingInput,
     Records ``model_id``, ``model_uri``, ``registered_model`` and ``model_version`` in the
     run's ``runs/pretrain.json`` (``run.record``). An :func:`optional_failures` failure is one
     warning line (see the module docstring).
+
+    Raises:
+        InputsChanged: an input of the stage changed while it ran
+            (:func:`~pipeline.stage_inputs.check_started`).
     """
     if not run.active:
         return
+    check_started()  # nothing registered for a stage whose inputs changed while it ran
     encoder = _log_and_register(run, params=params, encoder_path=encoder_path,
                                 example_split=example_split, training=training)
     if encoder is None:
@@ -436,7 +442,12 @@ def attach_scores(run: StageRun, stage: str, metrics: dict[str, Any], *,
     Returns:
         The headline numbers logged (``{}`` for an inactive run or when the tracking side
         failed: one warning line).
+
+    Raises:
+        InputsChanged: an input of the stage changed while it ran
+            (:func:`~pipeline.stage_inputs.check_started`).
     """
+    check_started()  # no version tagged for a stage whose inputs changed while it ran
     if not run.active:
         return {}
     scores = headline_from(f"metrics/{stage}.json", metrics)
@@ -476,7 +487,12 @@ def update_champion(run: StageRun, encoder: EncoderVersion | None) -> int | None
 
     Returns:
         The champion version, None when there is nothing to rank or the registry failed.
+
+    Raises:
+        InputsChanged: an input of the stage changed while it ran
+            (:func:`~pipeline.stage_inputs.check_started`).
     """
+    check_started()  # no champion elected by a stage whose inputs changed while it ran
     if not run.active or encoder is None or encoder.version is None:
         return None
     from mlflow.exceptions import MlflowException

@@ -33,6 +33,7 @@ from pipeline.atomic import round_metrics, write_json
 from pipeline.config import Params, to_dict
 from pipeline.data.remote import ShardURL
 from pipeline.signals import Terminated
+from pipeline.stage_inputs import check_started
 from pipeline.tracking.datasets import shard_dataset
 from pipeline.tracking.provenance import (
     dvc_tags,
@@ -287,6 +288,7 @@ def stage_run(stage: str, params: Params, *, upstream: tuple[str, ...] = (), ran
             mlflow.log_dict(to_dict(params), "config/params.resolved.json")
             handle = StageRun(run, resumed=old is not None)
             yield handle
+            check_started()  # an input edited while the stage ran: the run ends FAILED
             log_stage_outputs(handle, stage, root)
             write_json(root / RUNS_DIR / f"{stage}.json", {
                 **handle.record, "stage": stage, "run_id": run.info.run_id,

@@ -290,11 +290,13 @@ def default_threads(*, cores: int | None = None, local_world_size: int | None = 
 def setup_threads(*, requested: int | str, resumed: int, num_workers: int,
                   device: torch.device, probe_model: nn.Module,
                   input_shape: tuple[int, ...]) -> int:
-    """CPU intra-op threads: ``pretrain.num_threads`` when a count, else the resumed run's.
+    """CPU intra-op threads: the resumed run's, else ``pretrain.num_threads``.
 
-    A count is used as given. Otherwise a resumed run keeps the thread count it started with
-    (float reductions depend on it, so resume stays bit-identical), and a fresh one
-    takes ``auto``, :func:`default_threads` (the machine's cores, not their load). ``probe``
+    A resumed run keeps the thread count it started with, whatever ``pretrain.num_threads``
+    says now (float reductions depend on it, so resume stays bit-identical, and a finished
+    training exported again reports the count that trained it); an explicit other count gets
+    a warning. A fresh run takes a count as given, and ``auto`` as :func:`default_threads`
+    (the machine's cores, not their load). ``probe``
     times one training-sized forward+backward of a copy of ``probe_model`` for each of
     :func:`thread_candidates` and keeps the fastest (:func:`choose_threads`): faster on a busy
     machine, but a busy and a quiet machine may then train different weights. The count used
@@ -311,8 +313,13 @@ def setup_threads(*, requested: int | str, resumed: int, num_workers: int,
     Returns:
         The thread count now set.
     """
+    if resumed > 0 and isinstance(requested, int) and requested != resumed:
+        log.warning("pretrain.num_threads = %d, but the checkpoint was trained on %d thread(s): "
+                    "it goes on with %d (sums in another order give other weights; to train "
+                    "on %d: `python -m pipeline clean-checkpoints`)", requested, resumed,
+                    resumed, requested)
     if isinstance(requested, int) or resumed > 0:
-        n = requested if isinstance(requested, int) else resumed
+        n = resumed or int(requested)
         if n > usable_cores():
             log.warning("pretrain.num_threads = %d exceeds the %d usable cores: threads will "
                         "compete for them", n, usable_cores())

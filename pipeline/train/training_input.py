@@ -40,9 +40,10 @@ if TYPE_CHECKING:
 # shards keep whole images (data.max_side) or a joined set has no single size.
 WEIGHT_PARAMS = ("seed", "data.image_size", "model", "moco", "augment", "pretrain")
 
-# Keys inside WEIGHT_PARAMS that change how fast or how visibly training runs, never its
-# result. The thread count is not among them by choice: a resumed run keeps its own
-# (pipeline.train.runtime.setup_threads), and a fresh one takes the machine's.
+# Keys inside WEIGHT_PARAMS left out of the resume key: they change how fast or how visibly
+# training runs, never its result; and the thread count, which does change float sums: a
+# checkpoint goes on with the count it was trained on, whatever pretrain.num_threads says now
+# (pipeline.train.runtime.setup_threads), so a changed count never resumes other weights.
 NOT_WEIGHT_PARAMS = ("pretrain.checkpoint_every_epochs", "pretrain.checkpoint_every_steps",
                      "pretrain.knn_every_epochs", "pretrain.knn_monitor_train_images",
                      "pretrain.knn_monitor_test_images", "pretrain.log_every_steps",

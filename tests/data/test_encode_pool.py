@@ -6,13 +6,14 @@ import io
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
+from helpers import make_samples
 
 from pipeline.config import DataParams
 from pipeline.data import encode_pool
 from pipeline.data.build import build_all
 from pipeline.data.encode_pool import EncodePool, tar_end, tar_member
-from tests.helpers import make_samples
 
 
 @pytest.mark.parametrize("sizes", [[0], [1, 511, 512, 513], [1024, 5]])
@@ -42,8 +43,10 @@ def test_encode__results_in_order_with_chunks_smaller_than_shards(monkeypatch):
         assert pool._executor is not None
     one = encode_pool.encode_chunk(samples, "png")
     assert seen == list(range(40))
-    assert [e.members for e in out] == [e.members for e in one]
-    assert [int(e.sums[0]) for e in out] == [int(e.sums[0]) for e in one]
+    assert [len(e.members) for e in out] == [7] * 5 + [5]
+    assert [m for e in out for m in e.members] == one.members
+    by_hand = sum(int(np.asarray(s.image, np.int64).sum()) for s in samples)
+    assert sum(e.sums[0] for e in out) == one.sums[0] == by_hand
 
 
 def _build(root: Path, workers: int) -> dict[str, bytes]:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from helpers import run_pretrain
+from helpers import run_pretrain, says
 
 from pipeline.signals import stop_on_signals
 from pipeline.train import runtime
@@ -99,7 +99,7 @@ def test_default_threads__the_usable_cores_shared_by_the_nodes_processes(monkeyp
     assert default_threads(cores=3, local_world_size=4) == 1  # never 0
 
 
-def test_setup_threads__auto_never_times_anything(monkeypatch):
+def test_setup_threads__auto_never_times_anything(monkeypatch, caplog):
     # auto is the usable cores, whatever the probe would measure: a probe that makes every
     # count but 1 look slow (a busy machine) changes nothing
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
@@ -113,7 +113,12 @@ def test_setup_threads__auto_never_times_anything(monkeypatch):
         assert setup_threads(requested="auto", resumed=0, **kw) == 2 == torch.get_num_threads()
         assert calls == []
         assert setup_threads(requested="auto", resumed=1, **kw) == 1  # a resume keeps its own
-        assert setup_threads(requested=3, resumed=1, **kw) == 3  # a count is used as given
+        assert setup_threads(requested=3, resumed=0, **kw) == 3  # a count is used as given
+        assert "checkpoint" not in caplog.text
+        # a resume goes on with the count that trained it (the helper's new-user check: a
+        # finished 1-thread training exported again said num_threads 2)
+        assert setup_threads(requested=3, resumed=1, **kw) == 1
+        says(caplog.text, "pretrain.num_threads = 3", "trained on 1 thread", "clean-checkpoints")
         assert calls == []
         assert setup_threads(requested="probe", resumed=0, **kw) == 1  # the opt-in probe
         assert calls == [[2, 1]]
