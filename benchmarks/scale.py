@@ -1,0 +1,181 @@
+"""How each stage's time, memory and output grow with the number of images (issue 56).
+
+The images: Fashion-MNIST (all 70,000, from the Debian package) replicated to ``N`` training
+images plus 10,000 test images, 28 px. Copy 0 is the original set; copy ``c >= 1`` of image
+``i`` is a seeded shift by up to 2 px and/or horizontal flip, a transform drawn without
+replacement among the 49 for that image, so no two images are the same bytes (checked with a
+digest of every image; an image equal to one of its own transforms, e.g. a symmetric one,
+would be reported). They are written once per ``N`` as WebDataset shards with ``.cls`` labels,
+which the pipeline reads as ``data.source: webdataset`` with ``data.test_fraction`` =
+10,000 / (N + 10,000): ``N`` train (= pretrain) images, ~10,000 test images.
+
+Each ``N`` runs the stages of ``dvc.yaml`` in order, each as ``python stages/<stage>.py`` in a
+fresh clone of this repository (what ``dvc repro`` runs, without DVC's own bookkeeping), with
+the shipped ``params.yaml`` but for: that data, ``mlflow.enabled: false`` (MLflow's 3-4 s per
+stage do not depend on N), and ``pretrain.epochs: 1`` with ``pretrain.steps_per_epoch: 5``:
+pretraining's steps cost the same per image at any N, so its row is the stage's set-up (data
+plan, loader, monitor) and 5 steps. For each stage: wall time (s), peak RSS (MiB: the
+``ru_maxrss`` of the stage and the processes it waited for, ``os.wait4``) and the bytes of the
+files it wrote. ``--full-up-to`` (default 240,000): above it only the data stages and
+pretraining's set-up run (the all-pairs searches take hours there on 2 cores).
+
+Results go to ``--out`` (JSON, rewritten after every stage, so a stopped run keeps what it
+measured), with, per stage, the exponent ``b`` of a least-squares fit of log(time) =
+a + b log(N) over the N measured.
+
+    python benchmarks/scale.py [--sizes 15000 60000 240000 960000] [--out results/scale.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+TEST_IMAGES = 10_000
+DATA_STAGES = ("check_params", "index_shards", "build_shards", "check_data", "pretrain")
+_SHIFTS = [(dx, dy, flip) for dx in range(-2, 3) for dy in range(-2, 3) for flip in (0, 1)
+           if (dx, dy, flip) != (0, 0, 0)]  # 49 transforms besides the identity
+
+
+def _transform(image: np.ndarray, dx: int, dy: int, flip: int) -> np.ndarray:
+    """``(28, 28)`` uint8 shifted by ``(dx, dy)`` px (zeros fill, as Fashion-MNIST's border)."""
+    out = np.zeros_like(image)
+    h, w = image.shape
+    src = image[:, ::-1] if flip else image
+    out[max(dy, 0):h + min(dy, 0), max(dx, 0):w + min(dx, 0)] = \
+        src[max(-dy, 0):h + min(-dy, 0), max(-dx, 0):w + min(-dx, 0)]
+    return out
+
+
+def replicas(total: int, seed: int = 0):
+    """``total`` Fashion-MNIST images (train then test, then transformed copies), as samples."""
+    from PIL import Image
+
+    from pipeline.data.sources import Sample, open_source
+
+    src = open_source("fashion_mnist", "/usr/share/datasets/fashion-mnist")
+    images = np.concatenate([src._parts[s][0].images for s in ("train", "test")])
+    labels = np.concatenate([src._parts[s][0].labels for s in ("train", "test")])
+    rng = np.random.default_rng(seed)
+    n = len(images)
+    copies = math.ceil(total / n)
+    picks = np.stack([rng.permutation(len(_SHIFTS))[:max(copies - 1, 1)] for _ in range(n)])
+    for k in range(total):
+        c, i = divmod(k, n)
+        arr = images[i] if c == 0 else _transform(images[i], *_SHIFTS[picks[i, c - 1]])
+        yield Sample(f"c{c:02d}_{i:05d}", Image.fromarray(np.ascontiguousarray(arr)),
+                     int(labels[i]))
+
+
+def write_data(total: int, out: Path) -> dict:
+    """Write ``total`` replicated images as shards in ``out``; count exact duplicates."""
+    from pipeline.cores import usable_cores
+    from pipeline.data.build import write_shards
+    from pipeline.data.encode_pool import EncodePool
+
+    seen: set[bytes] = set()
+    dups = 0
+
+    def checked():
+        nonlocal dups
+        for s in replicas(total):
+            d = hashlib.blake2b(s.image.tobytes(), digest_size=16).digest()
+            dups += d in seen
+            seen.add(d)
+            yield s
+
+    t = time.perf_counter()
+    with EncodePool(usable_cores()) as pool:
+        m = write_shards(checked(), out, split="all", source="fmnist-replicas",
+                         class_names=[str(c) for c in range(10)], mode="L",
+                         samples_per_shard=10_000, progress=False, pool=pool)
+    return {"images": m.num_samples, "exact_duplicates": dups,
+            "write_s": round(time.perf_counter() - t, 1)}
+
+
+def _stage(repo: Path, stage: str) -> dict:
+    """Run one stage in ``repo``: wall s, peak RSS MiB (wait4), bytes of files it wrote."""
+    before = time.time()
+    with tempfile.TemporaryFile("w+") as err:
+        t = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, f"stages/{stage}.py"], cwd=repo,
+                                stdout=subprocess.DEVNULL, stderr=err,
+                                env={**os.environ, "PYTHONPATH": str(repo)})
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t
+        if os.waitstatus_to_exitcode(status):
+            err.seek(0)
+            raise SystemExit(f"{stage} failed: {err.read()[-3000:]}")
+    written = sum(p.stat().st_size for p in repo.rglob("*")
+                  if p.is_file() and ".git" not in p.parts and p.stat().st_mtime >= before)
+    return {"wall_s": round(wall, 2), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+            "bytes_written": written}
+
+
+def _params(repo: Path, data: Path, n: int) -> None:
+    p = yaml.safe_load((REPO / "params.yaml").read_text())
+    p["data"].update(source="webdataset", root=str(data),
+                     test_fraction=round(TEST_IMAGES / (n + TEST_IMAGES), 6))
+    p["mlflow"]["enabled"] = False
+    p["pretrain"].update(epochs=1, steps_per_epoch=5)
+    (repo / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+
+
+def fit_exponents(results: dict) -> dict:
+    """Per stage, the slope of log(wall) vs log(N) over the sizes that ran it (>= 2)."""
+    out = {}
+    stages = {s for r in results.values() for s in r["stages"]}
+    for s in sorted(stages):
+        pts = [(int(n), r["stages"][s]["wall_s"]) for n, r in results.items()
+               if s in r["stages"]]
+        if len(pts) >= 2:
+            x, y = np.log([p[0] for p in pts]), np.log([max(p[1], 1e-3) for p in pts])
+            out[s] = round(float(np.polyfit(x, y, 1)[0]), 2)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[15_000, 60_000, 240_000, 960_000])
+    ap.add_argument("--full-up-to", type=int, default=240_000)
+    ap.add_argument("--out", default="results/scale.json")
+    ap.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
+    a = ap.parse_args()
+    stages = list(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
+    out = Path(a.out)
+    results: dict = json.loads(out.read_text())["sizes"] if out.exists() else {}
+    work = Path(a.work or tempfile.mkdtemp(prefix="scale-"))
+    for n in a.sizes:
+        data, repo = work / f"data-{n}", work / f"repo-{n}"
+        shutil.rmtree(data, ignore_errors=True)
+        shutil.rmtree(repo, ignore_errors=True)
+        made = write_data(n + TEST_IMAGES, data)
+        subprocess.run(["git", "clone", "-q", "--shared", str(REPO), str(repo)], check=True)
+        _params(repo, data, n)
+        r = results[str(n)] = {"data": made, "stages": {}}
+        for stage in stages if n <= a.full_up_to else DATA_STAGES:
+            r["stages"][stage] = _stage(repo, stage)
+            print(n, stage, r["stages"][stage], flush=True)
+            out.write_text(json.dumps({"sizes": results, "exponents": fit_exponents(results)},
+                                      indent=1))
+        shutil.rmtree(repo, ignore_errors=True)
+        shutil.rmtree(data, ignore_errors=True)
+    print(json.dumps(fit_exponents(results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
