@@ -17,7 +17,9 @@ pretraining's steps cost the same per image at any N, so its row is the stage's 
 plan, loader, monitor) and 5 steps. For each stage: wall time (s), peak RSS (MiB: the
 ``ru_maxrss`` of the stage and the processes it waited for, ``os.wait4``) and the bytes of the
 files it wrote. ``--full-up-to`` (default 240,000): above it only the data stages and
-pretraining's set-up run (the all-pairs searches take hours there on 2 cores).
+pretraining's set-up run (the all-pairs searches take hours there on 2 cores). The images are
+written by a child process, so that this one stays small: Linux starts a child's peak RSS at
+its parent's.
 
 Results go to ``--out`` (JSON, rewritten after every stage, so a stopped run keeps what it
 measured), with, per stage, the exponent ``b`` of a least-squares fit of log(time) =
@@ -154,7 +156,11 @@ def main() -> None:
     ap.add_argument("--full-up-to", type=int, default=240_000)
     ap.add_argument("--out", default="results/scale.json")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
+    ap.add_argument("--write-data", nargs=2, metavar=("IMAGES", "DIR"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.write_data:
+        print(json.dumps(write_data(int(a.write_data[0]), Path(a.write_data[1]))))
+        return
     stages = list(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
     out = Path(a.out)
     results: dict = json.loads(out.read_text())["sizes"] if out.exists() else {}
@@ -163,7 +169,9 @@ def main() -> None:
         data, repo = work / f"data-{n}", work / f"repo-{n}"
         shutil.rmtree(data, ignore_errors=True)
         shutil.rmtree(repo, ignore_errors=True)
-        made = write_data(n + TEST_IMAGES, data)
+        made = json.loads(subprocess.run(  # a child: its peak memory is not carried into
+            [sys.executable, __file__, "--write-data", str(n + TEST_IMAGES), str(data)],  # the
+            check=True, capture_output=True, text=True).stdout)  # stages this process starts
         subprocess.run(["git", "clone", "-q", "--shared", str(REPO), str(repo)], check=True)
         _params(repo, data, n)
         r = results[str(n)] = {"data": made, "stages": {}}
