@@ -150,6 +150,54 @@ def fit_exponents(results: dict) -> dict:
     return out
 
 
+def _fit(pts: list[tuple[int, float]]) -> tuple[float, float]:
+    """``(a, b)`` of log(y) = a + b log(N), least squares."""
+    b, a = np.polyfit(np.log([p[0] for p in pts]), np.log([max(p[1], 1e-3) for p in pts]), 1)
+    return float(a), float(b)
+
+
+def _mib(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def report(results_path: Path, doc: Path, figure: Path) -> None:
+    """Write the table (between ``<!-- scale:begin -->`` and ``<!-- scale:end -->`` of ``doc``)
+    and the log-log figure of wall time vs N, from a results file of this script."""
+    from matplotlib.figure import Figure
+
+    sizes = json.loads(results_path.read_text())["sizes"]
+    ns = sorted(int(n) for n in sizes)
+    stages = [s for s in yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+              if any(s in sizes[str(n)]["stages"] for n in ns)]
+    head = "| stage | " + " | ".join(f"{n:,}" for n in ns) + " | b | at 1M (fit) |"
+    rows = [head, "|---" * (len(ns) + 3) + "|"]
+    fig = Figure(figsize=(7, 5))
+    ax = fig.add_subplot()
+    for st in stages:
+        pts = [(n, sizes[str(n)]["stages"][st]["wall_s"]) for n in ns
+               if st in sizes[str(n)]["stages"]]
+        cells = []
+        for n in ns:
+            m = sizes[str(n)]["stages"].get(st)
+            cells.append("" if m is None else f"{m['wall_s']:,.1f} s / {_mib(m['peak_rss_mib'])}"
+                         f" MiB / {m['bytes_written'] / 2**20:,.0f} MB")
+        a, b = _fit(pts) if len(pts) >= 2 else (0.0, float("nan"))
+        at_1m = math.exp(a + b * math.log(1e6)) if len(pts) >= 2 else float("nan")
+        rows.append(f"| `{st}` | " + " | ".join(cells) + f" | {b:.2f} | {at_1m:,.0f} s |")
+        if len(pts) >= 2 and max(p[1] for p in pts) >= 1.0:
+            ax.loglog([p[0] for p in pts], [p[1] for p in pts], marker="o", label=st)
+    ax.set_xlabel("training images N (+ 10,000 test)")
+    ax.set_ylabel("wall time (s), 2-core EPYC")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    figure.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(figure, dpi=110, bbox_inches="tight")
+    text = doc.read_text()
+    begin, end = "<!-- scale:begin -->", "<!-- scale:end -->"
+    i, j = text.index(begin) + len(begin), text.index(end)
+    doc.write_text(text[:i] + "\n" + "\n".join(rows) + "\n" + text[j:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[15_000, 60_000, 240_000, 960_000])
@@ -157,7 +205,12 @@ def main() -> None:
     ap.add_argument("--out", default="results/scale.json")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--write-data", nargs=2, metavar=("IMAGES", "DIR"), help=argparse.SUPPRESS)
+    ap.add_argument("--report", action="store_true",
+                    help="write --out's table into docs/scaling.md and its figure; run nothing")
     a = ap.parse_args()
+    if a.report:
+        report(Path(a.out), REPO / "docs/scaling.md", REPO / "docs/figures/scaling.png")
+        return
     if a.write_data:
         print(json.dumps(write_data(int(a.write_data[0]), Path(a.write_data[1]))))
         return

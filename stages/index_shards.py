@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 def run(p: Params) -> None:
     from pipeline.atomic import write_json
+    from pipeline.cores import resolve_workers
     from pipeline.data.checks import check_before_build
     from pipeline.data.folder_index import FOLDERS, index_params_folders, read_previous_folders
     from pipeline.data.index import VALIDATORS, index_sets
@@ -49,7 +50,8 @@ def run(p: Params) -> None:
             "labelled": (p.data.root if p.data.source == "webdataset" else "", "data.root")}
     manifests, fresh, changed = index_sets(
         sets, max_broken_fraction=p.data.max_broken_fraction,
-        label_fields={"labelled": p.data.label_field})
+        label_fields={"labelled": p.data.label_field},
+        workers=resolve_workers(p.data.build_workers))  # the same manifests for any count
     # what the data refutes, refused before anything is written (and before build_shards)
     check_before_build(p, plan_pretraining(p.data, folders=folders, manifests=manifests))
     summary = {s: {"shards": len(m.shards), "images": m.num_samples,

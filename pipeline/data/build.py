@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.cores import usable_cores
+from pipeline.cores import resolve_workers
 from pipeline.data.encode import JPEG_QUALITY, MEMBER_KINDS, limit_short_side, resize_samples
 from pipeline.data.encode_pool import Encoded, EncodePool, tar_end
 from pipeline.data.manifest import (
@@ -504,7 +504,7 @@ def build_all(params: DataParams, seed: int, *, progress: bool = True) -> dict[s
     tmp.chmod(0o755)
     mean, std = src.mean, src.std
     manifests = {}
-    workers = usable_cores() if params.build_workers == "auto" else int(params.build_workers)
+    workers = resolve_workers(params.build_workers)
     log.info("build_shards: %d encoding process(es) (data.build_workers: %s)", workers,
              params.build_workers)
     try:

@@ -27,6 +27,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+from PIL import Image
 
 from pipeline.data.encode import encode_member
 from pipeline.data.manifest import pixel_sums
@@ -98,6 +99,18 @@ def encode_chunk(samples: list[Sample], shard_format: str) -> Encoded:
                    tuple(int(v) for v in np.atleast_1d(squares)), pixels)
 
 
+def _packed(samples: list[Sample]) -> list[tuple]:
+    """Samples as plain values: pickled several times faster than PIL images."""
+    return [(s.key, s.label, s.image.mode, s.image.size, s.image.tobytes(), s.file)
+            for s in samples]
+
+
+def encode_packed(packed: list[tuple], shard_format: str) -> Encoded:
+    """:func:`encode_chunk` of :func:`_packed` samples (what a worker process runs)."""
+    return encode_chunk([Sample(key, Image.frombytes(mode, size, raw), label, file)
+                         for key, label, mode, size, raw, file in packed], shard_format)
+
+
 def _pixels(s: Sample) -> int:
     w, h = s.image.size
     return w * h
@@ -135,7 +148,7 @@ class EncodePool:
         if self._executor is None:  # spawn: the build may run threads (tqdm's monitor)
             self._executor = ProcessPoolExecutor(
                 self.workers, mp_context=multiprocessing.get_context("spawn"))
-        return self._executor.submit(encode_chunk, chunk, shard_format)
+        return self._executor.submit(encode_packed, _packed(chunk), shard_format)
 
     def encode(self, samples: Iterable[Sample], shard_format: str,
                check: Callable[[int, Sample], None]) -> Iterator[Encoded]:

@@ -35,8 +35,10 @@ first key.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -140,6 +142,25 @@ def _read_shard(url: str, label_field: str | None = None) -> ShardEntry:
                       bytes=digest["bytes"], sha256=digest["sha256"], broken=tuple(broken),
                       stats=stats, labels=(label_summary(labels, url, label_field)
                                            if label_field is not None else None))
+
+
+def _read_shards(urls: list[str], label_field: str | None, split: str,
+                 workers: int) -> dict[str, ShardEntry]:
+    """:func:`_read_shard` of each URL, on up to ``workers`` processes (one shard each)."""
+    t = time.monotonic()
+    if workers > 1 and len(urls) > 1:
+        with ProcessPoolExecutor(min(workers, len(urls)),
+                                 mp_context=multiprocessing.get_context("spawn")) as pool:
+            entries = list(pool.map(_read_shard, urls, [label_field] * len(urls)))
+    else:
+        entries = [_read_shard(url, label_field) for url in urls]
+    for url, entry in zip(urls, entries):
+        log.info("index %s: %s: %d samples, %d broken", split, url, entry.num_samples,
+                 len(entry.broken or ()))
+    if urls:
+        log.info("index %s: %d shard(s) read on %d process(es) (%.1fs)", split, len(urls),
+                 min(workers, len(urls)), time.monotonic() - t)
+    return dict(zip(urls, entries))
 
 
 def check_broken_budget(entries: Sequence[ShardEntry], max_fraction: float, key: str) -> None:
@@ -292,7 +313,7 @@ def entry_labels(entry: ShardEntry) -> LabelSummary:
 def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
                  previous: Manifest | None = None,
                  validators: dict[str, dict[str, Any]] | None = None,
-                 label_field: str | None = None
+                 label_field: str | None = None, workers: int = 1
                  ) -> tuple[Manifest, dict[str, dict[str, Any]]]:
     """Index one shard set, re-reading only the shards that changed since ``previous``.
 
@@ -309,6 +330,8 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
             (:func:`check_labels`); None for the pretraining shards, whose labels are never
             read. Entries of a ``previous`` index made with another ``label_field`` are read
             again.
+        workers: processes that read the shards, one shard each (``data.build_workers``);
+            the manifest is the same for any count.
 
     Returns:
         ``(manifest, validators)`` of the set as it is now.
@@ -334,20 +357,19 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
                    and previous.settings.get("label_field") == label_field)
     old = {s.url: s for s in (previous.shards if previous is not None else ())
            if s.url is not None and same_labels}
-    entries, fresh = [], {}
+    kept: dict[str, ShardEntry] = {}
     for url, (nbytes, detector) in zip(urls, stats):
         last, seen = old.get(url), (validators or {}).get(url)
         if (last is not None and detector and seen == {"bytes": nbytes, "validator": detector}
                 and last.bytes == nbytes):
-            entries.append(last)
-        else:
-            t = time.monotonic()
-            entry = _read_shard(url, label_field)
-            log.info("index %s: %s: %d samples, %d broken (%.1fs)", split, url,
-                     entry.num_samples, len(entry.broken or ()), time.monotonic() - t)
-            if entry.bytes != nbytes:  # changed while being read: read again next time
-                detector = ""
-            entries.append(entry)
+            kept[url] = last
+    read = _read_shards([u for u in urls if u not in kept], label_field, split, workers)
+    entries, fresh = [], {}
+    for url, (nbytes, detector) in zip(urls, stats):
+        entry = kept.get(url) or read[url]
+        if url in read and entry.bytes != nbytes:  # changed while being read: read again
+            detector = ""
+        entries.append(entry)
         fresh[url] = {"bytes": nbytes, "validator": detector}
     check_broken_budget(entries, max_broken_fraction, key)
     if label_field is not None:
@@ -362,7 +384,7 @@ def index_shards(spec: str, *, split: str, key: str, max_broken_fraction: float,
 
 
 def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float,
-               label_fields: Mapping[str, str] | None = None
+               label_fields: Mapping[str, str] | None = None, workers: int = 1
                ) -> tuple[dict[str, Manifest], dict[str, dict[str, Any]], bool]:
     """Index every shard set against its last manifest (:func:`index_shards` on each).
 
@@ -372,6 +394,7 @@ def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float,
         max_broken_fraction: ``data.max_broken_fraction``.
         label_fields: ``{split: data.label_field}`` of the labelled sets (their labels are
             read and checked: :func:`index_shards`' ``label_field``).
+        workers: processes that read the shards (:func:`index_shards`).
 
     Returns:
         ``(manifests, validators, changed)``: ``{split: manifest}``, the change detectors of
@@ -389,7 +412,7 @@ def index_sets(sets: dict[str, tuple[str, str]], *, max_broken_fraction: float,
         manifests[split], found = index_shards(
             spec, split=split, key=key, max_broken_fraction=max_broken_fraction,
             previous=previous, validators=validators,
-            label_field=(label_fields or {}).get(split))
+            label_field=(label_fields or {}).get(split), workers=workers)
         fresh.update(found)
         changed |= previous is None or previous.to_json() != manifests[split].to_json()
     return manifests, fresh, changed

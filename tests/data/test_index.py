@@ -930,3 +930,15 @@ def test_index_params_folders__mode_and_train_split_of_an_imagefolder(tmp_path, 
     got = index_params_folders(p.data)
     assert got["data.root"]["mode"] == "L" and got["data.root"]["train_images"] == 8
     assert got["data.unlabelled_root"]["mode"] == "RGB"
+
+
+def test_index__two_processes_give_the_same_manifest(tmp_path):
+    # data.build_workers: the shards are read one per process, the manifest is the same bytes
+    img2dataset_shards(tmp_path / "ext", shards=3, per_shard=6, broken={2: 1}, cls=(0, 1, 2))
+    spec = str(tmp_path / "ext")
+    one, v1 = index_shards(spec, split="labelled", key="data.root", max_broken_fraction=0.1,
+                           label_field="cls")
+    two, v2 = index_shards(spec, split="labelled", key="data.root", max_broken_fraction=0.1,
+                           label_field="cls", workers=2)
+    assert [s.num_samples for s in two.shards] == [6, 6, 5]
+    assert two.to_json() == one.to_json() and v2 == v1
