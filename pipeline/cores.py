@@ -7,7 +7,9 @@ module imports only the standard library (the build imports no torch).
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 
 
 def usable_cores() -> int:
@@ -25,3 +27,16 @@ def resolve_workers(value: int | str) -> int:
         value: ``auto`` or an int >= 1 (``data.build_workers``, validated by the params).
     """
     return usable_cores() if value == "auto" else int(value)
+
+
+def process_pool(workers: int) -> ProcessPoolExecutor:
+    """``workers`` processes started with ``spawn``, for the build's and the index's work.
+
+    ``spawn``, not ``fork``: the stages may run threads (tqdm's monitor, MLflow's) whose locks a
+    forked child would inherit held. A script that calls the build must then guard its entry
+    point with ``if __name__ == "__main__"`` (the stages do).
+
+    Args:
+        workers: processes (>= 1; :func:`resolve_workers`).
+    """
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))

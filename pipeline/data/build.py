@@ -5,9 +5,11 @@ options and no metadata, and kept JPEGs are the files' own bytes, so rebuilding 
 source, caps and seed gives byte-identical shards (and DVC sees no change downstream). The
 format itself (members, manifest fields) is :mod:`pipeline.data.shards`.
 
-The tars are written with the standard library's ``tarfile`` exactly as webdataset's
-``ShardWriter``/``TarWriter`` (1.0.2) writes them (a ``w|`` stream, members of a sample in
-sorted extension order, same headers: the golden manifests' sha256 pin the bytes). The build
+The tars hold the bytes the standard library's ``tarfile`` writes as webdataset's
+``ShardWriter``/``TarWriter`` (1.0.2) does (a ``w|`` stream, members of a sample in sorted
+extension order, same headers: the golden manifests' sha256 pin the bytes), built member by
+member on ``data.build_workers`` processes (:mod:`pipeline.data.encode_pool`) and written here
+in order, so the bytes do not depend on the count. The build
 imports neither webdataset nor torchvision: importing torch alone takes ~500 MiB resident, more
 than a 60 MP photo's decoded pixels (``benchmarks/big_photo.py``).
 

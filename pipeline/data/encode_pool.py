@@ -19,7 +19,6 @@ at once, so a folder of 60 MP photos holds a few of them, not the whole folder.
 
 from __future__ import annotations
 
-import multiprocessing
 import tarfile
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from pipeline.cores import process_pool
 from pipeline.data.encode import encode_member
 from pipeline.data.manifest import pixel_sums
 from pipeline.data.shards import LABEL_EXT
@@ -145,9 +145,8 @@ class EncodePool:
             done: Future[Encoded] = Future()
             done.set_result(encode_chunk(chunk, shard_format))
             return done
-        if self._executor is None:  # spawn: the build may run threads (tqdm's monitor)
-            self._executor = ProcessPoolExecutor(
-                self.workers, mp_context=multiprocessing.get_context("spawn"))
+        if self._executor is None:
+            self._executor = process_pool(self.workers)
         return self._executor.submit(encode_packed, _packed(chunk), shard_format)
 
     def encode(self, samples: Iterable[Sample], shard_format: str,

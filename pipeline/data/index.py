@@ -35,10 +35,8 @@ first key.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.atomic import read_json
+from pipeline.cores import process_pool
 from pipeline.data.external import (
     expand_shards,
     image_member,
@@ -149,8 +148,7 @@ def _read_shards(urls: list[str], label_field: str | None, split: str,
     """:func:`_read_shard` of each URL, on up to ``workers`` processes (one shard each)."""
     t = time.monotonic()
     if workers > 1 and len(urls) > 1:
-        with ProcessPoolExecutor(min(workers, len(urls)),
-                                 mp_context=multiprocessing.get_context("spawn")) as pool:
+        with process_pool(min(workers, len(urls))) as pool:
             entries = list(pool.map(_read_shard, urls, [label_field] * len(urls)))
     else:
         entries = [_read_shard(url, label_field) for url in urls]
