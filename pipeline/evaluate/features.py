@@ -6,7 +6,7 @@ features, int64 labels and the sample keys (WebDataset ``__key__``) in the order
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from pipeline.atomic import save_torch
 from pipeline.errors import InputError
 
 FORMAT_VERSION = 1
+FINITE_ROWS = 65536  # rows checked for NaN / Inf at a time (a (rows, D) bool temporary)
 
 
 def pick_device() -> torch.device:
@@ -86,6 +87,8 @@ def extract_features(
     head: nn.Module | None = None,
     progress: bool = True,
     desc: str = "features",
+    rows: int | None = None,
+    allocate: Callable[[int, int], Tensor] | None = None,
 ) -> FeatureSet:
     """Run a frozen backbone (optionally + projection head) over batches and collect features.
 
@@ -104,18 +107,26 @@ def extract_features(
         head: applied to the backbone output when given (``embed.use_head``).
         progress: show a tqdm bar (tqdm draws it on a terminal only).
         desc: the progress bar's label.
+        rows: N, when known: the (N, D) result is made at the first batch (by ``allocate``)
+            and filled in place, never held twice (a list of batches, then their
+            concatenation). None: concatenated at the end.
+        allocate: ``(N, D) -> (N, D) float32 CPU tensor`` for ``rows`` (default
+            ``torch.empty``; a file-backed tensor keeps the features out of the process's
+            anonymous memory: :func:`file_backed`).
 
     Returns:
         :class:`FeatureSet` with (N, D) float32 CPU features, (N,) int64 labels and N keys, in
         batch order.
 
     Raises:
-        ValueError: no batches, a batch whose labels/keys do not match its size, or a model
-            output that is not (B, D).
+        ValueError: no batches, a batch whose labels/keys do not match its size, a model
+            output that is not (B, D), or a count of images other than ``rows``.
     """
     modules = [backbone] + ([head] if head is not None else [])
     modes = [(mod, mod.training) for top in modules for mod in top.modules()]
     feats: list[Tensor] = []
+    out: Tensor | None = None  # (rows, D) when rows is given
+    filled = 0
     labels: list[Tensor] = []
     keys: list[str] = []
     try:
@@ -127,25 +138,52 @@ def extract_features(
             y = torch.as_tensor(y, dtype=torch.long).cpu()
             if y.shape != (b,) or len(k) != b:
                 raise InputError(
-                    f"batch {len(feats)}: {b} images but labels {tuple(y.shape)} and {len(k)} keys"
+                    f"batch {len(labels)}: {b} images but labels {tuple(y.shape)} and {len(k)} keys"
                 )
             f = backbone(images.to(device, non_blocking=True))
             if head is not None:
                 f = head(f)
             if f.ndim != 2 or f.shape[0] != b:
                 raise InputError(
-                    f"batch {len(feats)}: the model returned {tuple(f.shape)}, expected (B, D) "
+                    f"batch {len(labels)}: the model returned {tuple(f.shape)}, expected (B, D) "
                     f"with B = {b} (flatten pooled features in the model)"
                 )
-            feats.append(f.float().cpu())
+            if rows is None:
+                feats.append(f.float().cpu())
+            else:
+                if out is None:
+                    out = (allocate or _empty)(rows, f.shape[1])
+                if filled + b > rows:
+                    raise InputError(f"extract_features: more than the {rows} images expected")
+                out[filled:filled + b] = f
+            filled += b
             labels.append(y)
             keys.extend(str(x) for x in k)
     finally:
         for mod, was_training in modes:
             mod.training = was_training
-    if not feats:
+    if not labels:
         raise InputError("extract_features: no batches")
-    return FeatureSet(torch.cat(feats), torch.cat(labels), keys)
+    if rows is not None and filled != rows:
+        raise InputError(f"extract_features: {filled} images, {rows} expected")
+    return FeatureSet(torch.cat(feats) if out is None else out, torch.cat(labels), keys)
+
+
+def _empty(n: int, d: int) -> Tensor:
+    return torch.empty(n, d)
+
+
+def file_backed(path: Path, n: int, d: int) -> Tensor:
+    """A zeroed (n, d) float32 tensor whose memory is the file ``path`` (created, n*d*4 bytes).
+
+    Its pages belong to the page cache, which the kernel writes back and frees under memory
+    pressure, not to the process's anonymous memory: features far larger than the RAM can be
+    filled batch by batch and saved (:func:`save_features` reads them back through the
+    mapping). The caller removes the file once the tensor is no longer used.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    return torch.from_file(str(path), shared=True, size=n * d, dtype=torch.float32).view(n, d)
 
 
 def save_features(fs: FeatureSet, path: str | Path) -> None:
@@ -175,6 +213,11 @@ def save_features(fs: FeatureSet, path: str | Path) -> None:
 def load_features(path: str | Path) -> FeatureSet:
     """Read a file written by :func:`save_features` (``torch.load(weights_only=True)``, to CPU).
 
+    The features are memory-mapped from the file (``mmap=True``): pages are read as rows are
+    used and belong to the page cache, not the process's anonymous memory, so a stage that
+    reads (N, D) features in blocks holds little more than a block (a write to them copies
+    the page; the file is never changed).
+
     Args:
         path: the ``.pt`` file.
 
@@ -191,7 +234,7 @@ def load_features(path: str | Path) -> FeatureSet:
     if not path.is_file():
         raise FileNotFoundError(f"feature file '{path}' does not exist")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # zip/pickle errors come in several classes
         raise InputError(f"{path}: not a readable feature file: {e}") from None
     if not isinstance(data, dict) or not {"features", "labels", "keys"} <= data.keys():
@@ -203,7 +246,8 @@ def load_features(path: str | Path) -> FeatureSet:
     fs = FeatureSet.__new__(FeatureSet)  # validate with the file name in the message
     fs.features, fs.labels, fs.keys = data["features"], data["labels"], data["keys"]
     check_feature_set(fs, where=str(path))
-    bad = (~torch.isfinite(fs.features).all(dim=1)).nonzero().flatten()
+    bad = torch.cat([(~torch.isfinite(fs.features[r0:r0 + FINITE_ROWS]).all(dim=1)).nonzero()
+                     .flatten() + r0 for r0 in range(0, max(len(fs), 1), FINITE_ROWS)])
     if len(bad):
         first = int(bad[0])
         raise InputError(f"{path}: {len(bad)} of {len(fs)} feature rows hold NaN or Inf (first: "

@@ -335,7 +335,7 @@ def load_neighbourhoods(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"'{path}' does not exist: run the data_insights stage")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # zip/pickle errors come in several classes
         raise InputError(f"{path}: not readable: {e}") from None
     if not isinstance(data, dict) or data.get("format_version") != NEIGHBOURHOODS_VERSION:

@@ -13,7 +13,10 @@ Memory is bounded independently of the bank size: the bank is processed in chunk
 (:func:`knn_neighbours`, the block merge of :class:`_RunningTopK`) is the code base's one
 neighbour search: :func:`self_neighbours` runs it with one set as bank and queries (the
 near-duplicates and outliers of :mod:`pipeline.evaluate.insights`), the report's retrieval
-figure calls it too.
+figure calls it too. The two all-pairs searches (:func:`self_neighbours`, the held-out search
+of :func:`select_k_T`) run on an HNSW graph instead past
+:data:`pipeline.evaluate.ann.EXACT_SEARCH_MAX_PAIRS` compared pairs on a CPU
+(:mod:`pipeline.evaluate.ann`); the classifier's own test-set search is always exact.
 
 The top-1/top-5/per-class/confusion summary is :mod:`pipeline.evaluate.metrics`, shared with the
 linear probe, and so is the rule for unlabelled rows: label -1 rows are ignored (left out of the
@@ -31,6 +34,7 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import InputError
+from pipeline.evaluate.ann import approximate, hnsw_neighbours
 from pipeline.evaluate.heldout import KNN_SELECT_VAL_FRACTION, split_train_val
 from pipeline.evaluate.metrics import (
     ClassificationMetrics,
@@ -169,6 +173,7 @@ def knn_neighbours(
     chunk_size: int = 1024,
     bank_chunk_size: int = DEFAULT_BANK_CHUNK_SIZE,
     device: torch.device | str | None = None,
+    allow_approximate: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The ``k`` most cosine-similar bank rows of every query, most similar first.
 
@@ -184,6 +189,9 @@ def knn_neighbours(
         chunk_size: query rows per similarity block.
         bank_chunk_size: bank rows per similarity block (memory: see :func:`knn_predict`).
         device: where to compute; default the device of ``query_features``.
+        allow_approximate: an all-pairs search (held-out rows of the bank's own set): past
+            :data:`pipeline.evaluate.ann.EXACT_SEARCH_MAX_PAIRS` on a CPU it runs on an HNSW
+            graph (:func:`pipeline.evaluate.ann.hnsw_neighbours`). False (default): exact.
 
     Returns:
         ``(similarities, indices)``: (M, k) float32 cosine similarities sorted descending and
@@ -195,6 +203,9 @@ def knn_neighbours(
     """
     device = torch.device(device) if device is not None else query_features.device
     queries = _normalized(query_features, device, "test_features contain NaN or Inf")  # M x D
+    if allow_approximate and approximate(len(queries), len(bank_features), device):
+        bank = _normalized(bank_features, device, "train_features contain NaN or Inf")  # N x D
+        return hnsw_neighbours(bank, queries, k=k)
     top = _RunningTopK(queries.shape[0], k, device)
     for b0 in range(0, bank_features.shape[0], bank_chunk_size):
         bank = bank_features[b0 : b0 + bank_chunk_size]
@@ -219,6 +230,10 @@ def self_neighbours(
     entry left out, and each similarity block computed once: block ``(I, J)`` of ``X X^T``
     updates the running top-k of the rows of ``I`` and, transposed, of ``J``, so only the
     blocks on and above the diagonal are multiplied (half the work of two separate sets).
+
+    Past :data:`pipeline.evaluate.ann.EXACT_SEARCH_MAX_PAIRS` (``N^2``) on a CPU the search
+    runs on an HNSW graph instead (:func:`pipeline.evaluate.ann.hnsw_neighbours`: approximate,
+    recall@10 in results/ann-recall-2026-12-07.md); on a GPU it stays exact.
 
     Memory: the L2-normalised copy of ``features`` (``4 N D`` bytes), two ``block_size x
     block_size`` fp32 blocks (a block and its transposed copy: 32 MiB at the default 2048) and
@@ -250,6 +265,8 @@ def self_neighbours(
         raise InputError(f"self_neighbours: {n} rows cannot give k = {k} other rows each")
     device = torch.device(device) if device is not None else features.device
     x = _normalized(features, device, "self_neighbours: features contain NaN or Inf")  # N x D
+    if approximate(n, n, device):
+        return hnsw_neighbours(x, None, k=k)
     top = _RunningTopK(n, k, device)
     for b0 in range(0, n, block_size):
         for q0 in range(0, b0 + 1, block_size):  # blocks on and above the diagonal
@@ -439,8 +456,10 @@ def select_k_T(
     """Choose the kNN ``k`` and ``T`` on a validation split (never on the test set).
 
     The neighbours are searched once for ``max(ks)`` and every grid point is voted from their
-    prefix, so the grid costs one similarity pass. Ties in validation top-1 go to the earlier
-    grid point (smaller k, then smaller T).
+    prefix, so the grid costs one similarity pass. That search is approximate (HNSW) past
+    :data:`pipeline.evaluate.ann.EXACT_SEARCH_MAX_PAIRS` pairs on a CPU: ``0.09 N^2`` pairs
+    for the 10 % held out of N train rows, i.e. past ~333,000 train images. Ties in validation
+    top-1 go to the earlier grid point (smaller k, then smaller T).
 
     Args:
         bank_features: (N, D) features of the bank (the train rows NOT held out).
@@ -470,7 +489,7 @@ def select_k_T(
     ks = tuple(k for k in ks if k <= bank_features.shape[0]) or (bank_features.shape[0],)
     classes, (bank_idx, val_idx) = contiguous_labels(bank_labels, val_labels)
     sim, idx = knn_neighbours(bank_features, val_features, k=max(ks), chunk_size=chunk_size,
-                              device=device)
+                              device=device, allow_approximate=True)
     labels = bank_idx.to(sim.device, torch.long)
     truth = val_idx.to(sim.device)
     grid: dict[tuple[int, float], float] = {}

@@ -53,6 +53,7 @@ def test_data_insights__train_split_same_shards__embed_reuses_the_features(encod
     shutil.copytree(shards / "train", shards / "pretrain")  # the default run's layout
     m = _run(encoder, shards, tmp_path, neighbours=3, listed=5)
     assert m["features_for_embed"] == 1 and m["images"] == 96
+    assert not (tmp_path / "features/.pretrain.rows").exists()  # made there, removed after
     details = json.loads((tmp_path / "eval/data_insights.json").read_text())
     assert details["images"] == 96 and details["parts"] == {"built": 96, "read_in_place": 0}
     assert len(details["outliers"]) == 5 and len(details["pairs"]) <= 5

@@ -5,6 +5,7 @@ from torch import nn
 from pipeline.evaluate.features import (
     FeatureSet,
     extract_features,
+    file_backed,
     load_features,
     save_features,
 )
@@ -44,6 +45,31 @@ def test_extract_features__shapes_order_keys_and_eval_mode():
         expected = torch.cat([model(x) for x, _, _ in batches])
     torch.testing.assert_close(fs.features, expected)
     assert torch.equal(model[1].running_mean, bn_before)  # eval mode: BN stats untouched
+
+
+def test_extract_features__rows_in_place_and_file_backed(tmp_path):
+    model, batches = _tiny_model(), _batches()
+    listed = extract_features(model, batches, device="cpu", progress=False)
+    in_place = extract_features(model, batches, device="cpu", progress=False, rows=6)
+    assert torch.equal(in_place.features, listed.features) and in_place.keys == listed.keys
+    made = []
+
+    def allocate(n, d):
+        made.append((n, d))
+        return file_backed(tmp_path / "f.rows", n, d)
+
+    backed = extract_features(model, batches, device="cpu", progress=False, rows=6,
+                              allocate=allocate)
+    assert made == [(6, 4)] and torch.equal(backed.features, listed.features)
+    # the file holds the rows, fp32 little-endian, row after row
+    raw = torch.frombuffer(bytearray((tmp_path / "f.rows").read_bytes()), dtype=torch.float32)
+    assert torch.equal(raw.view(6, 4), listed.features)
+    save_features(backed, tmp_path / "f.pt")  # saved from the mapping: the same file as ever
+    save_features(listed, tmp_path / "g.pt")
+    assert (tmp_path / "f.pt").read_bytes() == (tmp_path / "g.pt").read_bytes()
+    for rows, msg in ((5, "more than the 5"), (7, "6 images, 7 expected")):
+        with pytest.raises(ValueError, match=msg):
+            extract_features(model, batches, device="cpu", progress=False, rows=rows)
 
 
 def test_extract_features__restores_each_submodule_mode():

@@ -35,7 +35,7 @@ from pipeline.data.manifest import Manifest, read_manifest
 from pipeline.data.remote import ShardURL
 from pipeline.data.shards import image_spec, shard_location
 from pipeline.data.views import build_eval_transform
-from pipeline.evaluate.features import FeatureSet, pick_device, save_features
+from pipeline.evaluate.features import FeatureSet, file_backed, pick_device, save_features
 from pipeline.evaluate.insights import (
     Neighbourhoods,
     channel_statistics,
@@ -93,7 +93,7 @@ def _locations(where: Path | ShardURL, manifest: Manifest) -> list[str]:
 
 def _embed_set(*, encoder_path: Path, head_path: Path | None, shards_dir: Path | ShardURL,
                index_dir: Path | None, image_size: int, embed: EmbedParams,
-               device: torch.device, taps: _Taps
+               device: torch.device, taps: _Taps, rows_file: Path
                ) -> tuple[FeatureSet, list[str], FeatureSet | None, int]:
     """Global features of the whole pretraining set, and ``embed``'s of the built split.
 
@@ -101,7 +101,10 @@ def _embed_set(*, encoder_path: Path, head_path: Path | None, shards_dir: Path |
     pretrain_manifest`: one mode, size and normalisation, e.g. colour shards read in place
     beside grey images are read grey).
 
-    ``taps`` collects the per-image statistics of the same pass (:class:`_Taps`).
+    ``taps`` collects the per-image statistics of the same pass (:class:`_Taps`). ``embed``'s
+    (N, D) features (2,048-d by default, 8 KB per image) are made in ``rows_file``
+    (:func:`~pipeline.evaluate.features.file_backed`): the page cache holds them, not the
+    process's anonymous memory; the caller removes the file.
 
     Returns:
         ``(global features (N, C) of the built split then the shards read in place, the
@@ -136,7 +139,10 @@ def _embed_set(*, encoder_path: Path, head_path: Path | None, shards_dir: Path |
             if reuse and n == 0 else Embedder(encoder_path, device=device))
         fs, g = embedder(taps.batches(eval_loader(directory, transform=tf,
                                                   batch_size=embed.batch_size,
-                                                  manifest=as_pretrained)), desc=f"embed {name}")
+                                                  manifest=as_pretrained)), desc=f"embed {name}",
+                         rows=manifest.num_samples,
+                         allocate=(lambda n, d: file_backed(rows_file, n, d))
+                         if reuse and n == 0 else None)
         for_embed = (fs, g) if reuse and n == 0 else for_embed
         pooled.append(g)
         where += _locations(directory, manifest)
@@ -226,30 +232,36 @@ def data_insights(*, encoder_path: Path, head_path: Path | None, shards_dir: Pat
     t0 = time.time()
     device = pick_device()
     taps = _Taps()
-    features, where, for_embed, n_built = _embed_set(
-        encoder_path=encoder_path, head_path=head_path, shards_dir=shards_dir,
-        index_dir=index_dir, image_size=image_size, embed=embed, device=device, taps=taps)
-    t_embed = time.time() - t0
-    low_level, pixels = taps.result(len(features))
-    nb = find_neighbourhoods(features.features, duplicate_cosine=insights.duplicate_cosine,
-                             k=insights.neighbours, low_level=low_level, pixels=pixels,
-                             device=device)
-    t_search = time.time() - t0 - t_embed
-    parts = {"built": n_built, "read_in_place": len(features) - n_built}
-    details = _details(nb, features.keys, where, listed=insights.listed, parts=parts)
-    write_json(details_path, details)
-    save_neighbourhoods(neighbourhoods_path, features=features.features, keys=features.keys,
-                        where=where, outlier_score=nb.outlier_score, pairs=nb.pairs,
-                        built=n_built, built_is_train=for_embed is not None)
-    empty = FeatureSet(torch.zeros(0, 0), torch.zeros(0, dtype=torch.long), [])
-    for name, fs in zip(("pretrain", "pretrain_global"), for_embed or (empty, empty)):
-        save_features(fs, features_dir / f"{name}.pt")
-    log.info("data_insights: %d images, %d near-duplicate pairs at cosine >= %g, embed %.1fs, "
-             "search %.1fs", len(features), len(nb.pairs), nb.duplicate_cosine, t_embed,
-             t_search)
-    return {"images": len(features), "duplicate_pairs": len(nb.pairs),
-            "images_in_pairs": details["images_in_pairs"], "duplicate_cosine": nb.duplicate_cosine,
-            "k": nb.k, "outlier_score_median": details["outlier_score"]["median"],
-            "features_for_embed": int(for_embed is not None), "embed_s": t_embed,
-            "images_per_s": len(features) / max(t_embed, 1e-9),
-            "search_s": t_search, "wall_time_s": time.time() - t0}
+    rows_file = features_dir / ".pretrain.rows"  # embed's features while they are made
+    try:
+        features, where, for_embed, n_built = _embed_set(
+            encoder_path=encoder_path, head_path=head_path, shards_dir=shards_dir,
+            index_dir=index_dir, image_size=image_size, embed=embed, device=device, taps=taps,
+            rows_file=rows_file)
+        t_embed = time.time() - t0
+        low_level, pixels = taps.result(len(features))
+        nb = find_neighbourhoods(features.features, duplicate_cosine=insights.duplicate_cosine,
+                                 k=insights.neighbours, low_level=low_level, pixels=pixels,
+                                 device=device)
+        t_search = time.time() - t0 - t_embed
+        parts = {"built": n_built, "read_in_place": len(features) - n_built}
+        details = _details(nb, features.keys, where, listed=insights.listed, parts=parts)
+        write_json(details_path, details)
+        save_neighbourhoods(neighbourhoods_path, features=features.features, keys=features.keys,
+                            where=where, outlier_score=nb.outlier_score, pairs=nb.pairs,
+                            built=n_built, built_is_train=for_embed is not None)
+        empty = FeatureSet(torch.zeros(0, 0), torch.zeros(0, dtype=torch.long), [])
+        for name, fs in zip(("pretrain", "pretrain_global"), for_embed or (empty, empty)):
+            save_features(fs, features_dir / f"{name}.pt")
+        log.info("data_insights: %d images, %d near-duplicate pairs at cosine >= %g, embed "
+                 "%.1fs, search %.1fs", len(features), len(nb.pairs), nb.duplicate_cosine,
+                 t_embed, t_search)
+        return {"images": len(features), "duplicate_pairs": len(nb.pairs),
+                "images_in_pairs": details["images_in_pairs"],
+                "duplicate_cosine": nb.duplicate_cosine, "k": nb.k,
+                "outlier_score_median": details["outlier_score"]["median"],
+                "features_for_embed": int(for_embed is not None), "embed_s": t_embed,
+                "images_per_s": len(features) / max(t_embed, 1e-9),
+                "search_s": t_search, "wall_time_s": time.time() - t0}
+    finally:
+        rows_file.unlink(missing_ok=True)

@@ -142,16 +142,20 @@ class Embedder:
             self.tail(inp[0]).float().mean(dim=(-2, -1)).cpu()))
 
     def __call__(self, batches: Iterable[tuple[Tensor, Tensor, list[str]]], *,
-                 desc: str) -> tuple[FeatureSet, FeatureSet]:
+                 desc: str, rows: int | None = None,
+                 allocate: Callable[[int, int], Tensor] | None = None
+                 ) -> tuple[FeatureSet, FeatureSet]:
         """``(features, global features)`` of the batches, (N, D) and (N, C), in batch order.
 
         Args:
             batches: an :func:`~pipeline.data.eval_loader.eval_loader` (eval transform).
             desc: the progress bar's label.
+            rows: N when known (:func:`~pipeline.evaluate.features.extract_features`).
+            allocate: where the (N, D) features are made (the same function's).
         """
         self._pooled.clear()
         fs = extract_features(self.backbone, batches, device=self.device, head=self.head,
-                              desc=desc)
+                              desc=desc, rows=rows, allocate=allocate)
         pooled, self._pooled = torch.cat(self._pooled), []
         return fs, FeatureSet(pooled, fs.labels, fs.keys)
 

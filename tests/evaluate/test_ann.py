@@ -1,0 +1,121 @@
+"""The approximate (HNSW) all-pairs searches: against an (N, N) float64 brute force, the own-row
+rule worked out by hand, the thread count that must not matter, and the searches that must stay
+exact."""
+
+import math
+
+import pytest
+import torch
+
+import pipeline.evaluate.ann as ann
+from pipeline.evaluate.insights import duplicate_pairs
+from pipeline.evaluate.knn import knn_neighbours, select_k_T, self_neighbours
+
+
+def _clustered(n: int, d: int, seed: int) -> torch.Tensor:
+    """``n`` rows around 20 centres (a set with structure, like features) + 5 exact copies."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(20, d, generator=g)
+    x = centres[torch.randint(0, 20, (n,), generator=g)] + 0.4 * torch.randn(n, d, generator=g)
+    x[n - 5:] = x[:5]  # rows 0-4 and n-5..n-1: exact copies (cosine 1)
+    return x
+
+
+def _brute(x: torch.Tensor, k: int, queries: torch.Tensor | None = None):
+    """Float64 cosines, full sort; own entry excluded when ``queries`` is None."""
+    xn = x.double() / x.double().norm(dim=1, keepdim=True)
+    q = xn if queries is None else queries.double() / queries.double().norm(dim=1, keepdim=True)
+    cos = q @ xn.T
+    if queries is None:
+        cos.fill_diagonal_(-math.inf)
+    sim, idx = cos.sort(dim=1, descending=True)
+    return cos, sim[:, :k], idx[:, :k]
+
+
+def _recall(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return sum(len(set(a) & set(b)) for a, b in zip(ref.tolist(), got.tolist())) / ref.numel()
+
+
+@pytest.fixture
+def approximate_everything(monkeypatch):
+    monkeypatch.setattr(ann, "EXACT_SEARCH_MAX_PAIRS", 0)
+
+
+def test_approximate__only_on_a_cpu_past_the_threshold(monkeypatch):
+    monkeypatch.setattr(ann, "EXACT_SEARCH_MAX_PAIRS", 100)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert not ann.approximate(10, 10, cpu)  # 100 pairs: not past it
+    assert ann.approximate(10, 11, cpu)
+    assert not ann.approximate(10**6, 10**6, gpu)  # a GPU stays exact
+
+
+def test_self_neighbours__hnsw_against_brute_force(approximate_everything):
+    x = _clustered(1500, 16, 0)
+    cos, ref_sim, ref_idx = _brute(x, 10)
+    sim, idx = self_neighbours(x, k=10)
+    assert sim.shape == idx.shape == (1500, 10) and idx.dtype == torch.long
+    assert not (idx == torch.arange(1500)[:, None]).any()  # never the row itself
+    assert _recall(ref_idx, idx) >= 0.98
+    # the similarities are the true cosines of the rows returned, sorted descending
+    torch.testing.assert_close(sim.double(), cos.gather(1, idx), atol=1e-5, rtol=0)
+    assert (sim[:, :-1] >= sim[:, 1:]).all()
+    # each planted exact copy is its twin's nearest other (cosine 1)
+    for a, b in zip(range(5), range(1495, 1500)):
+        assert idx[a, 0] == b and idx[b, 0] == a
+        assert sim[a, 0] == pytest.approx(1.0, abs=1e-6)
+    pairs, _ = duplicate_pairs(sim, idx, 0.9999)
+    assert {tuple(p) for p in pairs.tolist()} >= {(a, b) for a, b in zip(range(5),
+                                                                         range(1495, 1500))}
+
+
+def test_self_neighbours__same_result_on_one_or_two_threads(approximate_everything):
+    x = _clustered(3000, 16, 1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = self_neighbours(x, k=10)
+        torch.set_num_threads(2)
+        two = self_neighbours(x, k=10)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[1], two[1]) and torch.equal(one[0], two[0])
+
+
+def test_drop_self__worked_by_hand():
+    # row 0 finds itself first; row 1's exact copy (row 2) ties and comes first; row 2 is
+    # missed by the graph: its last (worst) hit goes
+    sim = torch.tensor([[1.0, 0.9, 0.8], [1.0, 1.0, 0.7], [0.95, 0.9, 0.6]])
+    idx = torch.tensor([[0, 5, 6], [2, 1, 7], [3, 4, 8]])
+    s, i = ann._drop_self(sim, idx)
+    assert i.tolist() == [[5, 6], [2, 7], [3, 4]]
+    assert torch.equal(s, torch.tensor([[0.9, 0.8], [1.0, 0.7], [0.95, 0.9]]))
+
+
+def test_exact_fallback__equals_brute_force():
+    x = torch.nn.functional.normalize(_clustered(600, 8, 2), dim=1)
+    rows = torch.tensor([3, 17, 599])
+    s, i = ann._exact(x.numpy(), x[rows].numpy(), 4, exclude=rows)
+    _, ref_sim, ref_idx = _brute(x, 4)
+    assert i.tolist() == ref_idx[rows].tolist()
+    torch.testing.assert_close(s.double(), ref_sim[rows], atol=1e-5, rtol=0)
+
+
+def test_knn_neighbours__the_classifier_search_stays_exact(approximate_everything):
+    bank, queries = _clustered(800, 8, 3), _clustered(50, 8, 4)
+    _, ref_sim, ref_idx = _brute(bank, 7, queries)
+    sim, idx = knn_neighbours(bank, queries, k=7)  # allow_approximate defaults to False
+    assert idx.tolist() == ref_idx.tolist()
+    approx_sim, approx_idx = knn_neighbours(bank, queries, k=7, allow_approximate=True)
+    assert _recall(ref_idx, approx_idx) >= 0.98
+
+
+def test_select_k_T__on_the_graph_picks_what_the_exact_search_picks(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    centres = torch.randn(4, 12, generator=g) * 3
+    labels = torch.randint(0, 4, (2000,), generator=g)
+    x = centres[labels] + torch.randn(2000, 12, generator=g)
+    exact = select_k_T(x[:1800], labels[:1800], x[1800:], labels[1800:])
+    monkeypatch.setattr(ann, "EXACT_SEARCH_MAX_PAIRS", 0)
+    approx = select_k_T(x[:1800], labels[:1800], x[1800:], labels[1800:])
+    assert (approx.k, approx.T) == (exact.k, exact.T)
+    assert approx.val_top1 == pytest.approx(exact.val_top1, abs=0.5)
