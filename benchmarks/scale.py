@@ -16,8 +16,11 @@ stage do not depend on N), and ``pretrain.epochs: 1`` with ``pretrain.steps_per_
 pretraining's steps cost the same per image at any N, so its row is the stage's set-up (data
 plan, loader, monitor) and 5 steps. For each stage: wall time (s), peak RSS (MiB: the
 ``ru_maxrss`` of the stage and the processes it waited for, ``os.wait4``) and the bytes of the
-files it wrote. ``--full-up-to`` (default 240,000): above it only the data stages and
-pretraining's set-up run (the all-pairs searches take hours there on 2 cores). The images are
+files it wrote, and the largest anonymous memory sampled (``RssAnon``: RSS less the file pages,
+such as memory-mapped features, that the kernel can drop and read again). ``--full-up-to``
+(default 240,000): above it only ``--above``'s stages run (default: the data stages,
+pretraining's set-up, ``data_insights`` and ``embed``; the kNN, probe and baseline stages hold
+every feature in memory). The images are
 written by a child process, so that this one stays small: Linux starts a child's peak RSS at
 its parent's.
 
@@ -49,6 +52,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 TEST_IMAGES = 10_000
 DATA_STAGES = ("check_params", "index_shards", "build_shards", "check_data", "pretrain")
+# past --full-up-to: the data stages, pretraining's set-up, and the label-free search with the
+# features it gives embed (the kNN, probe and baseline stages hold every feature in memory)
+LARGE_STAGES = DATA_STAGES + ("data_insights", "check_eval", "embed")
 _SHIFTS = [(dx, dy, flip) for dx in range(-2, 3) for dy in range(-2, 3) for flip in (0, 1)
            if (dx, dy, flip) != (0, 0, 0)]  # 49 transforms besides the identity
 
@@ -109,15 +115,37 @@ def write_data(total: int, out: Path) -> dict:
             "write_s": round(time.perf_counter() - t, 1)}
 
 
+def _anon_kib(pid: int) -> int:
+    """The ``RssAnon`` of a live process (KiB): its memory that no file backs; 0 once gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def _stage(repo: Path, stage: str) -> dict:
-    """Run one stage in ``repo``: wall s, peak RSS MiB (wait4), bytes of files it wrote."""
+    """Run one stage in ``repo``: wall s, peak RSS MiB (wait4), bytes of files it wrote.
+
+    Also the largest anonymous memory of the stage's process seen in samples every 0.2 s
+    (``peak_anon_mib``: RSS less the file pages, e.g. memory-mapped features, which the kernel
+    can drop and read again; a sampled peak, so it can miss a spike shorter than 0.2 s).
+    """
     before = time.time()
     with tempfile.TemporaryFile("w+") as err:
         t = time.perf_counter()
         proc = subprocess.Popen([sys.executable, f"stages/{stage}.py"], cwd=repo,
                                 stdout=subprocess.DEVNULL, stderr=err,
                                 env={**os.environ, "PYTHONPATH": str(repo)})
-        _, status, usage = os.wait4(proc.pid, 0)
+        anon = 0
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            anon = max(anon, _anon_kib(proc.pid))
+            time.sleep(0.2)
         wall = time.perf_counter() - t
         if os.waitstatus_to_exitcode(status):
             err.seek(0)
@@ -125,7 +153,7 @@ def _stage(repo: Path, stage: str) -> dict:
     written = sum(p.stat().st_size for p in repo.rglob("*")
                   if p.is_file() and ".git" not in p.parts and p.stat().st_mtime >= before)
     return {"wall_s": round(wall, 2), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
-            "bytes_written": written}
+            "peak_anon_mib": round(anon / 1024, 1), "bytes_written": written}
 
 
 def _params(repo: Path, data: Path, n: int) -> None:
@@ -194,8 +222,9 @@ def report(results_path: Path, doc: Path, figure: Path) -> None:
         cells = []
         for n in ns:
             m = sizes[str(n)]["stages"].get(st)
+            anon = f" ({_mib(m['peak_anon_mib'])})" if m and "peak_anon_mib" in m else ""
             cells.append("" if m is None else f"{m['wall_s']:,.1f} s / {_mib(m['peak_rss_mib'])}"
-                         f" MiB / {m['bytes_written'] / 2**20:,.0f} MB")
+                         f"{anon} MiB / {m['bytes_written'] / 2**20:,.0f} MB")
         b_all = _fit(pts)[1] if len(pts) >= 2 else float("nan")
         a, b = _fit(pts[-2:]) if len(pts) >= 2 else (0.0, float("nan"))
         est = [_human(math.exp(a + b * math.log(n))) if len(pts) >= 2 else ""
@@ -221,6 +250,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[15_000, 60_000, 240_000, 960_000])
     ap.add_argument("--full-up-to", type=int, default=240_000)
+    ap.add_argument("--above", nargs="+", default=list(LARGE_STAGES),
+                    help="the stages run past --full-up-to (default: %(default)s)")
     ap.add_argument("--out", default="results/scale.json")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--write-data", nargs=2, metavar=("IMAGES", "DIR"), help=argparse.SUPPRESS)
@@ -247,7 +278,7 @@ def main() -> None:
         subprocess.run(["git", "clone", "-q", "--shared", str(REPO), str(repo)], check=True)
         _params(repo, data, n)
         r = results[str(n)] = {"data": made, "stages": {}}
-        for stage in stages if n <= a.full_up_to else DATA_STAGES:
+        for stage in stages if n <= a.full_up_to else [s for s in stages if s in a.above]:
             r["stages"][stage] = _stage(repo, stage)
             print(n, stage, r["stages"][stage], flush=True)
             out.write_text(json.dumps({"sizes": results, "exponents": fit_exponents(results)},
