@@ -28,7 +28,13 @@ Results go to ``--out`` (JSON, rewritten after every stage, so a stopped run kee
 measured), with, per stage, the exponent ``b`` of a least-squares fit of log(time) =
 a + b log(N) over the N measured.
 
+With ``--photos`` the images are ``N`` + 10,000 JPEG photos of 64-128 px a side
+(:func:`write_photo_data`) read as ``data.source: imagefolder`` with ``data.max_side: 128``
+(each JPEG keeps its bytes) and ``data.image_size: 64``: the photo path of the data stages.
+
     python benchmarks/scale.py [--sizes 15000 60000 240000 960000] [--out results/scale.json]
+    python benchmarks/scale.py --photos --full-up-to 0 --above check_params index_shards \
+        build_shards check_data pretrain --sizes 15000 60000 240000 --out results/scale-photos.json
 """
 
 from __future__ import annotations
@@ -126,6 +132,32 @@ def _anon_kib(pid: int) -> int:
     return 0
 
 
+def write_photo_data(total: int, out: Path, seed: int = 0) -> dict:
+    """``total`` JPEG photos of 64-128 px a side as an ImageFolder in ``out``; exact duplicates.
+
+    Each is a seeded window of one of scikit-learn's two sample photos, maybe flipped, its
+    width and height drawn from 64-128 px, saved as a baseline JPEG of quality 90
+    (``benchmarks/sample_photos.py``): the photo path's decode, resize and JPEG bytes.
+    """
+    from sample_photos import jpeg_bytes, photo_crop, sample_photos
+
+    photos = sample_photos()
+    seen: set[bytes] = set()
+    dups = 0
+    t = time.perf_counter()
+    for i in range(total):
+        w, h = (int(x) for x in np.random.default_rng([seed, 1, i]).integers(64, 129, size=2))
+        cls, image = photo_crop(photos, i, width=w, height=h, seed=seed)
+        data = jpeg_bytes(image)
+        d = hashlib.blake2b(data, digest_size=16).digest()
+        dups += d in seen
+        seen.add(d)
+        (out / cls).mkdir(parents=True, exist_ok=True)
+        (out / cls / f"p{i:07d}.jpg").write_bytes(data)
+    return {"images": total, "exact_duplicates": dups,
+            "write_s": round(time.perf_counter() - t, 1)}
+
+
 def _stage(repo: Path, stage: str) -> dict:
     """Run one stage in ``repo``: wall s, peak RSS MiB (wait4), bytes of files it wrote.
 
@@ -156,10 +188,12 @@ def _stage(repo: Path, stage: str) -> dict:
             "peak_anon_mib": round(anon / 1024, 1), "bytes_written": written}
 
 
-def _params(repo: Path, data: Path, n: int) -> None:
+def _params(repo: Path, data: Path, n: int, photos: bool = False) -> None:
     p = yaml.safe_load((REPO / "params.yaml").read_text())
-    p["data"].update(source="webdataset", root=str(data),
+    p["data"].update(source="imagefolder" if photos else "webdataset", root=str(data),
                      test_fraction=round(TEST_IMAGES / (n + TEST_IMAGES), 6))
+    if photos:  # whole images up to 128 px keep their JPEG bytes; 64 px training crops
+        p["data"].update(max_side=128, image_size=64)
     p["mlflow"]["enabled"] = False
     p["pretrain"].update(epochs=1, steps_per_epoch=5)
     (repo / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
@@ -254,6 +288,8 @@ def main() -> None:
                     help="the stages run past --full-up-to (default: %(default)s)")
     ap.add_argument("--out", default="results/scale.json")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
+    ap.add_argument("--photos", action="store_true",
+                    help="JPEG photos of 64-128 px (an ImageFolder) instead of Fashion-MNIST")
     ap.add_argument("--write-data", nargs=2, metavar=("IMAGES", "DIR"), help=argparse.SUPPRESS)
     ap.add_argument("--report", action="store_true",
                     help="write --out's table into docs/scaling.md and its figure; run nothing")
@@ -262,7 +298,8 @@ def main() -> None:
         report(Path(a.out), REPO / "docs/scaling.md", REPO / "docs/figures/scaling.png")
         return
     if a.write_data:
-        print(json.dumps(write_data(int(a.write_data[0]), Path(a.write_data[1]))))
+        writer = write_photo_data if a.photos else write_data
+        print(json.dumps(writer(int(a.write_data[0]), Path(a.write_data[1]))))
         return
     stages = list(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
     out = Path(a.out)
@@ -273,10 +310,11 @@ def main() -> None:
         shutil.rmtree(data, ignore_errors=True)
         shutil.rmtree(repo, ignore_errors=True)
         made = json.loads(subprocess.run(  # a child: its peak memory is not carried into
-            [sys.executable, __file__, "--write-data", str(n + TEST_IMAGES), str(data)],  # the
-            check=True, capture_output=True, text=True).stdout)  # stages this process starts
+            [sys.executable, __file__, "--write-data", str(n + TEST_IMAGES), str(data)]  # the
+            + ["--photos"] * a.photos,  # stages this process starts
+            check=True, capture_output=True, text=True).stdout)
         subprocess.run(["git", "clone", "-q", "--shared", str(REPO), str(repo)], check=True)
-        _params(repo, data, n)
+        _params(repo, data, n, a.photos)
         r = results[str(n)] = {"data": made, "stages": {}}
         for stage in stages if n <= a.full_up_to else [s for s in stages if s in a.above]:
             r["stages"][stage] = _stage(repo, stage)
