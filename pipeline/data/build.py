@@ -23,11 +23,14 @@ failure leaves the previous outputs untouched.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
+import tarfile
 import tempfile
 import time
+from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -49,7 +52,7 @@ from pipeline.data.manifest import (
     write_manifest,
 )
 from pipeline.data.remote import ShardURL, shards_location
-from pipeline.data.shards import KEY_RE, SHARD_PATTERN, sha256_file
+from pipeline.data.shards import KEY_RE, SHARD_PATTERN, member_key, sha256_file
 from pipeline.data.sources import (
     SPLITS,
     BrokenImages,
@@ -179,13 +182,15 @@ class _SplitStats:
 
     Pixel sums are exact integers, so the statistics are reproducible bit for bit, in any
     order; the encoding processes take them from each image's histogram
-    (:func:`~pipeline.data.manifest.pixel_sums`), without a copy of its pixels.
+    (:func:`~pipeline.data.manifest.pixel_sums`), without a copy of its pixels. Keys are held
+    as 8-byte digests (a million keys in 8 MB) and checked for duplicates once the split is
+    written (:meth:`check_keys`).
     """
 
     def __init__(self, mode: str, num_classes: int, out_dir: Path) -> None:
         self.mode, self.channels = mode, CHANNELS[mode]
         self.num_classes, self.out_dir = num_classes, out_dir
-        self.keys: set[str] = set()
+        self.digests = array("Q")  # blake2b-64 of each key, in sample order
         self.label_counts: Counter[int] = Counter()
         self.sizes: set[tuple[int, int]] = set()
         self.pix_sum = np.zeros(self.channels, dtype=np.uint64)
@@ -196,20 +201,39 @@ class _SplitStats:
         """Check sample ``n`` (key, mode, label) and count its size and label.
 
         Raises:
-            ShardError: a bad or duplicate key, another image mode, a label out of range.
+            ShardError: a bad key, another image mode, a label out of range.
         """
         where = f"{self.out_dir} sample {n} (key {s.key!r})"
         if not isinstance(s.key, str) or not KEY_RE.match(s.key):
             raise ShardError(f"{where}: key must match {KEY_RE.pattern}")
-        if s.key in self.keys:
-            raise ShardError(f"{where}: duplicate key")
-        self.keys.add(s.key)
+        self.digests.append(int.from_bytes(
+            hashlib.blake2b(s.key.encode(), digest_size=8).digest(), "little"))
         if s.image.mode != self.mode:
             raise ShardError(f"{where}: image mode {s.image.mode}, expected {self.mode}")
         if not -1 <= int(s.label) < self.num_classes:
             raise ShardError(f"{where}: label {s.label} outside -1..{self.num_classes - 1}")
         self.sizes.add(s.image.size)
         self.label_counts[int(s.label)] += 1
+
+    def check_keys(self, tmp: Path, samples_per_shard: int) -> None:
+        """Refuse a key written twice (the digests that repeat, compared as the tars hold them).
+
+        Raises:
+            ShardError: a duplicate key: names it and both sample numbers.
+        """
+        digests = np.frombuffer(self.digests, dtype=np.uint64)
+        order = np.argsort(digests, kind="stable")
+        run_starts = np.flatnonzero(np.diff(digests[order], prepend=~digests[order][:1]))
+        for run in np.split(order, run_starts[1:]):
+            if len(run) < 2:
+                continue
+            seen: dict[str, int] = {}  # the keys of one digest (distinct keys: a collision)
+            for n in sorted(run.tolist()):
+                key = _key_at(tmp, n, samples_per_shard)
+                if key in seen:
+                    raise ShardError(f"{self.out_dir} sample {n} (key {key!r}): duplicate "
+                                     f"key (sample {seen[key]})")
+                seen[key] = n
 
     def add_pixels(self, e: Encoded) -> None:
         """Add the pixel sums of an encoded chunk of samples."""
@@ -228,6 +252,23 @@ class _SplitStats:
             "pixel_mean": round6(pixel_mean), "pixel_std": round6(pixel_std),
             "label_counts": {str(k): self.label_counts[k] for k in sorted(self.label_counts)},
         }
+
+
+def _key_at(tmp: Path, n: int, samples_per_shard: int) -> str:
+    """The key of sample ``n`` as written in ``tmp``'s shards.
+
+    A sample's members are adjacent, in ascending extension order: a new sample starts where
+    the key changes or the extension does not ascend (two samples with one key, side by side).
+    """
+    keys: list[str] = []
+    last: tuple[str | None, str | None] = (None, None)
+    with tarfile.open(tmp / (SHARD_PATTERN % (n // samples_per_shard))) as tar:
+        for m in tar:
+            key, ext = member_key(m.name)
+            if key != last[0] or (ext or "") <= (last[1] or ""):
+                keys.append(str(key))
+            last = (key, ext)
+    return keys[n % samples_per_shard]
 
 
 def _write_tars(samples: Iterator[Sample], tmp: Path, *, stats: _SplitStats,
@@ -304,6 +345,7 @@ def _write(samples: Iterator[Sample], tmp: Path, *, split: str, source: str,
                              shard_format=shard_format, kinds=kinds, pool=pool)
     finally:
         bar.close()
+    stats.check_keys(tmp, samples_per_shard)
     total = sum(counts)
     if expected_count is not None and total != expected_count:
         raise ShardError(f"{out_dir}: wrote {total} samples for split '{split}', expected "

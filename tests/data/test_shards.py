@@ -174,13 +174,36 @@ def test_write_shards__failure_leaves_previous_outputs(tmp_path: Path):
 
 @pytest.mark.parametrize("bad, match", [
     (Sample("has.dot", Image.new("L", (2, 2)), 0), "key must match"),
-    (Sample("s_0000", Image.new("L", (2, 2)), 0), "duplicate key"),
+    (Sample("s_0000", Image.new("L", (2, 2)), 0), r"2 \(key 's_0000'\): duplicate key \(sample 0"),
+    (Sample("s_0001", Image.new("L", (2, 2)), 0), r"2 \(key 's_0001'\): duplicate key \(sample 1"),
     (Sample("rgb", Image.new("RGB", (2, 2)), 0), "mode RGB, expected L"),
     (Sample("lbl", Image.new("L", (2, 2)), 3), "label 3 outside"),
 ])
 def test_write_shards__bad_sample(tmp_path: Path, bad, match):
     with pytest.raises(ShardError, match=match):
         write(tmp_path / "s", [*samples(2), bad])
+
+
+def test_write_shards__duplicate_key_in_another_shard_named(tmp_path: Path):
+    dup = Sample("s_0002", Image.new("L", (6, 5)), 0)
+    with pytest.raises(ShardError, match=r"sample 6 \(key 's_0002'\): duplicate key \(sample 2\)"):
+        write(tmp_path / "s", [*samples(6), dup])  # shard 1 repeats a key of shard 0
+    assert not (tmp_path / "s").exists()
+
+
+def test_write_shards__equal_key_digests_of_distinct_keys_are_no_error(tmp_path: Path,
+                                                                       monkeypatch):
+    class Same:  # every key gets the same digest: the keys themselves are compared
+        def __init__(self, *a, **k):
+            pass
+
+        def digest(self):
+            return bytes(8)
+
+    monkeypatch.setattr("pipeline.data.build.hashlib", type("H", (), {"blake2b": Same}))
+    assert write(tmp_path / "s", samples(6)).num_samples == 6
+    with pytest.raises(ShardError, match=r"6 \(key 's_0000'\): duplicate key \(sample 0"):
+        write(tmp_path / "t", [*samples(6), samples(1)[0]])
 
 
 def test_write_shards__expected_count(tmp_path: Path):

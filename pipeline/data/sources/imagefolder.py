@@ -409,20 +409,39 @@ def split_per_class(items: Files, num_classes: int, test_fraction: float,
         seed: the split's seed.
 
     Returns:
-        ``{"train": files, "test": files}``.
+        ``{"train": files, "test": files}`` (:func:`split_positions` of the sorted pairs).
+    """
+    items = sorted(items)
+    labels = np.fromiter((y for _, y in items), dtype=np.int64, count=len(items))
+    return {name: [items[i] for i in pos]
+            for name, pos in split_positions(labels, num_classes, test_fraction, seed).items()}
+
+
+def split_positions(labels: np.ndarray, num_classes: int, test_fraction: float,
+                    seed: int) -> dict[str, np.ndarray]:
+    """The seeded per-class split of positions ``0..N-1`` by their labels (-1: in neither).
+
+    Class by class (0 to C-1), a permutation of the class's positions (ascending) from one
+    generator seeded ``[seed, 2]``; its first :func:`held_out` are test, the rest train.
+
+    Args:
+        labels: ``(N,)`` int labels, ``-1..C-1``.
+        num_classes: C.
+        test_fraction: share of each class held out as test.
+        seed: the split's seed.
+
+    Returns:
+        ``{"train": (N_train,), "test": (N_test,)}`` int64 positions, class by class.
     """
     rng = np.random.default_rng([seed, 2])
-    by_class: list[Files] = [[] for _ in range(num_classes)]
-    for item in items:
-        by_class[item[1]].append(item)
-    out: dict[str, Files] = {"train": [], "test": []}
-    for members in by_class:
-        members.sort()
+    out: dict[str, list[np.ndarray]] = {"train": [], "test": []}
+    for c in range(num_classes):
+        members = np.flatnonzero(labels == c)
         n_test = held_out(len(members), test_fraction)
         perm = rng.permutation(len(members))
-        out["test"] += [members[i] for i in perm[:n_test]]
-        out["train"] += [members[i] for i in perm[n_test:]]
-    return out
+        out["test"].append(members[perm[:n_test]])
+        out["train"].append(members[perm[n_test:]])
+    return {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in out.items()}
 
 
 def held_out(n: int, test_fraction: float) -> int:

@@ -12,15 +12,18 @@ it is there; otherwise the set is indexed in memory.
 
 Splits: the labelled samples are split per class with a seeded shuffle into ``test``
 (``round(n_c * data.test_fraction)`` per class) and ``train``; ``pretrain`` is ``train`` plus
-the unlabelled samples. The encoded images are held in memory (this source is for the
-evaluation data, which may be small; pretraining images belong in ``data.pretrain_shards``,
-read in place), decoded when the split is written. Mode: ``L`` when every image is grey, else
+the unlabelled samples. The keys and encoded images are copied into a temporary file as the
+shards are read (:class:`_Spool`: memory holds ~40 bytes per sample, whatever the images'
+size), and decoded when the split is written. Mode: ``L`` when every image is grey, else
 ``RGB`` (:mod:`pipeline.data.modes`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +42,7 @@ from pipeline.data.sources.base import (
     UnreadableImage,
     keeps_pixels,
 )
-from pipeline.data.sources.imagefolder import held_out, sanitize_key, split_per_class
+from pipeline.data.sources.imagefolder import held_out, sanitize_key, split_positions
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,8 @@ class WebDatasetSource(Source):
                 raise SourceError(str(e)) from None
         self.mode = index.mode
         self.native_shape = index.image_shape or None
-        keys, images, raw_labels = [], [], []
+        self._spool = _Spool()
+        labels = _Labels(spec)
         for entry in index.shards:
             where = shard_location(Path("."), entry)
             broken = {b.key for b in entry.broken or ()}
@@ -88,30 +92,25 @@ class WebDatasetSource(Source):
                 if record["__key__"] in broken:
                     continue
                 try:
-                    label = sample_label(record, label_field)
+                    labels.add(sample_label(record, label_field))
                 except ValueError as e:
                     raise SourceError(f"{where}: {e}") from None
-                keys.append(record["__key__"])
-                images.append(image_member(record))
-                raw_labels.append(label)
-        self.class_names, labels = _class_names(raw_labels, spec)
-        self._keys, self._images = keys, images
-        items = [(i, int(y)) for i, y in enumerate(labels) if y >= 0]
-        if not items:
+                self._spool.add(record["__key__"], image_member(record) or b"")
+        self.class_names, self._labels = labels.done()
+        if not (self._labels >= 0).any():
             raise SourceError(f"data.root = {spec!r}: no labelled sample (data.label_field "
                               f"{label_field!r}); data.source none pretrains without labels")
-        split = split_per_class(items, len(self.class_names), test_fraction, seed)
+        split = split_positions(self._labels, len(self.class_names), test_fraction, seed)
         for name, part in split.items():
-            if not part:
+            if not len(part):
                 raise SourceError(f"data.root = {spec!r}: data.test_fraction={test_fraction} "
                                   f"leaves the {name} split empty")
-        unlabelled = [i for i, y in enumerate(labels) if y < 0]
-        self._index = {"train": sorted(i for i, _ in split["train"]),
-                       "test": sorted(i for i, _ in split["test"])}
-        self._index["pretrain"] = sorted(self._index["train"] + unlabelled)
-        self._labels = np.asarray(labels, dtype=np.int64)
+        unlabelled = np.flatnonzero(self._labels < 0)
+        self._index = {"train": np.sort(split["train"]), "test": np.sort(split["test"]),
+                       "pretrain": np.sort(np.concatenate([split["train"], unlabelled]))}
         log.info("webdataset %s: %d samples (%d labelled, %d unlabelled), %d classes, %d broken "
-                 "skipped", spec, len(keys), len(items), len(unlabelled), len(self.class_names),
+                 "skipped", spec, len(self._labels), len(self._labels) - len(unlabelled),
+                 len(unlabelled), len(self.class_names),
                  index.num_broken or 0)
 
     def labels(self, split: str) -> np.ndarray:
@@ -120,19 +119,20 @@ class WebDatasetSource(Source):
         return self._labels[self._index[split]]
 
     def _load(self, split: str, index: int) -> Sample:
-        i = self._index[split][index]
+        i = int(self._index[split][index])
+        key, data = self._spool.get(i)
         try:
-            with open_image(self._images[i]) as im:  # upright, as every reader decodes it
+            with open_image(data) as im:  # upright, as every reader decodes it
                 image = to_mode(im, self.mode)
                 # a JPEG's bytes describe the image whenever the mode conversion keeps its
                 # values (its EXIF orientation is applied by every reader)
                 kept = im.format == "JPEG" and keeps_pixels(im.mode, self.mode)
-                file = SourceFile(str(im.format), self._images[i] if kept else None)
+                file = SourceFile(str(im.format), data if kept else None)
         except ModeError as e:
-            raise UnreadableImage(f"sample '{self._keys[i]}' ({e})") from None
+            raise UnreadableImage(f"sample '{key}' ({e})") from None
         except Exception as e:  # noqa: BLE001 (the index decoded it: corrupt since)
-            raise UnreadableImage(f"sample '{self._keys[i]}' ({type(e).__name__})") from None
-        return Sample(f"{i:07d}_{sanitize_key(self._keys[i] + '.x')}", image,
+            raise UnreadableImage(f"sample '{key}' ({type(e).__name__})") from None
+        return Sample(f"{i:07d}_{sanitize_key(key + '.x')}", image,
                       int(self._labels[i]), file)
 
 
@@ -144,22 +144,76 @@ def _urls(spec: str) -> list[str] | None:
         return None
 
 
-def _class_names(raw: list[int | str | None], spec: str) -> tuple[tuple[str, ...], list[int]]:
-    """Class names and integer labels (-1 = unlabelled) from the raw labels.
+class _Spool:
+    """The samples' keys and encoded images in an unnamed temporary file, read back by offset.
+
+    Holds 12 bytes per sample in memory (an offset and a key length), so the build's memory does
+    not grow with the images' bytes. The file is in the temporary directory
+    (:func:`tempfile.gettempdir`: ``TMPDIR``), unlinked from its creation, so nothing is left
+    behind, and its pages are the kernel's cache, not this process's memory.
+    """
+
+    def __init__(self) -> None:
+        self._file = tempfile.TemporaryFile(prefix="webdataset-source-")
+        self._ends = array("q")  # end offset of sample i's bytes (key, then image)
+        self._key_len = array("I")
+
+    def add(self, key: str, image: bytes) -> None:
+        """Append one sample's key and image bytes."""
+        k = key.encode("utf-8")
+        self._file.write(k)
+        self._file.write(image)
+        self._ends.append((self._ends[-1] if self._ends else 0) + len(k) + len(image))
+        self._key_len.append(len(k))
+
+    def get(self, i: int) -> tuple[str, bytes]:
+        """Sample ``i``'s ``(key, image bytes)``."""
+        self._file.flush()
+        start = self._ends[i - 1] if i else 0
+        data = os.pread(self._file.fileno(), self._ends[i] - start, start)
+        k = self._key_len[i]
+        return data[:k].decode("utf-8"), data[k:]
+
+
+class _Labels:
+    """The raw labels as they are read (int, str or None), kept as one int64 per sample.
 
     The index refused mixed kinds already (:func:`pipeline.data.index.check_labels`, naming the
     shards and keys); this is the build's second line.
     """
-    ints = [y for y in raw if isinstance(y, int)]
-    strs = [y for y in raw if isinstance(y, str)]
-    if ints and strs:
-        raise SourceError(f"data.root = {spec!r}: labels are integers and strings mixed")
-    if strs:
-        names = tuple(sorted(set(strs)))
-        pos = {n: i for i, n in enumerate(names)}
-        return names, [pos[y] if isinstance(y, str) else -1 for y in raw]
-    top = max(ints, default=-1)
-    return tuple(str(c) for c in range(top + 1)), [y if isinstance(y, int) else -1 for y in raw]
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self.codes = array("q")  # an int label, or a string's code; -1 for none
+        self.names: dict[str, int] = {}  # string label -> code, in order of first sight
+        self.ints = False
+
+    def add(self, label: int | str | None) -> None:
+        if isinstance(label, str):
+            self.codes.append(self.names.setdefault(label, len(self.names)))
+        else:
+            self.ints |= label is not None
+            self.codes.append(-1 if label is None else label)
+        if self.ints and self.names:
+            raise SourceError(f"data.root = {self.spec!r}: labels are integers and strings "
+                              "mixed")
+
+    def done(self) -> tuple[tuple[str, ...], np.ndarray]:
+        """Class names and the ``(N,)`` int64 labels (-1 = unlabelled).
+
+        Integers ``0..C-1`` name classes ``"0".."C-1"``; strings name the classes they are,
+        sorted, a label being the name's index.
+        """
+        codes = np.frombuffer(self.codes, dtype=np.int64).copy()
+        if self.names:
+            names = tuple(sorted(self.names))
+            rank = np.empty(len(names) + 1, dtype=np.int64)
+            pos = {n: i for i, n in enumerate(names)}
+            rank[:-1] = [pos[n] for n in self.names]  # code -> sorted index
+            rank[-1] = -1
+            return names, rank[codes]  # code -1 picks rank[-1]
+        top = int(codes.max(initial=-1))
+        return tuple(str(c) for c in range(top + 1)), codes
 
 
 def split_sizes(manifest: Manifest, test_fraction: float, spec: str) -> dict[str, int]:

@@ -186,3 +186,50 @@ def test_index_labels__another_label_field_reads_every_shard_again(tmp_path, mon
                             label_field="name", previous=m, validators=val)
     assert reads == [str(tmp_path / "lab" / "00000.tar")]
     assert other.shards[0].labels.counts == {"dog": 1}
+
+
+def _reference_split(items, num_classes, test_fraction, seed):
+    """The per-class split written the slow, obvious way: a list per class, sorted, permuted."""
+    rng = np.random.default_rng([seed, 2])
+    by_class = [sorted(it for it in items if it[1] == c) for c in range(num_classes)]
+    out = {"train": [], "test": []}
+    for members in by_class:
+        n_test = int(len(members) * test_fraction + 0.5)
+        perm = rng.permutation(len(members))
+        out["test"] += [members[i] for i in perm[:n_test]]
+        out["train"] += [members[i] for i in perm[n_test:]]
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_split_positions__equals_the_list_per_class_reference(seed):
+    from pipeline.data.sources.imagefolder import split_per_class, split_positions
+
+    labels = np.random.default_rng(seed).integers(-1, 5, size=300)  # class 5 empty, -1 left out
+    got = split_positions(labels, 6, 0.3, seed)
+    want = _reference_split([(i, int(y)) for i, y in enumerate(labels) if y >= 0], 6, 0.3, seed)
+    assert {k: v.tolist() for k, v in got.items()} == {k: [i for i, _ in v]
+                                                       for k, v in want.items()}
+    files = [(f"c{y}/{i:04d}.png", int(y)) for i, y in enumerate(labels) if y >= 0][::-1]
+    assert split_per_class(files, 6, 0.3, seed) == _reference_split(files, 6, 0.3, seed)
+
+
+def test_webdataset_source__images_kept_on_disk_not_in_memory(tmp_path):
+    import tracemalloc
+
+    paths = img2dataset_shards(tmp_path / "lab", shards=2, per_shard=30, cls=(0, 1),
+                               colour=True, size=64)
+    image_bytes = 0
+    for p in paths:
+        with tarfile.open(p) as t:
+            image_bytes += sum(m.size for m in t.getmembers() if m.name.endswith(".jpg"))
+    tracemalloc.start()
+    src = open_source("webdataset", str(tmp_path / "lab"), test_fraction=0.25, seed=0)
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert image_bytes > 60 * 1000 and held < image_bytes / 4  # 60 images of >1 kB kept on disk
+    with tarfile.open(paths[1]) as t:  # the bytes come back as the shard holds them
+        jpg = {m.name[:-4]: t.extractfile(m).read() for m in t.getmembers()
+               if m.name.endswith(".jpg")}
+    samples = [s for s in src.iter("pretrain") if s.key.split("_", 1)[1] in jpg]
+    assert samples and all(s.file.data == jpg[s.key.split("_", 1)[1]] for s in samples)
