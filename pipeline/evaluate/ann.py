@@ -23,6 +23,7 @@ their timing); the queries run on every thread (each query reads the fixed graph
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,15 +56,51 @@ def _threads() -> int:
     return max(1, torch.get_num_threads())  # the stage's thread count (pipeline.runtime)
 
 
-def hnsw_neighbours(bank: Tensor, queries: Tensor | None, *, k: int
-                    ) -> tuple[Tensor, Tensor]:
-    """The ``k`` most cosine-similar bank rows of every query by an HNSW graph (approximate).
+def hnsw_index(bank: Tensor) -> Any:
+    """An HNSW graph of the bank's rows, built on one thread (the module docstring).
+
+    The graph keeps its own copy of the rows (``4 N D`` bytes besides ``8 M N`` of links):
+    once this returns, the caller's ``bank`` can go (:func:`hnsw_neighbours` reads the rows
+    back from the graph).
 
     Args:
         bank: (N, D) float32 CPU rows, L2-normalised (the caller's :func:`pipeline.evaluate.knn.
             _normalized`).
-        queries: (M, D) float32 CPU rows, L2-normalised; None: the bank itself, each row's
-            own entry left out (a self search).
+
+    Returns:
+        A ``faiss.IndexHNSWFlat`` on inner product holding the N rows.
+    """
+    import faiss  # only past the threshold: the exact searches never load it
+
+    x = np.ascontiguousarray(bank.numpy(), dtype=np.float32)  # (N, D), shares memory
+    index = faiss.IndexHNSWFlat(x.shape[1], HNSW_M, faiss.METRIC_INNER_PRODUCT)
+    index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
+    before = faiss.omp_get_max_threads()
+    try:
+        faiss.omp_set_num_threads(1)  # a graph independent of the core count (module docstring)
+        index.add(x)
+    finally:
+        faiss.omp_set_num_threads(before)
+    return index
+
+
+def _rows(index: Any) -> np.ndarray:
+    """The (N, D) float32 rows an index holds, as a view of its memory (no copy)."""
+    import faiss
+
+    storage = faiss.downcast_index(index.storage)
+    return faiss.rev_swig_ptr(storage.get_xb(), index.ntotal * index.d).reshape(
+        index.ntotal, index.d)
+
+
+def hnsw_neighbours(index: Any, queries: Tensor | None, *, k: int
+                    ) -> tuple[Tensor, Tensor]:
+    """The ``k`` most cosine-similar bank rows of every query by an HNSW graph (approximate).
+
+    Args:
+        index: :func:`hnsw_index` of the (N, D) bank.
+        queries: (M, D) float32 CPU rows, L2-normalised; None: the bank itself (read from
+            ``index``, no copy), each row's own entry left out (a self search).
         k: neighbours per query, ``1 <= k <= N`` (``N - 1`` for a self search).
 
     Returns:
@@ -71,18 +108,14 @@ def hnsw_neighbours(bank: Tensor, queries: Tensor | None, *, k: int
         bank rows, on CPU. A query the graph gives fewer than ``k`` rows for (none was seen in
         the measurements) is searched exactly.
     """
-    import faiss  # only past the threshold: the exact searches never load it
+    import faiss
 
     own = queries is None
-    x = np.ascontiguousarray(bank.numpy(), dtype=np.float32)  # (N, D), shares memory
+    x = _rows(index)  # (N, D)
     q = x if own else np.ascontiguousarray(queries.numpy(), dtype=np.float32)  # (M, D)
     want = k + 1 if own else k
-    index = faiss.IndexHNSWFlat(x.shape[1], HNSW_M, faiss.METRIC_INNER_PRODUCT)
-    index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
     before = faiss.omp_get_max_threads()
     try:
-        faiss.omp_set_num_threads(1)  # a graph independent of the core count (module docstring)
-        index.add(x)
         faiss.omp_set_num_threads(_threads())
         index.hnsw.efSearch = max(HNSW_EF_SEARCH, 2 * want)
         sim, idx = index.search(q, want)  # (M, want) each, most similar first

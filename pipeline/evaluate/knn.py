@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import InputError
-from pipeline.evaluate.ann import approximate, hnsw_neighbours
+from pipeline.evaluate.ann import approximate, hnsw_index, hnsw_neighbours
 from pipeline.evaluate.heldout import KNN_SELECT_VAL_FRACTION, split_train_val
 from pipeline.evaluate.metrics import (
     ClassificationMetrics,
@@ -174,6 +174,7 @@ def knn_neighbours(
     bank_chunk_size: int = DEFAULT_BANK_CHUNK_SIZE,
     device: torch.device | str | None = None,
     allow_approximate: bool = False,
+    bank_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The ``k`` most cosine-similar bank rows of every query, most similar first.
 
@@ -192,6 +193,9 @@ def knn_neighbours(
         allow_approximate: an all-pairs search (held-out rows of the bank's own set): past
             :data:`pipeline.evaluate.ann.EXACT_SEARCH_MAX_PAIRS` on a CPU it runs on an HNSW
             graph (:func:`pipeline.evaluate.ann.hnsw_neighbours`). False (default): exact.
+        bank_rows: (N',) int64 rows of ``bank_features`` that are the bank (e.g. the train rows
+            not held out), read block by block, so the subset is never copied whole; None: every
+            row. Indices returned are positions in ``bank_rows``.
 
     Returns:
         ``(similarities, indices)``: (M, k) float32 cosine similarities sorted descending and
@@ -203,14 +207,18 @@ def knn_neighbours(
     """
     device = torch.device(device) if device is not None else query_features.device
     queries = _normalized(query_features, device, "test_features contain NaN or Inf")  # M x D
-    if allow_approximate and approximate(len(queries), len(bank_features), device):
-        bank = _normalized(bank_features, device, "train_features contain NaN or Inf")  # N x D
-        return hnsw_neighbours(bank, queries, k=k)
+    n_bank = bank_features.shape[0] if bank_rows is None else len(bank_rows)
+    if allow_approximate and approximate(len(queries), n_bank, device):
+        index = hnsw_index(  # the normalised copy of the bank goes once the graph holds it
+            _normalized(bank_features, device, "train_features contain NaN or Inf",
+                        index=bank_rows))
+        return hnsw_neighbours(index, queries, k=k)
     top = _RunningTopK(queries.shape[0], k, device)
-    for b0 in range(0, bank_features.shape[0], bank_chunk_size):
-        bank = bank_features[b0 : b0 + bank_chunk_size]
+    for b0 in range(0, n_bank, bank_chunk_size):
+        b1 = min(b0 + bank_chunk_size, n_bank)
+        bank = bank_features[b0:b1] if bank_rows is None else bank_features[bank_rows[b0:b1]]
         bank = _normalized(bank, device, f"train_features contain NaN or Inf (rows {b0}.."
-                           f"{b0 + len(bank) - 1})")  # B x D
+                           f"{b1 - 1})")  # B x D
         for q0 in range(0, queries.shape[0], chunk_size):
             top.merge(q0, queries[q0 : q0 + chunk_size] @ bank.T, b0)  # chunk x B
     return top.sim, top.idx
@@ -264,9 +272,10 @@ def self_neighbours(
     if n < k + 1:
         raise InputError(f"self_neighbours: {n} rows cannot give k = {k} other rows each")
     device = torch.device(device) if device is not None else features.device
-    x = _normalized(features, device, "self_neighbours: features contain NaN or Inf")  # N x D
-    if approximate(n, n, device):
-        return hnsw_neighbours(x, None, k=k)
+    error = "self_neighbours: features contain NaN or Inf"
+    if approximate(n, n, device):  # the graph holds the one normalised copy, read back
+        return hnsw_neighbours(hnsw_index(_normalized(features, device, error)), None, k=k)
+    x = _normalized(features, device, error)  # N x D
     top = _RunningTopK(n, k, device)
     for b0 in range(0, n, block_size):
         for q0 in range(0, b0 + 1, block_size):  # blocks on and above the diagonal
@@ -279,15 +288,21 @@ def self_neighbours(
     return top.sim, top.idx
 
 
-def _normalized(x: Tensor, device: torch.device, error: str, rows: int = 8192) -> Tensor:
+def _normalized(x: Tensor, device: torch.device, error: str, rows: int = 8192,
+                index: Tensor | None = None) -> Tensor:
     """``x`` in fp32 on ``device``, rows L2-normalised ``rows`` at a time (no N x D temporaries).
+
+    ``index``: the (N',) rows of ``x`` to take, in that order (gathered block by block); None:
+    every row.
 
     Raises:
         ValueError: ``error`` when a row holds NaN or Inf.
     """
-    out = torch.empty(x.shape, dtype=torch.float32, device=device)  # N x D
-    for r0 in range(0, x.shape[0], rows):
-        chunk = l2_normalize(x[r0 : r0 + rows].to(device, torch.float32))  # rows x D
+    n = x.shape[0] if index is None else len(index)
+    out = torch.empty((n, *x.shape[1:]), dtype=torch.float32, device=device)  # N x D
+    for r0 in range(0, n, rows):
+        block = x[r0 : r0 + rows] if index is None else x[index[r0 : r0 + rows]]
+        chunk = l2_normalize(block.to(device, torch.float32))  # rows x D
         if not torch.isfinite(chunk).all():  # per chunk: isfinite makes float temporaries
             raise InputError(error)
         out[r0 : r0 + rows] = chunk
@@ -452,6 +467,7 @@ def select_k_T(
     Ts: tuple[float, ...] = GRID_T,
     chunk_size: int = 1024,
     device: torch.device | str | None = None,
+    bank_rows: Tensor | None = None,
 ) -> KnnSelection:
     """Choose the kNN ``k`` and ``T`` on a validation split (never on the test set).
 
@@ -470,6 +486,8 @@ def select_k_T(
         Ts: candidate temperatures (each > 0).
         chunk_size: query rows per similarity block.
         device: compute device; default the device of ``val_features``.
+        bank_rows: (N',) int64 rows of ``bank_features`` and ``bank_labels`` that are the bank,
+            read in blocks (:func:`knn_neighbours`: no copy of the subset); None: every row.
 
     Returns:
         :class:`KnnSelection`.
@@ -481,15 +499,21 @@ def select_k_T(
         raise InputError("knn: the (k, T) grid is empty")
     _check_inputs(bank_features, bank_labels, val_features, max(ks), min(Ts), chunk_size,
                   DEFAULT_BANK_CHUNK_SIZE)
-    bank_features, bank_labels = _labelled_bank(bank_features, bank_labels, None)
+    rows = torch.arange(len(bank_labels)) if bank_rows is None else bank_rows
+    keep = labelled_mask(bank_labels[rows], what="knn: train_labels", num_classes=None)
+    if not bool(keep.any()):
+        raise InputError(f"knn: the train bank has no labelled row (all {len(rows)} are -1)")
+    if not bool(keep.all()):
+        rows = bank_rows = rows[keep]  # the labelled bank rows, never copied
+    bank_labels = bank_labels[rows]
     keep = labelled_mask(val_labels, what="knn: val_labels", num_classes=None)
     val_features, val_labels = val_features[keep.to(val_features.device)], val_labels[keep]
     if val_features.shape[0] == 0:
         raise InputError("knn: the validation split has no labelled row")
-    ks = tuple(k for k in ks if k <= bank_features.shape[0]) or (bank_features.shape[0],)
+    ks = tuple(k for k in ks if k <= len(rows)) or (len(rows),)
     classes, (bank_idx, val_idx) = contiguous_labels(bank_labels, val_labels)
     sim, idx = knn_neighbours(bank_features, val_features, k=max(ks), chunk_size=chunk_size,
-                              device=device, allow_approximate=True)
+                              device=device, allow_approximate=True, bank_rows=bank_rows)
     labels = bank_idx.to(sim.device, torch.long)
     truth = val_idx.to(sim.device)
     grid: dict[tuple[int, float], float] = {}
@@ -521,6 +545,6 @@ def select_on_heldout(features: Tensor, labels: Tensor, *, seed: int, chunk_size
         The selection and the number of held-out rows.
     """
     tr, va = split_train_val(len(labels), KNN_SELECT_VAL_FRACTION, seed)
-    sel = select_k_T(features[tr], labels[tr], features[va], labels[va], chunk_size=chunk_size,
-                     device=device)
+    sel = select_k_T(features, labels, features[va], labels[va], chunk_size=chunk_size,
+                     device=device, bank_rows=tr)  # the bank read by row, never copied
     return sel, len(va)

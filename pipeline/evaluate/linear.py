@@ -291,11 +291,10 @@ def train_linear_on_features(
     # The features are fixed, so each row is normalised once here rather than in every batch
     # of every epoch (rows are independent: the same bits as per batch, in half the time of a
     # 2048-d probe); ``_fit`` and ``_scores`` then take them as they are.
-    x_all = _normalize(train.features.to(device, torch.float32), feature_norm)
-    if len(val_idx):  # a copy of the train rows; without validation the features are used as is
-        x_tr, y_tr = x_all[tr_idx.to(device)], y_train[tr_idx].to(device)  # N_train x D
-    else:
-        x_tr, y_tr = x_all, y_train.to(device)
+    # The training rows are gathered batch by batch (``x_all[rows[perm]]``: the same rows as a
+    # copy of them would give, without holding N_train x D twice).
+    x_all = _normalize(train.features.to(device, torch.float32), feature_norm)  # N x D
+    rows, y_tr = tr_idx.to(device), y_train[tr_idx].to(device)  # (N_train,)
     x_val, y_val = x_all[val_idx.to(device)], y_train[val_idx].to(device)  # N_val x D
     x_te = _normalize(test.features.to(device, torch.float32), feature_norm)  # M x D
     y_te = y_test.to(device)
@@ -305,13 +304,13 @@ def train_linear_on_features(
     def train_batches(epoch: int) -> Iterable[Batch]:
         perm = torch.randperm(len(y_tr), generator=shuffle).to(device)
         for i in range(0, len(perm), batch_size):
-            yield x_tr[perm[i : i + batch_size]], y_tr[perm[i : i + batch_size]]
+            yield x_all[rows[perm[i : i + batch_size]]], y_tr[perm[i : i + batch_size]]
 
     def chunks(x: Tensor, y: Tensor) -> Callable[[], Iterable[Batch]]:
         step = 8192  # rows per evaluation block
         return lambda: ((x[i : i + step], y[i : i + step]) for i in range(0, len(y), step))
 
-    clf = _make_classifier(x_tr.shape[1], len(classes), seed, device)
+    clf = _make_classifier(x_all.shape[1], len(classes), seed, device)
     history = _fit(
         clf, lambda x: x, train_batches, lrs=lrs, momentum=momentum, weight_decay=weight_decay,
         feature_norm="none", device=device,

@@ -119,3 +119,38 @@ def test_select_k_T__on_the_graph_picks_what_the_exact_search_picks(monkeypatch)
     approx = select_k_T(x[:1800], labels[:1800], x[1800:], labels[1800:])
     assert (approx.k, approx.T) == (exact.k, exact.T)
     assert approx.val_top1 == pytest.approx(exact.val_top1, abs=0.5)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_knn_neighbours__bank_rows_read_in_place_equal_the_copied_subset(monkeypatch, graph):
+    monkeypatch.setattr(ann, "EXACT_SEARCH_MAX_PAIRS", 0 if graph else 10**18)
+    bank, queries = _clustered(900, 8, 6), _clustered(40, 8, 7)
+    rows = torch.randperm(900, generator=torch.Generator().manual_seed(1))[:700].sort().values
+    want = knn_neighbours(bank[rows], queries, k=9, allow_approximate=True, bank_chunk_size=128)
+    got = knn_neighbours(bank, queries, k=9, allow_approximate=True, bank_chunk_size=128,
+                         bank_rows=rows)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])  # the same bits
+    _, _, ref_idx = _brute(bank[rows], 9, queries)
+    assert _recall(ref_idx, got[1]) >= (0.98 if graph else 1.0)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_select_k_T__bank_rows_with_unlabelled_rows_equal_the_copied_labelled_bank(
+        monkeypatch, graph):
+    from pipeline.evaluate.heldout import split_train_val
+    from pipeline.evaluate.knn import select_on_heldout
+
+    monkeypatch.setattr(ann, "EXACT_SEARCH_MAX_PAIRS", 0 if graph else 10**18)
+    g = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, 4, (1500,), generator=g)
+    x = torch.randn(4, 12, generator=g)[labels] * 2 + torch.randn(1500, 12, generator=g)
+    labels[::7] = -1  # unlabelled rows: in neither bank
+    rows = torch.arange(1500)[::2]
+    labelled = rows[labels[rows] >= 0]
+    want = select_k_T(x[labelled], labels[labelled], x[1:400:2], labels[1:400:2])
+    got = select_k_T(x, labels, x[1:400:2], labels[1:400:2], bank_rows=rows)
+    assert (got.k, got.T, got.grid) == (want.k, want.T, want.grid)
+    tr, va = split_train_val(1500, 0.1, 9)  # select_on_heldout: the same as the copies
+    sel, n_val = select_on_heldout(x, labels, seed=9)
+    ref = select_k_T(x[tr], labels[tr], x[va], labels[va])
+    assert n_val == len(va) and (sel.k, sel.T, sel.grid) == (ref.k, ref.T, ref.grid)

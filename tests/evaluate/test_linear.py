@@ -346,3 +346,15 @@ def test_lr_per_epoch__milestones_beyond_epochs_never_fire():
     assert got == [30.0, 30.0]
     assert math.isclose(lr_per_epoch(lr=0.5, batch_size=512, epochs=1, lr_schedule="cosine",
                                      milestones=[])[0], 1.0)
+
+
+def test_train_linear_on_features__held_out_rows_leave_the_training_unchanged():
+    # the probe trains on the rows split_train_val keeps, gathered batch by batch: the same
+    # classifier, bit for bit, as a probe on a copy of exactly those rows without validation
+    train, test = _blobs(2, 120, 3.0, prefix="train"), _blobs(3, 40, 3.0, prefix="test")
+    r = train_linear_on_features(train, test, epochs=3, batch_size=16, val_fraction=0.25,
+                                 seed=4)
+    tr, _ = split_train_val(120, 0.25, seed=4)
+    ref = train_linear_on_features(train.subset(tr), test, epochs=3, batch_size=16, seed=4)
+    for name, value in ref.classifier_state.items():
+        assert torch.equal(r.classifier_state[name], value), name

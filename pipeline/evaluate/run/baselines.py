@@ -93,6 +93,7 @@ def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
         if name == "raw_pixels":
             out.update(_pixel_baselines(tr, te, num_classes=num_classes, seed=seed,
                                         linear=linear, device=device))
+        del tr, te  # one network's features in memory at a time
     out["k"], out["T"] = DEFAULT_K, DEFAULT_T
     out["wall_time_s"] = time.time() - t_start
     return out
