@@ -18,11 +18,10 @@ plan, loader, monitor) and 5 steps. For each stage: wall time (s), peak RSS (MiB
 ``ru_maxrss`` of the stage and the processes it waited for, ``os.wait4``) and the bytes of the
 files it wrote, and the largest anonymous memory sampled (``RssAnon``: RSS less the file pages,
 such as memory-mapped features, that the kernel can drop and read again). ``--full-up-to``
-(default 240,000): above it only ``--above``'s stages run (default: the data stages,
-pretraining's set-up, ``data_insights`` and ``embed``; the kNN, probe and baseline stages hold
-every feature in memory). The images are
-written by a child process, so that this one stays small: Linux starts a child's peak RSS at
-its parent's.
+(default: every N) and ``--above`` run only some stages past a size (e.g. the data stages
+alone: ``--full-up-to 0 --above check_params index_shards build_shards check_data
+pretrain``). The images are written by a child process, so that this one stays small: Linux
+starts a child's peak RSS at its parent's.
 
 Results go to ``--out`` (JSON, rewritten after every stage, so a stopped run keeps what it
 measured), with, per stage, the exponent ``b`` of a least-squares fit of log(time) =
@@ -58,8 +57,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 TEST_IMAGES = 10_000
 DATA_STAGES = ("check_params", "index_shards", "build_shards", "check_data", "pretrain")
-# past --full-up-to: the data stages, pretraining's set-up, and the label-free search with the
-# features it gives embed (the kNN, probe and baseline stages hold every feature in memory)
+# --above's default: the data stages, pretraining's set-up, and the label-free search with the
+# features it gives embed
 LARGE_STAGES = DATA_STAGES + ("data_insights", "check_eval", "embed")
 _SHIFTS = [(dx, dy, flip) for dx in range(-2, 3) for dy in range(-2, 3) for flip in (0, 1)
            if (dx, dy, flip) != (0, 0, 0)]  # 49 transforms besides the identity
@@ -283,7 +282,8 @@ def report(results_path: Path, doc: Path, figure: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[15_000, 60_000, 240_000, 960_000])
-    ap.add_argument("--full-up-to", type=int, default=240_000)
+    ap.add_argument("--full-up-to", type=int, default=None,
+                    help="every stage up to this N, --above's past it (default: every N)")
     ap.add_argument("--above", nargs="+", default=list(LARGE_STAGES),
                     help="the stages run past --full-up-to (default: %(default)s)")
     ap.add_argument("--out", default="results/scale.json")
@@ -316,7 +316,8 @@ def main() -> None:
         subprocess.run(["git", "clone", "-q", "--shared", str(REPO), str(repo)], check=True)
         _params(repo, data, n, a.photos)
         r = results[str(n)] = {"data": made, "stages": {}}
-        for stage in stages if n <= a.full_up_to else [s for s in stages if s in a.above]:
+        every = a.full_up_to is None or n <= a.full_up_to
+        for stage in stages if every else [s for s in stages if s in a.above]:
             r["stages"][stage] = _stage(repo, stage)
             print(n, stage, r["stages"][stage], flush=True)
             out.write_text(json.dumps({"sizes": results, "exponents": fit_exponents(results)},
