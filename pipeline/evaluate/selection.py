@@ -25,6 +25,10 @@ encoder methods, and a near-duplicate of a picked image is never picked after it
 
 Memory stays linear in N: k-center keeps one (N,) distance vector; the typicality and the
 ProbCover graph are computed in blocks of rows (the graph is kept as edge lists, int32).
+Time: the typicality compares every pair of images within a cluster, exactly, up to
+:data:`pipeline.evaluate.ann.EXACT_SEARCH_MAX_PAIRS` pairs per cluster (~100,000 images), on an
+HNSW graph past it (:func:`pipeline.evaluate.knn.self_neighbours`); the ProbCover graph
+compares every pair of the whole set (``selection.method: probcover`` only).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import InputError
+from pipeline.evaluate.ann import approximate
+from pipeline.evaluate.knn import self_neighbours
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +135,9 @@ def _typicality(x: Tensor, k: int) -> Tensor:
     k = min(k, m - 1)
     if k < 1:
         return torch.ones(m)
+    if approximate(m, m, x.device):  # a cluster past 10^10 pairs: its HNSW graph
+        sim, _ = self_neighbours(x, k=k)  # (M, k) cosines of the k nearest others
+        return 1 / ((2 - 2 * sim).clamp_min(0).sqrt().mean(dim=1) + 1e-12)
     out = torch.empty(m)
     for r0 in range(0, m, BLOCK):
         sim = x[r0:r0 + BLOCK] @ x.T  # block x M

@@ -83,6 +83,24 @@ def test_typicality__matches_a_brute_force_reference() -> None:
     assert torch.allclose(sel._typicality(x, 5).double(), want, rtol=1e-4)
 
 
+def test_typicality__past_the_threshold_on_the_graph_matches_the_reference(monkeypatch) -> None:
+    import pipeline.evaluate.ann as ann
+
+    x, _ = _blobs(per_blob=200, seed=3)
+    d = torch.cdist(x.double(), x.double())
+    d.fill_diagonal_(float("inf"))
+    want = 1 / d.topk(20, dim=1, largest=False).values.mean(dim=1)
+    monkeypatch.setattr(ann, "EXACT_SEARCH_MAX_PAIRS", 0)  # every cluster on its HNSW graph
+    import pipeline.evaluate.knn as knn
+
+    graphs = []
+    monkeypatch.setattr(knn, "hnsw_index", lambda bank: graphs.append(1) or ann.hnsw_index(bank))
+    got = sel._typicality(x, 20).double()
+    assert graphs == [1]
+    assert torch.allclose(got, want, rtol=1e-3)
+    assert got.argmax() == want.argmax()  # the pick: the most typical row
+
+
 def test_ball_graph_and_delta__match_brute_force() -> None:
     x, _ = _blobs(per_blob=20)
     d = torch.cdist(x.double(), x.double())
