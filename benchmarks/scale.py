@@ -32,6 +32,8 @@ With ``--photos`` the images are ``N`` + 10,000 JPEG photos of 64-128 px a side
 (each JPEG keeps its bytes) and ``data.image_size: 64``: the photo path of the data stages.
 
     python benchmarks/scale.py [--sizes 15000 60000 240000 960000] [--out results/scale.json]
+    python benchmarks/scale.py --sizes 960000 --keep --work /data/scale  # then, after a change:
+    python benchmarks/scale.py --sizes 960000 --work /data/scale --only report
     python benchmarks/scale.py --photos --full-up-to 0 --above check_params index_shards \
         build_shards check_data pretrain --sizes 15000 60000 240000 --out results/scale-photos.json
 """
@@ -290,6 +292,11 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--photos", action="store_true",
                     help="JPEG photos of 64-128 px (an ImageFolder) instead of Fashion-MNIST")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep each N's images and clone under --work (for --only)")
+    ap.add_argument("--only", nargs="+", default=(),
+                    help="run these stages only, in a clone --keep left under --work (brought "
+                         "to this repository's HEAD; the other stages' outputs as they are)")
     ap.add_argument("--write-data", nargs=2, metavar=("IMAGES", "DIR"), help=argparse.SUPPRESS)
     ap.add_argument("--report", action="store_true",
                     help="write --out's table into docs/scaling.md and its figure; run nothing")
@@ -307,23 +314,31 @@ def main() -> None:
     work = Path(a.work or tempfile.mkdtemp(prefix="scale-"))
     for n in a.sizes:
         data, repo = work / f"data-{n}", work / f"repo-{n}"
-        shutil.rmtree(data, ignore_errors=True)
-        shutil.rmtree(repo, ignore_errors=True)
-        made = json.loads(subprocess.run(  # a child: its peak memory is not carried into
-            [sys.executable, __file__, "--write-data", str(n + TEST_IMAGES), str(data)]  # the
-            + ["--photos"] * a.photos,  # stages this process starts
-            check=True, capture_output=True, text=True).stdout)
-        subprocess.run(["git", "clone", "-q", "--shared", str(REPO), str(repo)], check=True)
+        if a.only and repo.is_dir():  # the kept clone: this repository's HEAD, outputs kept
+            for cmd in (["fetch", "-q", "origin", "HEAD"], ["reset", "-q", "--hard", "FETCH_HEAD"]):
+                subprocess.run(["git", "-C", str(repo), *cmd], check=True)
+            r = results.setdefault(str(n), {"data": {}, "stages": {}})
+        else:
+            shutil.rmtree(data, ignore_errors=True)
+            shutil.rmtree(repo, ignore_errors=True)
+            made = json.loads(subprocess.run(  # a child: its peak memory is not carried into
+                [sys.executable, __file__, "--write-data", str(n + TEST_IMAGES), str(data)]
+                + ["--photos"] * a.photos,  # the stages this process starts
+                check=True, capture_output=True, text=True).stdout)
+            subprocess.run(["git", "clone", "-q", "--shared", str(REPO), str(repo)], check=True)
+            r = results[str(n)] = {"data": made, "stages": {}}
         _params(repo, data, n, a.photos)
-        r = results[str(n)] = {"data": made, "stages": {}}
         every = a.full_up_to is None or n <= a.full_up_to
         for stage in stages if every else [s for s in stages if s in a.above]:
+            if a.only and stage not in a.only:
+                continue
             r["stages"][stage] = _stage(repo, stage)
             print(n, stage, r["stages"][stage], flush=True)
             out.write_text(json.dumps({"sizes": results, "exponents": fit_exponents(results)},
                                       indent=1))
-        shutil.rmtree(repo, ignore_errors=True)
-        shutil.rmtree(data, ignore_errors=True)
+        if not a.keep:
+            shutil.rmtree(repo, ignore_errors=True)
+            shutil.rmtree(data, ignore_errors=True)
     print(json.dumps(fit_exponents(results), indent=1))
 
 
