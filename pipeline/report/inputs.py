@@ -369,13 +369,17 @@ def read_dvc_lock(path: Path) -> list[LockRow] | None:
 
 
 def load_features(path: Path) -> Embeddings | None:
-    """A features file written by the embed stage, or None when missing."""
+    """A features file written by the embed stage, or None when missing.
+
+    The (N, D) features are memory-mapped (``torch.load(mmap=True)``): the page cache holds
+    them, not the report's own memory (8 GB of 2,048-d features at a million images).
+    """
     import torch
 
     path = Path(path)
     if not path.is_file():
         return None
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     return Embeddings(features=obj["features"], labels=obj["labels"], keys=list(obj["keys"]))
 
 
