@@ -80,6 +80,7 @@ class _Taps:
     def result(self, n: int) -> tuple[Tensor, Tensor]:
         """``(low_level (n, 2C), pixels (n, 3))``; a count other than ``n`` is a bug here."""
         low, pixels = torch.cat(self._low), torch.cat(self._pixels)
+        self._low, self._pixels = [], []  # the batches go: the rows are held once
         if len(low) != n or len(pixels) != n:
             raise RuntimeError(f"data_insights: {len(low)} first-stage and {len(pixels)} pixel "
                                f"statistics for {n} images")
@@ -146,9 +147,9 @@ def _embed_set(*, encoder_path: Path, head_path: Path | None, shards_dir: Path |
         for_embed = (fs, g) if reuse and n == 0 else for_embed
         pooled.append(g)
         where += _locations(directory, manifest)
-    features = FeatureSet(torch.cat([p.features for p in pooled]),
-                          torch.cat([p.labels for p in pooled]),
-                          [k for p in pooled for k in p.keys])
+    features = pooled[0] if len(pooled) == 1 else FeatureSet(  # one part: no copy
+        torch.cat([p.features for p in pooled]), torch.cat([p.labels for p in pooled]),
+        [k for p in pooled for k in p.keys])
     return features, where, for_embed, built.num_samples
 
 
