@@ -85,7 +85,9 @@ def baselines(*, shards_dir: Path | ShardURL, model: ModelParams, seed: int,
         t0 = time.time()
         tr, te = (extract_features(net, eval_loader(shards_dir / s, transform=tf,
                                                     batch_size=batch_size),
-                                   device=device, desc=f"{name} {s}") for s in ("train", "test"))
+                                   device=device, desc=f"{name} {s}",
+                                   rows=read_manifest(shards_dir / s).num_samples)  # one (N, D)
+                  for s in ("train", "test"))
         res = knn_classify(tr.features, tr.labels, te.features, te.labels, k=DEFAULT_K,
                            T=DEFAULT_T, num_classes=num_classes, device=device)
         out[f"{name}_top1"], out[f"{name}_top5"] = res.top1, res.top5

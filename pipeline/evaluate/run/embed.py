@@ -229,7 +229,8 @@ def embed(*, encoder_path: Path, shards_dir: Path | ShardURL, out_dir: Path, bat
         else:
             fs, pooled = embedder(eval_loader(shards_dir / split, transform=tf,
                                               batch_size=batch_size, num_workers=num_workers),
-                                  desc=f"embed {split}")
+                                  desc=f"embed {split}",  # one (N, D) tensor, filled in place
+                                  rows=read_manifest(shards_dir / split).num_samples)
             dt = embed_s[split] = time.time() - t0
             metrics[f"{split}_images_per_s"] = len(fs) / max(dt, 1e-9)
             log.info("embedded %d %s images in %.1fs", len(fs), split, dt)
