@@ -56,7 +56,7 @@ from pipeline.evaluate.metrics import (
     contiguous_labels,
     labelled_mask,
 )
-from pipeline.evaluate.normalize import l2_normalize
+from pipeline.evaluate.normalize import l2_normalize, l2_normalize_rows
 from pipeline.schedules import lr_schedule as lr_schedule_
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,17 @@ class LinearResult(ClassificationMetrics):
 
 def _normalize(x: Tensor, feature_norm: str) -> Tensor:
     return l2_normalize(x) if feature_norm == "l2" else x
+
+
+def _rows(x: Tensor, feature_norm: str, device: torch.device) -> Tensor:
+    """A whole (N, D) feature matrix as :func:`_normalize` would give it, in fp32 on ``device``.
+
+    Normalised in row blocks (:func:`l2_normalize_rows`): one (N, D) result, no (N, D)
+    temporaries; ``"none"`` keeps ``x`` itself when it already is fp32 on ``device``.
+    """
+    if feature_norm == "l2":
+        return l2_normalize_rows(x, device)
+    return x.to(device, torch.float32)
 
 
 def _make_classifier(num_features: int, num_classes: int, seed: int, device: torch.device
@@ -293,10 +304,10 @@ def train_linear_on_features(
     # 2048-d probe); ``_fit`` and ``_scores`` then take them as they are.
     # The training rows are gathered batch by batch (``x_all[rows[perm]]``: the same rows as a
     # copy of them would give, without holding N_train x D twice).
-    x_all = _normalize(train.features.to(device, torch.float32), feature_norm)  # N x D
+    x_all = _rows(train.features, feature_norm, device)  # N x D
     rows, y_tr = tr_idx.to(device), y_train[tr_idx].to(device)  # (N_train,)
     x_val, y_val = x_all[val_idx.to(device)], y_train[val_idx].to(device)  # N_val x D
-    x_te = _normalize(test.features.to(device, torch.float32), feature_norm)  # M x D
+    x_te = _rows(test.features, feature_norm, device)  # M x D
     y_te = y_test.to(device)
 
     shuffle = torch.Generator().manual_seed(seed)

@@ -31,3 +31,25 @@ def l2_normalize(x: Tensor, dim: int = 1) -> Tensor:
     scale = torch.linalg.vector_norm(x, ord=float("inf"), dim=dim, keepdim=True)  # (N, 1)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero rows stay zero
     return F.normalize(x / scale, dim=dim)  # every |entry| <= 1 now: squares cannot overflow
+
+
+def l2_normalize_rows(x: Tensor, device: torch.device | str, rows: int = 8192) -> Tensor:
+    """:func:`l2_normalize` of an ``(N, D)`` matrix ``rows`` rows at a time, as fp32 on ``device``.
+
+    The rows come out as the whole matrix's would (each row is normalised on its own), in one
+    ``(N, D)`` fp32 tensor: ``4 N D`` bytes, where the whole-matrix call makes two more
+    ``(N, D)`` temporaries (``x / scale``, then the normalised copy); ``x`` may be a
+    memory-mapped feature file.
+
+    Args:
+        x: ``(N, D)`` features (any float dtype).
+        device: where the result is made.
+        rows: rows per block.
+
+    Returns:
+        ``(N, D)`` float32 on ``device``.
+    """
+    out = torch.empty(x.shape, dtype=torch.float32, device=device)  # N x D
+    for r0 in range(0, x.shape[0], rows):
+        out[r0 : r0 + rows] = l2_normalize(x[r0 : r0 + rows].to(device, torch.float32))
+    return out

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -46,3 +47,16 @@ def test_linear_feature_norm_l2__shares_the_overflow_safe_normalisation():
     x = torch.tensor([[3e20, 4e20]])
     assert torch.allclose(_normalize(x, "l2"), torch.tensor([[0.6, 0.8]]))
     assert _normalize(x, "none") is x
+
+
+@pytest.mark.parametrize("n, d, rows", [(11, 7, 4), (3000, 512, 1000)])
+def test_l2_normalize_rows__blocks_give_the_whole_matrix_bits(n, d, rows):
+    from pipeline.evaluate.normalize import l2_normalize_rows
+
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    x[0] *= 1e20  # overflow-safe like the whole-matrix call
+    x[1] = 0.0  # a zero row stays zero
+    want = l2_normalize(x.float())
+    got = l2_normalize_rows(x, "cpu", rows=rows)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.allclose(got[2:].double().norm(dim=1), torch.ones(n - 2, dtype=torch.float64))
