@@ -27,7 +27,6 @@ import hashlib
 import logging
 import os
 import shutil
-import tarfile
 import tempfile
 import time
 from array import array
@@ -52,7 +51,7 @@ from pipeline.data.manifest import (
     write_manifest,
 )
 from pipeline.data.remote import ShardURL, shards_location
-from pipeline.data.shards import KEY_RE, SHARD_PATTERN, member_key, sha256_file
+from pipeline.data.shards import KEY_RE, SHARD_PATTERN, sample_key_at, sha256_file
 from pipeline.data.sources import (
     SPLITS,
     BrokenImages,
@@ -229,7 +228,7 @@ class _SplitStats:
                 continue
             seen: dict[str, int] = {}  # the keys of one digest (distinct keys: a collision)
             for n in sorted(run.tolist()):
-                key = _key_at(tmp, n, samples_per_shard)
+                key = sample_key_at(tmp, n, samples_per_shard)
                 if key in seen:
                     raise ShardError(f"{self.out_dir} sample {n} (key {key!r}): duplicate "
                                      f"key (sample {seen[key]})")
@@ -252,23 +251,6 @@ class _SplitStats:
             "pixel_mean": round6(pixel_mean), "pixel_std": round6(pixel_std),
             "label_counts": {str(k): self.label_counts[k] for k in sorted(self.label_counts)},
         }
-
-
-def _key_at(tmp: Path, n: int, samples_per_shard: int) -> str:
-    """The key of sample ``n`` as written in ``tmp``'s shards.
-
-    A sample's members are adjacent, in ascending extension order: a new sample starts where
-    the key changes or the extension does not ascend (two samples with one key, side by side).
-    """
-    keys: list[str] = []
-    last: tuple[str | None, str | None] = (None, None)
-    with tarfile.open(tmp / (SHARD_PATTERN % (n // samples_per_shard))) as tar:
-        for m in tar:
-            key, ext = member_key(m.name)
-            if key != last[0] or (ext or "") <= (last[1] or ""):
-                keys.append(str(key))
-            last = (key, ext)
-    return keys[n % samples_per_shard]
 
 
 def _write_tars(samples: Iterator[Sample], tmp: Path, *, stats: _SplitStats,

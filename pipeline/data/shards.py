@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import re
+import tarfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,6 +173,23 @@ def iter_shard(path: str | Path | ShardURL, *, expect: tuple[int, str] | None = 
         raise
     except Exception as e:  # tarfile / gopen errors
         raise ShardError(f"{path}: unreadable shard ({type(e).__name__}: {e})") from None
+
+
+def sample_key_at(directory: Path, n: int, samples_per_shard: int) -> str:
+    """The key of sample ``n`` of a split's shards in ``directory`` (``samples_per_shard`` each).
+
+    A sample's members are adjacent, in ascending extension order: a new sample starts where
+    the key changes or the extension does not ascend (two samples with one key, side by side).
+    """
+    keys: list[str] = []
+    last: tuple[str | None, str | None] = (None, None)
+    with tarfile.open(directory / (SHARD_PATTERN % (n // samples_per_shard))) as tar:
+        for m in tar:
+            key, ext = member_key(m.name)
+            if key != last[0] or (ext or "") <= (last[1] or ""):
+                keys.append(str(key))
+            last = (key, ext)
+    return keys[n % samples_per_shard]
 
 
 def member_key(name: str) -> tuple[str | None, str | None]:
