@@ -336,7 +336,7 @@ def main() -> None:
             print(n, stage, r["stages"][stage], flush=True)
             out.write_text(json.dumps({"sizes": results, "exponents": fit_exponents(results)},
                                       indent=1))
-        if not a.keep:
+        if not (a.keep or a.only):  # a clone measured again stays for the next --only
             shutil.rmtree(repo, ignore_errors=True)
             shutil.rmtree(data, ignore_errors=True)
     print(json.dumps(fit_exponents(results), indent=1))
