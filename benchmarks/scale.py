@@ -17,11 +17,13 @@ pretraining's steps cost the same per image at any N, so its row is the stage's 
 plan, loader, monitor) and 5 steps. For each stage: wall time (s), peak RSS (MiB: the
 ``ru_maxrss`` of the stage and the processes it waited for, ``os.wait4``) and the bytes of the
 files it wrote, and the largest anonymous memory sampled (``RssAnon``: RSS less the file pages,
-such as memory-mapped features, that the kernel can drop and read again). ``--full-up-to``
-(default: every N) and ``--above`` run only some stages past a size (e.g. the data stages
-alone: ``--full-up-to 0 --above check_params index_shards build_shards check_data
-pretrain``). The images are written by a child process, so that this one stays small: Linux
-starts a child's peak RSS at its parent's.
+such as memory-mapped features, that the kernel can drop and read again), and the commit of
+the code, the CPU and the UTC time it ended (sizes measured in separate runs, or stages again
+with ``--only``, show in the table's last line). ``--full-up-to`` (default: every N) and
+``--above`` run only some stages past a size (e.g. the data stages alone: ``--full-up-to 0
+--above check_params index_shards build_shards check_data pretrain``). The images are
+written by a child process, so that this one stays small: Linux starts a child's peak RSS at
+its parent's.
 
 Results go to ``--out`` (JSON, rewritten after every stage, so a stopped run keeps what it
 measured), with, per stage, the exponent ``b`` of a least-squares fit of log(time) =
@@ -185,8 +187,20 @@ def _stage(repo: Path, stage: str) -> dict:
             raise SystemExit(f"{stage} failed: {err.read()[-3000:]}")
     written = sum(p.stat().st_size for p in repo.rglob("*")
                   if p.is_file() and ".git" not in p.parts and p.stat().st_mtime >= before)
+    code = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
     return {"wall_s": round(wall, 2), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
-            "peak_anon_mib": round(anon / 1024, 1), "bytes_written": written}
+            "peak_anon_mib": round(anon / 1024, 1), "bytes_written": written,
+            "code": code, "cpu": _cpu(), "ended": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+
+
+def _cpu() -> str:
+    """The CPU's model name and its native bf16 flags (what a row's times depend on)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                  if line.startswith("model name")), "unknown CPU")
+    flags = sorted({f for f in ("avx512_bf16", "amx_bf16") if f in info.split()})
+    return f"{model} x{os.cpu_count()}" + (f" ({', '.join(flags)})" if flags else "")
 
 
 def _params(repo: Path, data: Path, n: int, photos: bool = False) -> None:
@@ -229,6 +243,14 @@ def _human(seconds: float) -> str:
 
 def _mib(x: float) -> str:
     return f"{x:,.0f}"
+
+
+def _provenance(stages: dict) -> set[str]:
+    """``{"<code> on <cpu>, <first>-<last end>"}`` over one size's stage rows (one per code)."""
+    runs: dict[tuple[str, str], list[str]] = {}
+    for m in stages.values():
+        runs.setdefault((m.get("code", "?"), m.get("cpu", "?")), []).append(m.get("ended", "?"))
+    return {f"{code} on {cpu}, {min(ends)}-{max(ends)[-5:]}" for (code, cpu), ends in runs.items()}
 
 
 def report(results_path: Path, doc: Path, figure: Path) -> None:
@@ -275,6 +297,8 @@ def report(results_path: Path, doc: Path, figure: Path) -> None:
     ax.legend(fontsize=7, ncol=2)
     figure.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(figure, dpi=110, bbox_inches="tight")
+    rows += ["", "Measured at (code, CPU, UTC end): " + "; ".join(
+        f"{n:,}: " + ", ".join(sorted(_provenance(sizes[str(n)]["stages"]))) for n in ns) + "."]
     text = doc.read_text()
     begin, end = "<!-- scale:begin -->", "<!-- scale:end -->"
     i, j = text.index(begin) + len(begin), text.index(end)
