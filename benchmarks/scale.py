@@ -246,11 +246,14 @@ def _mib(x: float) -> str:
 
 
 def _provenance(stages: dict) -> set[str]:
-    """``{"<code> on <cpu>, <first>-<last end>"}`` over one size's stage rows (one per code)."""
+    """``{"<code> on <cpu>, <first>-<last end>"}`` over one size's stage rows (one per code and
+    CPU; rows without an end time, written before it was recorded, give ``<code> on <cpu>``)."""
     runs: dict[tuple[str, str], list[str]] = {}
     for m in stages.values():
-        runs.setdefault((m.get("code", "?"), m.get("cpu", "?")), []).append(m.get("ended", "?"))
-    return {f"{code} on {cpu}, {min(ends)}-{max(ends)[-5:]}" for (code, cpu), ends in runs.items()}
+        ends = runs.setdefault((m.get("code", "?"), m.get("cpu", "?")), [])
+        ends += [m["ended"]] if "ended" in m else []
+    return {f"{code} on {cpu}" + (f", {min(ends)}-{max(ends)[-5:]}" if ends else "")
+            for (code, cpu), ends in runs.items()}
 
 
 def report(results_path: Path, doc: Path, figure: Path) -> None:
