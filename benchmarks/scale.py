@@ -161,8 +161,11 @@ def write_photo_data(total: int, out: Path, seed: int = 0) -> dict:
             "write_s": round(time.perf_counter() - t, 1)}
 
 
-def _stage(repo: Path, stage: str) -> dict:
+def _stage(repo: Path, stage: str, log: Path | None = None) -> dict:
     """Run one stage in ``repo``: wall s, peak RSS MiB (wait4), bytes of files it wrote.
+
+    The stage's log (stderr: timestamped lines, so its phases can be timed) is copied to
+    ``log`` when given.
 
     Also the largest anonymous memory of the stage's process seen in samples every 0.2 s
     (``peak_anon_mib``: RSS less the file pages, e.g. memory-mapped features, which the kernel
@@ -182,9 +185,13 @@ def _stage(repo: Path, stage: str) -> dict:
             anon = max(anon, _anon_kib(proc.pid))
             time.sleep(0.2)
         wall = time.perf_counter() - t
+        err.seek(0)
+        text = err.read()
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(text)
         if os.waitstatus_to_exitcode(status):
-            err.seek(0)
-            raise SystemExit(f"{stage} failed: {err.read()[-3000:]}")
+            raise SystemExit(f"{stage} failed: {text[-3000:]}")
     written = sum(p.stat().st_size for p in repo.rglob("*")
                   if p.is_file() and ".git" not in p.parts and p.stat().st_mtime >= before)
     code = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
@@ -316,7 +323,8 @@ def main() -> None:
     ap.add_argument("--above", nargs="+", default=list(LARGE_STAGES),
                     help="the stages run past --full-up-to (default: %(default)s)")
     ap.add_argument("--out", default="results/scale.json")
-    ap.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
+    ap.add_argument("--work", default=None,
+                    help="scratch directory, stage logs in its logs/ (default: a temp dir)")
     ap.add_argument("--photos", action="store_true",
                     help="JPEG photos of 64-128 px (an ImageFolder) instead of Fashion-MNIST")
     ap.add_argument("--keep", action="store_true",
@@ -359,7 +367,7 @@ def main() -> None:
         for stage in stages if every else [s for s in stages if s in a.above]:
             if a.only and stage not in a.only:
                 continue
-            r["stages"][stage] = _stage(repo, stage)
+            r["stages"][stage] = _stage(repo, stage, work / "logs" / f"{n}-{stage}.log")
             print(n, stage, r["stages"][stage], flush=True)
             out.write_text(json.dumps({"sizes": results, "exponents": fit_exponents(results)},
                                       indent=1))
