@@ -6,10 +6,11 @@ graph below takes 11, 30 and 71 s and finds 99.98 % of the exact 10 nearest othe
 one of the near-duplicate pairs (``benchmarks/ann_recall.py``,
 results/ann-recall-2026-12-07.md). Past
 :data:`EXACT_SEARCH_MAX_PAIRS` compared pairs, :func:`pipeline.evaluate.knn.self_neighbours`
-(near-duplicates and outliers) and the held-out search of
-:func:`pipeline.evaluate.knn.select_k_T` (``knn.select: val``, the raw-pixel baseline) use a
-graph index instead, on a CPU only: on a GPU they stay exact, blocked. The kNN classifier's
-test-set search is linear in N and stays exact everywhere (it is the reported number).
+(near-duplicates and outliers, and TypiClust's typicality within a cluster) uses a graph index
+instead, on a CPU only: on a GPU it stays exact, blocked. The kNN classifier's test-set search
+and the held-out search that chooses its k and T (at most 10,000 queries,
+:data:`pipeline.evaluate.heldout.KNN_SELECT_MAX_VAL`) are linear in N and stay exact
+everywhere.
 
 The index: FAISS (``faiss-cpu`` from PyPI, Meta's library, maintained since 2017, the reference
 of the ANN benchmarks) ``IndexHNSWFlat`` (Malkov & Yashunin, HNSW, TPAMI 2018) on the
@@ -59,13 +60,14 @@ def _threads() -> int:
 def hnsw_index(bank: Tensor) -> Any:
     """An HNSW graph of the bank's rows, built on one thread (the module docstring).
 
-    The graph keeps its own copy of the rows (``4 N D`` bytes besides ``8 M N`` of links):
+    The graph keeps its own copy of the rows (``4 N D`` bytes besides ``8 M N`` of links; the
+    callers pass a file-backed ``bank``, so that the two copies are not both anonymous memory):
     once this returns, the caller's ``bank`` can go (:func:`hnsw_neighbours` reads the rows
     back from the graph).
 
     Args:
-        bank: (N, D) float32 CPU rows, L2-normalised (the caller's :func:`pipeline.evaluate.knn.
-            _normalized`).
+        bank: (N, D) float32 CPU rows, L2-normalised (:func:`pipeline.evaluate.normalize.
+            l2_normalize_rows`), memory-mapped or not: the graph copies them.
 
     Returns:
         A ``faiss.IndexHNSWFlat`` on inner product holding the N rows.

@@ -6,6 +6,7 @@ features, int64 labels and the sample keys (WebDataset ``__key__``) in the order
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,14 +174,19 @@ def _empty(n: int, d: int) -> Tensor:
     return torch.empty(n, d)
 
 
-def file_backed(path: Path, n: int, d: int) -> Tensor:
+def file_backed(path: Path | None, n: int, d: int) -> Tensor:
     """A zeroed (n, d) float32 tensor whose memory is the file ``path`` (created, n*d*4 bytes).
 
     Its pages belong to the page cache, which the kernel writes back and frees under memory
     pressure, not to the process's anonymous memory: features far larger than the RAM can be
     filled batch by batch and saved (:func:`save_features` reads them back through the
-    mapping). The caller removes the file once the tensor is no longer used.
+    mapping). The caller removes the file once the tensor is no longer used; ``path`` None: an
+    unlinked temporary file (``TMPDIR``), gone from its directory at once and freed with the
+    tensor.
     """
+    if path is None:
+        with tempfile.TemporaryDirectory(prefix="rows-") as tmp:
+            return file_backed(Path(tmp) / "rows.f32", n, d)  # the mapping outlives the name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     return torch.from_file(str(path), shared=True, size=n * d, dtype=torch.float32).view(n, d)

@@ -13,10 +13,10 @@ Memory is bounded independently of the bank size: the bank is processed in chunk
 (:func:`knn_neighbours`, the block merge of :class:`_RunningTopK`) is the code base's one
 neighbour search: :func:`self_neighbours` runs it with one set as bank and queries (the
 near-duplicates and outliers of :mod:`pipeline.evaluate.insights`), the report's retrieval
-figure calls it too. The two all-pairs searches (:func:`self_neighbours`, the held-out search
-of :func:`select_k_T`) run on an HNSW graph instead past
-:data:`pipeline.evaluate.ann.EXACT_SEARCH_MAX_PAIRS` compared pairs on a CPU
-(:mod:`pipeline.evaluate.ann`); the classifier's own test-set search is always exact.
+figure calls it too. The all-pairs search (:func:`self_neighbours`) runs on an HNSW graph
+instead past :data:`pipeline.evaluate.ann.EXACT_SEARCH_MAX_PAIRS` compared pairs on a CPU
+(:mod:`pipeline.evaluate.ann`); the classifier's test-set search and the held-out search of
+:func:`select_k_T` (at most 10,000 queries) are linear in N and always exact.
 
 The top-1/top-5/per-class/confusion summary is :mod:`pipeline.evaluate.metrics`, shared with the
 linear probe, and so is the rule for unlabelled rows: label -1 rows are ignored (left out of the
@@ -35,14 +35,19 @@ from torch import Tensor
 
 from pipeline.errors import InputError
 from pipeline.evaluate.ann import approximate, hnsw_index, hnsw_neighbours
-from pipeline.evaluate.heldout import KNN_SELECT_VAL_FRACTION, split_train_val
+from pipeline.evaluate.features import file_backed
+from pipeline.evaluate.heldout import (
+    KNN_SELECT_MAX_VAL,
+    KNN_SELECT_VAL_FRACTION,
+    split_train_val,
+)
 from pipeline.evaluate.metrics import (
     ClassificationMetrics,
     classification_metrics,
     contiguous_labels,
     labelled_mask,
 )
-from pipeline.evaluate.normalize import l2_normalize
+from pipeline.evaluate.normalize import l2_normalize_rows
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +178,6 @@ def knn_neighbours(
     chunk_size: int = 1024,
     bank_chunk_size: int = DEFAULT_BANK_CHUNK_SIZE,
     device: torch.device | str | None = None,
-    allow_approximate: bool = False,
     bank_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The ``k`` most cosine-similar bank rows of every query, most similar first.
@@ -190,9 +194,6 @@ def knn_neighbours(
         chunk_size: query rows per similarity block.
         bank_chunk_size: bank rows per similarity block (memory: see :func:`knn_predict`).
         device: where to compute; default the device of ``query_features``.
-        allow_approximate: an all-pairs search (held-out rows of the bank's own set): past
-            :data:`pipeline.evaluate.ann.EXACT_SEARCH_MAX_PAIRS` on a CPU it runs on an HNSW
-            graph (:func:`pipeline.evaluate.ann.hnsw_neighbours`). False (default): exact.
         bank_rows: (N',) int64 rows of ``bank_features`` that are the bank (e.g. the train rows
             not held out), read block by block, so the subset is never copied whole; None: every
             row. Indices returned are positions in ``bank_rows``.
@@ -206,19 +207,15 @@ def knn_neighbours(
         ValueError: NaN or Inf in either feature set.
     """
     device = torch.device(device) if device is not None else query_features.device
-    queries = _normalized(query_features, device, "test_features contain NaN or Inf")  # M x D
+    queries = l2_normalize_rows(query_features, device,
+                                error="test_features contain NaN or Inf")  # M x D
     n_bank = bank_features.shape[0] if bank_rows is None else len(bank_rows)
-    if allow_approximate and approximate(len(queries), n_bank, device):
-        index = hnsw_index(  # the normalised copy of the bank goes once the graph holds it
-            _normalized(bank_features, device, "train_features contain NaN or Inf",
-                        index=bank_rows))
-        return hnsw_neighbours(index, queries, k=k)
     top = _RunningTopK(queries.shape[0], k, device)
     for b0 in range(0, n_bank, bank_chunk_size):
         b1 = min(b0 + bank_chunk_size, n_bank)
         bank = bank_features[b0:b1] if bank_rows is None else bank_features[bank_rows[b0:b1]]
-        bank = _normalized(bank, device, f"train_features contain NaN or Inf (rows {b0}.."
-                           f"{b1 - 1})")  # B x D
+        bank = l2_normalize_rows(bank, device, error=f"train_features contain NaN or Inf "
+                                 f"(rows {b0}..{b1 - 1})")  # B x D
         for q0 in range(0, queries.shape[0], chunk_size):
             top.merge(q0, queries[q0 : q0 + chunk_size] @ bank.T, b0)  # chunk x B
     return top.sim, top.idx
@@ -273,9 +270,11 @@ def self_neighbours(
         raise InputError(f"self_neighbours: {n} rows cannot give k = {k} other rows each")
     device = torch.device(device) if device is not None else features.device
     error = "self_neighbours: features contain NaN or Inf"
-    if approximate(n, n, device):  # the graph holds the one normalised copy, read back
-        return hnsw_neighbours(hnsw_index(_normalized(features, device, error)), None, k=k)
-    x = _normalized(features, device, error)  # N x D
+    if approximate(n, n, device):  # the graph holds the normalised rows, read back
+        return hnsw_neighbours(hnsw_index(l2_normalize_rows(  # the graph copies the file's rows
+            features, device, error=error, out=file_backed(None, n, features.shape[1]))),
+            None, k=k)
+    x = l2_normalize_rows(features, device, error=error)  # N x D
     top = _RunningTopK(n, k, device)
     for b0 in range(0, n, block_size):
         for q0 in range(0, b0 + 1, block_size):  # blocks on and above the diagonal
@@ -286,27 +285,6 @@ def self_neighbours(
             if q0 != b0:
                 top.merge(b0, sim.T.contiguous(), q0)  # the mirrored block: bb x bq
     return top.sim, top.idx
-
-
-def _normalized(x: Tensor, device: torch.device, error: str, rows: int = 8192,
-                index: Tensor | None = None) -> Tensor:
-    """``x`` in fp32 on ``device``, rows L2-normalised ``rows`` at a time (no N x D temporaries).
-
-    ``index``: the (N',) rows of ``x`` to take, in that order (gathered block by block); None:
-    every row.
-
-    Raises:
-        ValueError: ``error`` when a row holds NaN or Inf.
-    """
-    n = x.shape[0] if index is None else len(index)
-    out = torch.empty((n, *x.shape[1:]), dtype=torch.float32, device=device)  # N x D
-    for r0 in range(0, n, rows):
-        block = x[r0 : r0 + rows] if index is None else x[index[r0 : r0 + rows]]
-        chunk = l2_normalize(block.to(device, torch.float32))  # rows x D
-        if not torch.isfinite(chunk).all():  # per chunk: isfinite makes float temporaries
-            raise InputError(error)
-        out[r0 : r0 + rows] = chunk
-    return out
 
 
 class _RunningTopK:
@@ -344,15 +322,27 @@ def _vote(top_sim: Tensor, top_idx: Tensor, labels: Tensor, *, T: float, num_cla
     return scores
 
 
-def _labelled_bank(features: Tensor, labels: Tensor, num_classes: int | None
-                   ) -> tuple[Tensor, Tensor]:
-    """The bank without its unlabelled (-1) rows; other labels checked against num_classes."""
+def _labelled_rows(labels: Tensor, num_classes: int | None) -> Tensor | None:
+    """The (N',) positions of the bank's labelled rows, or None when every row is labelled.
+
+    Raises:
+        ValueError: a label outside ``-1..num_classes-1`` (named), or no labelled row.
+    """
     keep = labelled_mask(labels, what="knn: train_labels", num_classes=num_classes)
     if bool(keep.all()):
-        return features, labels  # no copy of a large bank
+        return None
     if not bool(keep.any()):
         raise InputError(f"knn: the train bank has no labelled row (all {len(labels)} are -1)")
-    return features[keep.to(features.device)], labels[keep]
+    return keep.nonzero().flatten()
+
+
+def _labelled_bank(features: Tensor, labels: Tensor, num_classes: int | None
+                   ) -> tuple[Tensor, Tensor]:
+    """The bank without its unlabelled (-1) rows (:func:`_labelled_rows`)."""
+    rows = _labelled_rows(labels, num_classes)
+    if rows is None:
+        return features, labels  # no copy of a large bank
+    return features[rows.to(features.device)], labels[rows]
 
 
 @dataclass
@@ -472,10 +462,10 @@ def select_k_T(
     """Choose the kNN ``k`` and ``T`` on a validation split (never on the test set).
 
     The neighbours are searched once for ``max(ks)`` and every grid point is voted from their
-    prefix, so the grid costs one similarity pass. That search is approximate (HNSW) past
-    :data:`pipeline.evaluate.ann.EXACT_SEARCH_MAX_PAIRS` pairs on a CPU: ``0.09 N^2`` pairs
-    for the 10 % held out of N train rows, i.e. past ~333,000 train images. Ties in validation
-    top-1 go to the earlier grid point (smaller k, then smaller T).
+    prefix, so the grid costs one exact similarity pass (M x N pairs: linear in N for the at
+    most :data:`~pipeline.evaluate.heldout.KNN_SELECT_MAX_VAL` queries of
+    :func:`select_on_heldout`). Ties in validation top-1 go to the earlier grid point (smaller
+    k, then smaller T).
 
     Args:
         bank_features: (N, D) features of the bank (the train rows NOT held out).
@@ -500,11 +490,9 @@ def select_k_T(
     _check_inputs(bank_features, bank_labels, val_features, max(ks), min(Ts), chunk_size,
                   DEFAULT_BANK_CHUNK_SIZE)
     rows = torch.arange(len(bank_labels)) if bank_rows is None else bank_rows
-    keep = labelled_mask(bank_labels[rows], what="knn: train_labels", num_classes=None)
-    if not bool(keep.any()):
-        raise InputError(f"knn: the train bank has no labelled row (all {len(rows)} are -1)")
-    if not bool(keep.all()):
-        rows = bank_rows = rows[keep]  # the labelled bank rows, never copied
+    labelled = _labelled_rows(bank_labels[rows], None)
+    if labelled is not None:
+        rows = bank_rows = rows[labelled]  # the labelled bank rows, never copied
     bank_labels = bank_labels[rows]
     keep = labelled_mask(val_labels, what="knn: val_labels", num_classes=None)
     val_features, val_labels = val_features[keep.to(val_features.device)], val_labels[keep]
@@ -513,7 +501,7 @@ def select_k_T(
     ks = tuple(k for k in ks if k <= len(rows)) or (len(rows),)
     classes, (bank_idx, val_idx) = contiguous_labels(bank_labels, val_labels)
     sim, idx = knn_neighbours(bank_features, val_features, k=max(ks), chunk_size=chunk_size,
-                              device=device, allow_approximate=True, bank_rows=bank_rows)
+                              device=device, bank_rows=bank_rows)
     labels = bank_idx.to(sim.device, torch.long)
     truth = val_idx.to(sim.device)
     grid: dict[tuple[int, float], float] = {}
@@ -532,7 +520,9 @@ def select_on_heldout(features: Tensor, labels: Tensor, *, seed: int, chunk_size
 
     The one selection protocol of the tuned raw-pixel kNN and of ``knn.select: val``: the split
     is :func:`pipeline.evaluate.heldout.split_train_val` with ``seed``, the grid that of
-    :func:`select_k_T`.
+    :func:`select_k_T`. Past :data:`~pipeline.evaluate.heldout.KNN_SELECT_MAX_VAL` held-out
+    rows (100,000 train images), that many of them, drawn with ``seed``, are scored; the bank
+    stays the rows not held out.
 
     Args:
         features: ``(N, D)`` TRAIN features.
@@ -545,6 +535,9 @@ def select_on_heldout(features: Tensor, labels: Tensor, *, seed: int, chunk_size
         The selection and the number of held-out rows.
     """
     tr, va = split_train_val(len(labels), KNN_SELECT_VAL_FRACTION, seed)
+    if len(va) > KNN_SELECT_MAX_VAL:
+        pick = torch.randperm(len(va), generator=torch.Generator().manual_seed(seed))
+        va = va[pick[:KNN_SELECT_MAX_VAL].sort().values]
     sel = select_k_T(features, labels, features[va], labels[va], chunk_size=chunk_size,
                      device=device, bank_rows=tr)  # the bank read by row, never copied
     return sel, len(va)

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pipeline.errors import InputError
+
 
 def l2_normalize(x: Tensor, dim: int = 1) -> Tensor:
     """Scale each row (slice along ``dim``) of ``x`` to unit L2 norm, without overflow.
@@ -33,7 +35,9 @@ def l2_normalize(x: Tensor, dim: int = 1) -> Tensor:
     return F.normalize(x / scale, dim=dim)  # every |entry| <= 1 now: squares cannot overflow
 
 
-def l2_normalize_rows(x: Tensor, device: torch.device | str, rows: int = 8192) -> Tensor:
+def l2_normalize_rows(x: Tensor, device: torch.device | str, rows: int = 8192, *,
+                      index: Tensor | None = None, error: str | None = None,
+                      out: Tensor | None = None) -> Tensor:
     """:func:`l2_normalize` of an ``(N, D)`` matrix ``rows`` rows at a time, as fp32 on ``device``.
 
     The rows come out as the whole matrix's would (each row is normalised on its own), in one
@@ -45,11 +49,26 @@ def l2_normalize_rows(x: Tensor, device: torch.device | str, rows: int = 8192) -
         x: ``(N, D)`` features (any float dtype).
         device: where the result is made.
         rows: rows per block.
+        index: ``(N',)`` int64 rows of ``x`` to take, in that order, gathered block by block
+            (the subset is never copied whole); None: every row.
+        error: when given, the message of the error raised for a row holding NaN or Inf
+            (checked block by block); None: no check.
+        out: an ``(N', D)`` float32 tensor on ``device`` to write into (e.g. a
+            :func:`pipeline.evaluate.features.file_backed` one); None: a new one.
 
     Returns:
-        ``(N, D)`` float32 on ``device``.
+        ``(N', D)`` float32 on ``device`` (``out`` when given).
+
+    Raises:
+        ValueError: ``error``, when a row holds NaN or Inf.
     """
-    out = torch.empty(x.shape, dtype=torch.float32, device=device)  # N x D
-    for r0 in range(0, x.shape[0], rows):
-        out[r0 : r0 + rows] = l2_normalize(x[r0 : r0 + rows].to(device, torch.float32))
+    n = x.shape[0] if index is None else len(index)
+    if out is None:
+        out = torch.empty((n, *x.shape[1:]), dtype=torch.float32, device=device)  # N' x D
+    for r0 in range(0, n, rows):
+        block = x[r0 : r0 + rows] if index is None else x[index[r0 : r0 + rows]]
+        chunk = l2_normalize(block.to(device, torch.float32))  # rows x D
+        if error is not None and not torch.isfinite(chunk).all():  # per block: few temporaries
+            raise InputError(error)
+        out[r0 : r0 + rows] = chunk
     return out

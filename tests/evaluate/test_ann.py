@@ -103,44 +103,49 @@ def test_exact_fallback__equals_brute_force():
 def test_knn_neighbours__the_classifier_search_stays_exact(approximate_everything):
     bank, queries = _clustered(800, 8, 3), _clustered(50, 8, 4)
     _, ref_sim, ref_idx = _brute(bank, 7, queries)
-    sim, idx = knn_neighbours(bank, queries, k=7)  # allow_approximate defaults to False
+    sim, idx = knn_neighbours(bank, queries, k=7)  # no graph below any threshold
     assert idx.tolist() == ref_idx.tolist()
-    approx_sim, approx_idx = knn_neighbours(bank, queries, k=7, allow_approximate=True)
-    assert _recall(ref_idx, approx_idx) >= 0.98
 
 
-def test_select_k_T__on_the_graph_picks_what_the_exact_search_picks(monkeypatch):
-    g = torch.Generator().manual_seed(5)
-    centres = torch.randn(4, 12, generator=g) * 3
-    labels = torch.randint(0, 4, (2000,), generator=g)
-    x = centres[labels] + torch.randn(2000, 12, generator=g)
-    exact = select_k_T(x[:1800], labels[:1800], x[1800:], labels[1800:])
-    monkeypatch.setattr(ann, "EXACT_SEARCH_MAX_PAIRS", 0)
-    approx = select_k_T(x[:1800], labels[:1800], x[1800:], labels[1800:])
-    assert (approx.k, approx.T) == (exact.k, exact.T)
-    assert approx.val_top1 == pytest.approx(exact.val_top1, abs=0.5)
-
-
-@pytest.mark.parametrize("graph", [False, True])
-def test_knn_neighbours__bank_rows_read_in_place_equal_the_copied_subset(monkeypatch, graph):
-    monkeypatch.setattr(ann, "EXACT_SEARCH_MAX_PAIRS", 0 if graph else 10**18)
+def test_knn_neighbours__bank_rows_read_in_place_equal_the_copied_subset():
     bank, queries = _clustered(900, 8, 6), _clustered(40, 8, 7)
     rows = torch.randperm(900, generator=torch.Generator().manual_seed(1))[:700].sort().values
-    want = knn_neighbours(bank[rows], queries, k=9, allow_approximate=True, bank_chunk_size=128)
-    got = knn_neighbours(bank, queries, k=9, allow_approximate=True, bank_chunk_size=128,
-                         bank_rows=rows)
+    want = knn_neighbours(bank[rows], queries, k=9, bank_chunk_size=128)
+    got = knn_neighbours(bank, queries, k=9, bank_chunk_size=128, bank_rows=rows)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])  # the same bits
     _, _, ref_idx = _brute(bank[rows], 9, queries)
-    assert _recall(ref_idx, got[1]) >= (0.98 if graph else 1.0)
+    assert _recall(ref_idx, got[1]) == 1.0
 
 
-@pytest.mark.parametrize("graph", [False, True])
-def test_select_k_T__bank_rows_with_unlabelled_rows_equal_the_copied_labelled_bank(
-        monkeypatch, graph):
+def test_select_on_heldout__scores_at_most_KNN_SELECT_MAX_VAL_held_out_rows(monkeypatch):
+    import pipeline.evaluate.knn as knn
+    from pipeline.evaluate.heldout import split_train_val
+
+    seen = {}
+
+    def spy(bank, bank_labels, val, val_labels, **kw):
+        seen.update(val=val, bank_rows=kw["bank_rows"])
+        return "selection"
+
+    monkeypatch.setattr(knn, "select_k_T", spy)
+    monkeypatch.setattr(knn, "KNN_SELECT_MAX_VAL", 40)
+    x = torch.arange(1500.0)[:, None].repeat(1, 3)  # row i holds i: the rows scored are seen
+    labels = torch.zeros(1500, dtype=torch.long)
+    tr, va = split_train_val(1500, 0.1, 9)  # 150 held out
+    assert knn.select_on_heldout(x, labels, seed=9) == ("selection", 40)
+    scored = seen["val"][:, 0].long()
+    assert len(scored) == 40 and len(set(scored.tolist())) == 40
+    assert set(scored.tolist()) <= set(va.tolist())  # held-out rows only ...
+    assert torch.equal(seen["bank_rows"], tr)  # ... and the bank is every row not held out
+    monkeypatch.setattr(knn, "KNN_SELECT_MAX_VAL", 150)  # at the cap: all of them, in order
+    knn.select_on_heldout(x, labels, seed=9)
+    assert torch.equal(seen["val"][:, 0].long(), va)
+
+
+def test_select_k_T__bank_rows_with_unlabelled_rows_equal_the_copied_labelled_bank():
     from pipeline.evaluate.heldout import split_train_val
     from pipeline.evaluate.knn import select_on_heldout
 
-    monkeypatch.setattr(ann, "EXACT_SEARCH_MAX_PAIRS", 0 if graph else 10**18)
     g = torch.Generator().manual_seed(3)
     labels = torch.randint(0, 4, (1500,), generator=g)
     x = torch.randn(4, 12, generator=g)[labels] * 2 + torch.randn(1500, 12, generator=g)

@@ -60,3 +60,24 @@ def test_l2_normalize_rows__blocks_give_the_whole_matrix_bits(n, d, rows):
     got = l2_normalize_rows(x, "cpu", rows=rows)
     assert got.dtype == torch.float32 and torch.equal(got, want)
     assert torch.allclose(got[2:].double().norm(dim=1), torch.ones(n - 2, dtype=torch.float64))
+
+
+def test_l2_normalize_rows__gathers_checks_and_fills_a_file_backed_output(tmp_path, monkeypatch):
+    import tempfile
+
+    from pipeline.evaluate.features import file_backed
+    from pipeline.evaluate.normalize import l2_normalize_rows
+
+    x = torch.randn(10, 6, generator=torch.Generator().manual_seed(3))
+    index = torch.tensor([7, 2, 2, 9, 0])
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # TMPDIR for the scratch file
+    out = file_backed(None, len(index), 6)
+    assert list(tmp_path.iterdir()) == []  # unlinked at once: nothing left behind
+    assert torch.equal(out, torch.zeros(5, 6))  # zeroed
+    got = l2_normalize_rows(x, "cpu", rows=2, index=index, error="bad", out=out)
+    assert got is out
+    assert torch.equal(got, l2_normalize(x[index]))  # the gathered rows, normalised one by one
+    x[9, 3] = float("nan")  # row 9 is taken (4th): named by the caller's message
+    with pytest.raises(ValueError, match="bad"):
+        l2_normalize_rows(x, "cpu", rows=2, index=index, error="bad")
+    assert torch.isnan(l2_normalize_rows(x, "cpu", index=index)[3]).all()  # no check asked

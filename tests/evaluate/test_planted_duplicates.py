@@ -75,12 +75,13 @@ def test_planted_duplicates__found_at_the_default_threshold(tmp_path):
     assert got["found_jpeg"] >= 15  # measured: 17 of 20 (2026-12-06, one thread)
     assert got["found_perturbed"] >= 0  # measured: 1 of 20. At 28 px a resize moves the
     # features as far as a lookalike item does (results file, default encoder: 0.5 % at 0.998)
-    # The pairs found that were not planted ("false positives", measured: 16) are lookalikes in
+    # The pairs found that were not planted ("false positives", measured: 16 on an AMD EPYC, 46
+    # on an Intel Xeon with AMX, whose bf16 training gives another encoder) are lookalikes in
     # pixels too: every one differs by less than half the mean absolute difference of random
     # pairs of the same images (measured: at most 24 grey levels of 255, random pairs ~71).
     planted_pairs = {tuple(sorted(p)) for p in planted}
     extra = [p for p in pairs if tuple(sorted(p)) not in planted_pairs]
-    assert len(extra) == got["not_planted"] <= 25
+    assert len(extra) == got["not_planted"] <= 60
     grey = {k: np.asarray(im, dtype=np.float32) for k, im in zip(keys, images)}
     rng = np.random.default_rng(0)
     rand = [np.abs(grey[keys[i]] - grey[keys[j]]).mean()
