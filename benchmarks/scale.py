@@ -263,25 +263,19 @@ def _provenance(stages: dict) -> set[str]:
             for (code, cpu), ends in runs.items()}
 
 
-def report(results_path: Path, doc: Path, figure: Path) -> None:
-    """Write the table (between ``<!-- scale:begin -->`` and ``<!-- scale:end -->`` of ``doc``)
-    and the log-log figure of wall time vs N, from a results file of this script.
+def table(sizes: dict, ax=None) -> list[str]:  # noqa: ANN001 (a matplotlib Axes)
+    """The markdown table of a results file's ``sizes`` (and each stage's line on ``ax``).
 
     The slope over all sizes (``b (all)``) is lowered by each stage's fixed cost (imports,
     model set-up: ~10 s); the slope of the two largest sizes is the growth to expect, and the
     1M / 10M estimates extend that last segment (an extrapolation, on the same machine).
     """
-    from matplotlib.figure import Figure
-
-    sizes = json.loads(results_path.read_text())["sizes"]
     ns = sorted(int(n) for n in sizes)
     stages = [s for s in yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
               if any(s in sizes[str(n)]["stages"] for n in ns)]
     head = ("| stage | " + " | ".join(f"{n:,}" for n in ns)
             + " | b (all) | b (last 2) | 1M (est.) | 10M (est.) |")
     rows = [head, "|---" * (len(ns) + 5) + "|"]
-    fig = Figure(figsize=(7, 5))
-    ax = fig.add_subplot()
     colours = [f"C{i}" for i in range(10)] + ["black", "olive", "navy", "maroon"]
     for i, st in enumerate(stages):
         pts = [(n, sizes[str(n)]["stages"][st]["wall_s"]) for n in ns
@@ -298,17 +292,30 @@ def report(results_path: Path, doc: Path, figure: Path) -> None:
                for n in (1e6, 1e7)]
         rows.append(f"| `{st}` | " + " | ".join(cells)
                     + f" | {b_all:.2f} | {b:.2f} | {est[0]} | {est[1]} |")
-        if len(pts) >= 2 and max(p[1] for p in pts) >= 1.0:
+        if ax is not None and len(pts) >= 2 and max(p[1] for p in pts) >= 1.0:
             ax.loglog([p[0] for p in pts], [p[1] for p in pts], marker="osD^v"[i % 5],
                       color=colours[i % len(colours)], label=st)
+    return rows + ["", "Measured at (code, CPU, UTC end): " + "; ".join(
+        f"{n:,}: " + ", ".join(sorted(_provenance(sizes[str(n)]["stages"]))) for n in ns) + "."]
+
+
+def report(results_path: Path, doc: Path, figure: Path) -> None:
+    """Write :func:`table` (between ``<!-- scale:begin -->`` and ``<!-- scale:end -->`` of
+    ``doc``) and the log-log figure of wall time vs N, from a results file of this script."""
+    from matplotlib.figure import Figure
+
+    sizes = json.loads(results_path.read_text())["sizes"]
+    fig = Figure(figsize=(7, 5))
+    ax = fig.add_subplot()
+    rows = table(sizes, ax)
+    cpus = sorted({m["cpu"].split(" x")[0] for r in sizes.values() for m in r["stages"].values()
+                   if "cpu" in m})
     ax.set_xlabel("training images N (+ 10,000 test)")
-    ax.set_ylabel("wall time (s), 2-core EPYC")
+    ax.set_ylabel(f"wall time (s), 2 cores: {' / '.join(cpus) or 'CPU not recorded'}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     figure.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(figure, dpi=110, bbox_inches="tight")
-    rows += ["", "Measured at (code, CPU, UTC end): " + "; ".join(
-        f"{n:,}: " + ", ".join(sorted(_provenance(sizes[str(n)]["stages"]))) for n in ns) + "."]
     text = doc.read_text()
     begin, end = "<!-- scale:begin -->", "<!-- scale:end -->"
     i, j = text.index(begin) + len(begin), text.index(end)
@@ -335,7 +342,11 @@ def main() -> None:
     ap.add_argument("--write-data", nargs=2, metavar=("IMAGES", "DIR"), help=argparse.SUPPRESS)
     ap.add_argument("--report", action="store_true",
                     help="write --out's table into docs/scaling.md and its figure; run nothing")
+    ap.add_argument("--table", action="store_true", help="print --out's table; run nothing")
     a = ap.parse_args()
+    if a.table:
+        print("\n".join(table(json.loads(Path(a.out).read_text())["sizes"])))
+        return
     if a.report:
         report(Path(a.out), REPO / "docs/scaling.md", REPO / "docs/figures/scaling.png")
         return
