@@ -60,8 +60,9 @@ def _threads() -> int:
 def hnsw_index(bank: Tensor) -> Any:
     """An HNSW graph of the bank's rows, built on one thread (the module docstring).
 
-    The graph keeps its own copy of the rows (``4 N D`` bytes besides ``8 M N`` of links; the
-    callers pass a file-backed ``bank``, so that the two copies are not both anonymous memory):
+    The graph keeps its own copy of the rows (``4 N D`` bytes besides ``8 M N`` of links;
+    :func:`pipeline.evaluate.knn.self_neighbours` passes a file-backed ``bank``, so that the two
+    copies are not both anonymous memory):
     once this returns, the caller's ``bank`` can go (:func:`hnsw_neighbours` reads the rows
     back from the graph).
 
