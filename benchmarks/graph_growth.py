@@ -18,7 +18,7 @@ hnsw_neighbours` on the stage's threads, k = ``insights.neighbours``):
 Per kind and size: build and search seconds, and the slope b of each between sizes.
 
     python benchmarks/graph_growth.py [--sizes 240000 960000] [--dims 256]
-        [--out results/graph-growth.json]
+        [--kinds distinct copies] [--index hnsw|hnsw-fp16|ivf] [--out results/graph-growth.json]
 """
 
 from __future__ import annotations
@@ -60,17 +60,76 @@ def copies(n: int, base: torch.Tensor, noise: float, seed: int = 1) -> torch.Ten
     return torch.nn.functional.normalize(out, dim=1)
 
 
-def time_graph(x: torch.Tensor, k: int) -> dict:
-    """Seconds to build the graph of ``x`` and to search it with every row (k others each)."""
-    from pipeline.evaluate.ann import hnsw_index, hnsw_neighbours
+def _build(x: torch.Tensor, index: str, list_rows: int):
+    """The index of ``x`` (N, D), its rows added on ONE thread as the pipeline's graph is.
+
+    ``hnsw``: :func:`pipeline.evaluate.ann.hnsw_index`; ``hnsw-fp16``: the same graph with fp16
+    rows (``IndexHNSWSQ``, ``QT_fp16``: half the bytes per row); ``ivf``: an inverted file of
+    N / ``list_rows`` k-means lists (``IndexIVFFlat``), each query scanning a fixed number of
+    lists (:data:`IVF_PROBE`), so its cost does not grow with N but the lists' assignment does.
+    """
+    import faiss
+    import numpy as np
+
+    from pipeline.evaluate.ann import HNSW_EF_CONSTRUCTION, HNSW_M, hnsw_index
+
+    if index == "hnsw":
+        return hnsw_index(x)
+    v = np.ascontiguousarray(x.numpy())
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        if index == "hnsw-fp16":
+            out = faiss.IndexHNSWSQ(v.shape[1], faiss.ScalarQuantizer.QT_fp16, HNSW_M,
+                                    faiss.METRIC_INNER_PRODUCT)
+            out.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
+        else:
+            quantizer = faiss.IndexFlatIP(v.shape[1])
+            out = faiss.IndexIVFFlat(quantizer, v.shape[1], max(1, len(v) // list_rows),
+                                     faiss.METRIC_INNER_PRODUCT)
+            out.cp.seed = 0
+        out.train(v)
+        out.add(v)
+    finally:
+        faiss.omp_set_num_threads(before)
+    return out
+
+
+IVF_PROBE = 16  # lists scanned per query
+
+
+def _recall(index, x: torch.Tensor, k: int, queries: int = 2_000) -> float:
+    """Recall@k of the self search on ``queries`` seeded rows, against the exact search."""
+    import numpy as np
+
+    q = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:queries]
+    exact = (x[q] @ x.T).topk(k + 1, dim=1).indices[:, 1:]  # (Q, k), own row first
+    _, found = index.search(np.ascontiguousarray(x[q].numpy()), k + 1)
+    hits = sum(len(set(a) & set(b) - {int(i)}) for a, b, i in
+               zip(exact.tolist(), found.tolist(), q.tolist()))
+    return round(hits / (k * queries), 4)
+
+
+def time_graph(x: torch.Tensor, k: int, index: str = "hnsw", list_rows: int = 1_000) -> dict:
+    """Seconds to build the index of ``x`` and to search it with every row (k others each),
+    and recall@k (:func:`_recall`)."""
+    from pipeline.evaluate.ann import HNSW_EF_SEARCH, hnsw_neighbours
 
     t = time.perf_counter()
-    index = hnsw_index(x)
+    built_index = _build(x, index, list_rows)
     built = time.perf_counter() - t
     t = time.perf_counter()
-    hnsw_neighbours(index, None, k=k)
-    return {"rows": len(x), "build_s": round(built, 1),
-            "search_s": round(time.perf_counter() - t, 1)}
+    if index == "hnsw":
+        hnsw_neighbours(built_index, None, k=k)
+    else:
+        if index == "ivf":
+            built_index.nprobe = IVF_PROBE
+        else:
+            built_index.hnsw.efSearch = max(HNSW_EF_SEARCH, 2 * (k + 1))
+        built_index.search(x.numpy(), k + 1)
+    searched = time.perf_counter() - t
+    return {"rows": len(x), "build_s": round(built, 1), "search_s": round(searched, 1),
+            f"recall_at_{k}": _recall(built_index, x, k)}
 
 
 def slopes(runs: list[dict]) -> dict:
@@ -78,8 +137,9 @@ def slopes(runs: list[dict]) -> dict:
     out = {}
     for a, b in zip(runs, runs[1:]):
         r = math.log(b["rows"] / a["rows"])
-        out[f"{a['rows']}->{b['rows']}"] = {
-            p: round(math.log(b[f"{p}_s"] / a[f"{p}_s"]) / r, 2) for p in ("build", "search")}
+        out[f"{a['rows']}->{b['rows']}"] = {  # None: a time below the 0.1 s resolution
+            p: round(math.log(b[f"{p}_s"] / a[f"{p}_s"]) / r, 2)
+            if min(a[f"{p}_s"], b[f"{p}_s"]) > 0 else None for p in ("build", "search")}
     return out
 
 
@@ -90,6 +150,8 @@ def main() -> None:
     ap.add_argument("--base", type=int, default=60_000)  # Fashion-MNIST's training images
     ap.add_argument("--copy-noise", type=float, default=0.1)  # copies at cosine ~0.99
     ap.add_argument("--kinds", nargs="+", default=["distinct", "copies"])
+    ap.add_argument("--index", choices=["hnsw", "hnsw-fp16", "ivf"], default="hnsw")
+    ap.add_argument("--list-rows", type=int, default=1_000)  # ivf: rows per list
     ap.add_argument("--out", default="results/graph-growth.json")
     a = ap.parse_args()
     from pipeline.config import load_params
@@ -97,13 +159,15 @@ def main() -> None:
     k = load_params(REPO / "params.yaml").insights.neighbours
     result = {"cpu": platform.processor() or platform.machine(), "threads":
               torch.get_num_threads(), "dims": a.dims, "k": k, "base": a.base,
-              "copy_noise": a.copy_noise}
+              "copy_noise": a.copy_noise, "index": a.index,
+              "transparent_hugepage": Path("/sys/kernel/mm/transparent_hugepage/enabled")
+              .read_text().strip()}
     base = rows(a.base, a.dims, seed=0)
     for kind in a.kinds:
         runs = []
         for n in sorted(a.sizes):
             x = rows(n, a.dims, seed=0) if kind == "distinct" else copies(n, base, a.copy_noise)
-            runs.append(time_graph(x, k))
+            runs.append(time_graph(x, k, a.index, a.list_rows))
             del x
             print(kind, json.dumps(runs[-1]), flush=True)
         result[kind] = {"runs": runs, "b": slopes(runs)}
