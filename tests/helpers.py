@@ -250,16 +250,22 @@ def shipped_versions(rel: str) -> list[str]:
     return texts
 
 
+def load_script(rel: str) -> Any:
+    """The module of a script that is not a package (``benchmarks/*.py``, ``stages/*.py``),
+    from its path relative to the repository root, imported under a name of its own."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / rel
+    spec = importlib.util.spec_from_file_location(f"{path.parent.name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def write_photos(root: Path, **kw: Any) -> list[Path]:
     """Real-photo JPEG crops under ``root`` (``benchmarks/sample_photos.py``'s
     :func:`write_photos`: windows of scikit-learn's two sample photos, quality 90)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sample_photos.py"
-    spec = importlib.util.spec_from_file_location("sample_photos", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.write_photos(root, **kw)
+    return load_script("benchmarks/sample_photos.py").write_photos(root, **kw)
 
 
 def small_shm(size: str) -> list[str]:

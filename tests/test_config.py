@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import says, shipped_versions
+from helpers import load_script, says, shipped_versions
 
 from pipeline.__main__ import main as cli_main
 from pipeline.config import (
@@ -22,13 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def check_params_stage(argv):
     """``stages/check_params.py``'s main (the DVC stage), imported from its file."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("check_params_stage",
-                                                  ROOT / "stages/check_params.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main(argv)
+    return load_script("stages/check_params.py").main(argv)
 
 
 def test_params_yaml__equals_schema_defaults(tmp_path):

@@ -1,20 +1,13 @@
 """benchmarks/graph_growth.py's data, slopes and recall, on sizes that take a second."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "graph_growth.py"
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def gg():
-    spec = importlib.util.spec_from_file_location("graph_growth_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/graph_growth.py")
 
 
 def test_slopes__log_ratio_of_times_over_log_ratio_of_rows(gg):

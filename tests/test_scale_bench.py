@@ -1,20 +1,14 @@
 """benchmarks/scale.py's arithmetic and table: the exponent fit and the provenance line."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "scale.py"
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def scale():
-    spec = importlib.util.spec_from_file_location("scale_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/scale.py")
 
 
 def _row(wall: float, **extra) -> dict:

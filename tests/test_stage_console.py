@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,17 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from helpers import TINY
+from helpers import TINY, load_script
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _stage_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_stage", ROOT / f"stages/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"stages/{name}.py")
 
 
 def test_index_summary__unchanged_said__counts_with_thousands_nothing_named():

@@ -9,13 +9,12 @@ in results/near-duplicates-2026-12-06.md (there too, resized 28 px copies are no
 their source than Fashion-MNIST's own lookalikes: the threshold does not catch them).
 """
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_pretrain
+from helpers import load_script, run_pretrain
 
 from pipeline.config import InsightsParams, from_dict
 from pipeline.data.build import write_shards
@@ -23,18 +22,13 @@ from pipeline.data.sources import Sample
 from pipeline.data.sources.idx import FASHION_MNIST_CLASSES, FashionMnistSource, read_idx
 from pipeline.evaluate.run.data_insights import data_insights
 
-ROOT = Path(__file__).resolve().parents[2]
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 pytestmark = pytest.mark.skipif(not (FMNIST / "train-images-idx3-ubyte.gz").is_file(),
                                 reason="Fashion-MNIST not installed (make setup)")
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("near_duplicates",
-                                                  ROOT / "benchmarks/near_duplicates.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/near_duplicates.py")
 
 
 def _write(split_dir: Path, images, keys, labels) -> None:
