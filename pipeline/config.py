@@ -441,8 +441,8 @@ def check_params_file(path: str | Path) -> Params:
         if e.key is None or e.key not in missing_keys(path):
             raise
     if missing := missing_keys(path):
-        raise ParamsError(f"{path}: missing keys {', '.join(missing)} (dvc repro needs every "
-                          "key; copy them from params.yaml or a preset in configs/)", missing[0])
+        raise ParamsError(f"{path}: missing keys {', '.join(missing)} (dvc repro needs every key; "
+                          "copy them from `git show HEAD:params.yaml` or configs/)", missing[0])
     assert params is not None  # refused only for a missing key, which raised above
     return params
 

@@ -220,7 +220,7 @@ def test_check_params_file__a_deleted_key_is_named_missing_not_its_default_refus
     with pytest.raises(ParamsError) as e:
         check_params_file(f)
     assert str(e.value) == (f"{f}: missing keys moco.K (dvc repro needs every key; copy them "
-                            "from params.yaml or a preset in configs/)")
+                            "from `git show HEAD:params.yaml` or configs/)")
     # a refused value the user did write is still named first
     f.write_text("\n".join(lines).replace("  m: 0.99", "  m: 2") + "\n")
     with pytest.raises(ParamsError, match=r"'moco.m' = 2 is invalid; allowed: 0 <= m <= 1"):

@@ -402,7 +402,7 @@ def _build_run(*, model: ModelParams, moco: MocoParams, opt: PretrainParams,
     channels_last = resolve_switch(opt.channels_last, cpu_default=False, device=rt.device)
     compile_ = resolve_compile(opt.compile, device=rt.device, width=model.width,
                                total_images=plan.total_steps * opt.batch_size)
-    log.info("pretrain: %s, %s, %d threads, %d loader workers, channels_last %s, compile %s, "
+    log.info("pretrain: %s, %s, threads %d, loader workers %d, channels_last %s, compile %s, "
              "%d steps", rt.device, precision.name, state.num_threads, num_workers,
              channels_last, compile_, plan.total_steps)
     view = build_batch_view(augment.preset, spec.size, spec.mean, spec.std,
