@@ -68,7 +68,7 @@ def embed_replicas(n: int, encoder: Path, shards: Path, batch: int = 512
     return g.features, torch.cat(low), g.labels
 
 
-def _recall(exact: torch.Tensor, approx: torch.Tensor) -> float:
+def recall(exact: torch.Tensor, approx: torch.Tensor) -> float:
     """Mean share of each row's exact neighbours among its approximate ones."""
     k = exact.shape[1]
     hits = sum(len(set(a) & set(b)) for a, b in zip(exact.tolist(), approx.tolist()))
@@ -101,7 +101,7 @@ def compare(features: torch.Tensor, k: int, duplicate_cosine: float | None) -> d
     sa, ia, ta = _search(features, k, exact=False)
     row = {"rows": len(features), "dims": features.shape[1], "k": k,
            "exact_s": round(te, 1), "hnsw_s": round(ta, 1), "speedup": round(te / ta, 2),
-           f"recall_at_{k}": round(_recall(ie, ia), 5)}
+           f"recall_at_{k}": round(recall(ie, ia), 5)}
     if duplicate_cosine is None:
         return row
     pe = {tuple(p) for p in duplicate_pairs(se, ie, duplicate_cosine)[0].tolist()}
@@ -129,7 +129,7 @@ def heldout(features: torch.Tensor, labels: torch.Tensor, seed: int) -> dict:
     index = ann.hnsw_index(l2_normalize_rows(features[tr], "cpu"))
     _, graph = ann.hnsw_neighbours(index, l2_normalize_rows(features[va], "cpu"), k=200)
     out["hnsw_s"] = round(time.perf_counter() - t, 1)
-    out["recall_at_200"] = round(_recall(exact, graph), 5)
+    out["recall_at_200"] = round(recall(exact, graph), 5)
     return out
 
 

@@ -35,6 +35,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 def rows(n: int, dims: int, *, latent: int = 16, clusters: int = 100, seed: int = 0,
@@ -103,11 +104,13 @@ def _recall(index, x: torch.Tensor, k: int, queries: int = 2_000) -> float:
     import numpy as np
 
     q = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:queries]
+    from ann_recall import recall
+
     exact = (x[q] @ x.T).topk(k + 1, dim=1).indices[:, 1:]  # (Q, k), own row first
-    _, found = index.search(np.ascontiguousarray(x[q].numpy()), k + 1)
-    hits = sum(len(set(a) & set(b) - {int(i)}) for a, b, i in
-               zip(exact.tolist(), found.tolist(), q.tolist()))
-    return round(hits / (k * queries), 4)
+    _, found = index.search(np.ascontiguousarray(x[q].numpy()), k + 1)  # (Q, k + 1)
+    others = torch.tensor([[j for j in row if j != i][:k]  # each row's own entry left out
+                           for row, i in zip(found.tolist(), q.tolist())])
+    return round(recall(exact, others), 4)
 
 
 def time_graph(x: torch.Tensor, k: int, index: str = "hnsw", list_rows: int = 1_000) -> dict:
